@@ -1,0 +1,53 @@
+"""The ``memcache`` command: ``memcache meta-service --config_path F``, ``memcache local-service --config_path F``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from .config import LocalConfig, load_file
+from .errors import MemCacheError
+from .logs import configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+def _local_service(path: str) -> int:
+    from .local.service import LocalService
+    try:
+        config = load_file(LocalConfig, path)
+        configure_logging(config.log_level, name="local_service")
+        svc = LocalService(config)
+        svc.start(0, with_segment=True)
+    except MemCacheError as e:
+        configure_logging("info")
+        logger.error("LocalService cannot start: %s", e)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info("LocalService %d serving %d bytes (%s)", svc.client_id, config.dram_bytes, config.protocol)
+    stop.wait()
+    svc.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="memcache", description="MemCache for Python")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("meta-service", "run the MetaService"),
+                        ("local-service", "run a standalone LocalService (memory provider)")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--config_path", "--config-path", required=True, help="JSON config file")
+    args = ap.parse_args(argv)
+    if args.cmd == "meta-service":
+        from .meta_service import run_from_file
+        return run_from_file(args.config_path)
+    return _local_service(args.config_path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Configuration of the two process roles, with the field names of memcache_hybrid.
+
+``MetaConfig`` configures the MetaService, ``LocalConfig`` a LocalService. Both are attribute bags
+that integrations fill with ``setattr`` (as SGLang's stock backend does), so they are validated
+again by ``validate()`` when a service starts; an invalid value raises ``ConfigError`` naming the key.
+
+Precedence, written down once: values set explicitly on the object > values from the JSON file >
+the file named by the environment (``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``) > defaults.
+Environment variables are read in this module only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+META_CONFIG_ENV = "MMC_META_CONFIG_PATH"
+LOCAL_CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+HOST_PROTOCOLS = ("host_shm", "host_tcp")
+ASCEND_PROTOCOLS = ("host_rdma", "host_urma", "device_rdma", "device_sdma", "device_urma")
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """Bytes from ``134217728``, ``"2048KB"``, ``"200mb"``, ``"2.5G"``, ``"1TB"`` (binary units)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size such as '4GB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must not be negative, got {value}")
+        return value
+    if isinstance(value, float) and value >= 0:
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{key}: expected a size such as '4GB', '200mb' or 134217728, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_url(value: str, key: str, schemes: tuple[str, ...]) -> tuple[str, int]:
+    """(host, port) of a URL such as ``tcp://127.0.0.1:5000``; raise naming ``key`` if malformed."""
+    try:
+        u = urlparse(value)
+        host, port = u.hostname, u.port
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: malformed URL {value!r}: {e}") from e
+    if u.scheme not in schemes or not host or port is None:
+        raise ConfigError(f"{key}: expected {schemes[0]}://HOST:PORT, got {value!r}")
+    return host, port
+
+
+def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"{key}: expected a number in [{lo}, {hi}], got {value!r}")
+
+
+@dataclasses.dataclass
+class MetaConfig:
+    """Settings of the MetaService process."""
+
+    meta_service_url: str = "tcp://127.0.0.1:5000"
+    """Control-plane address LocalServices talk to (ZeroMQ over TCP)."""
+    config_store_url: str = "tcp://127.0.0.1:6000"
+    """Small key-value store for rendezvous data (transfer-engine addresses)."""
+    metrics_url: str = "http://127.0.0.1:8000"
+    """HTTP admin server: /health, /metrics (Prometheus), key and segment queries."""
+    ha_enable: bool = False
+    """Several MetaServices with one leader. Not supported yet: must stay false."""
+    log_level: str = "info"
+    """debug, info, warning or error."""
+    log_path: str = ""
+    """Directory for the log file; empty logs to stderr."""
+    log_rotation_file_size: int = 20
+    """MB per log file before rotation."""
+    log_rotation_file_count: int = 50
+    """Rotated log files kept."""
+    evict_threshold_high: float = 90
+    """Segment usage (percent) above which LRU eviction starts."""
+    evict_threshold_low: float = 80
+    """Segment usage (percent) eviction brings a segment down to."""
+    evict_check_interval_seconds: float = 5
+    """How often every segment is checked against the high-water mark (puts check at once)."""
+    lease_ttl_ms: int = 10000
+    """Read lease granted by lookup: the object is neither evicted nor its space reused meanwhile."""
+    lru_shard_count: int = 16
+    """Accepted for compatibility; the LRU here is one list per segment."""
+    defrag_evict_threshold: float = 70
+    """Accepted for compatibility."""
+    kv_events_enable: bool = False
+    """Accepted for compatibility; KV events are not published yet."""
+    heartbeat_timeout_ms: int = 10000
+    """A LocalService silent this long is declared dead and its objects leave the table."""
+    pending_timeout_ms: int = 120000
+    """A put allocated but not committed this long is aborted and its space reclaimed."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
+        parse_url(self.config_store_url, "config_store_url", ("tcp",))
+        parse_url(self.metrics_url, "metrics_url", ("http",))
+        if self.ha_enable:
+            raise ConfigError("ha_enable: HA (several MetaServices) is not supported yet; set it to false")
+        _check_log_level(self.log_level)
+        _check_range("evict_threshold_high", self.evict_threshold_high, 1, 100)
+        _check_range("evict_threshold_low", self.evict_threshold_low, 0, 100)
+        if self.evict_threshold_low >= self.evict_threshold_high:
+            raise ConfigError(
+                f"evict_threshold_low: must be below evict_threshold_high "
+                f"({self.evict_threshold_low} >= {self.evict_threshold_high})")
+        _check_range("evict_check_interval_seconds", self.evict_check_interval_seconds, 0.01, 3600)
+        _check_range("lease_ttl_ms", self.lease_ttl_ms, 10, 3_600_000)
+        _check_range("heartbeat_timeout_ms", self.heartbeat_timeout_ms, 100, 3_600_000)
+        _check_range("pending_timeout_ms", self.pending_timeout_ms, 100, 86_400_000)
+
+
+@dataclasses.dataclass
+class LocalConfig:
+    """Settings of a LocalService (the store inside an inference process, or a standalone one)."""
+
+    meta_service_url: str = "tcp://127.0.0.1:5000"
+    """Where the MetaService listens."""
+    config_store_url: str = "tcp://127.0.0.1:6000"
+    """The MetaService's config store."""
+    log_level: str = "info"
+    """debug, info, warning or error (applied to the memcache_core loggers)."""
+    world_size: int = 256
+    """Most ranks that may join the pool, in [1, 1024]."""
+    protocol: str = "host_rdma"
+    """host_shm (same-host peers copy through shared memory, others through TCP) or host_tcp (all TCP).
+    host_rdma, host_urma, device_rdma, device_sdma and device_urma need MemFabric on Ascend."""
+    hcom_url: str = "tcp://127.0.0.1:7000"
+    """Address of this LocalService's data server (host_tcp); port 0 or a busy port picks a free one."""
+    dram_size: int | str = "1GB"
+    """Host memory this LocalService contributes to the pool."""
+    hbm_size: int | str = "0"
+    """Device memory contributed; must be 0 on host protocols."""
+    max_dram_size: int | str = "0"
+    """Accepted for compatibility."""
+    max_hbm_size: int | str = "0"
+    """Accepted for compatibility."""
+    client_retry_milliseconds: int = 0
+    """Extra time idempotent calls (lookup, exist) keep retrying after a failure."""
+    client_timeout_seconds: float = 60
+    """Longest wait for the MetaService; past it calls fail with -3017."""
+    read_thread_pool_size: int = 32
+    """Threads that copy payload for reads (capped at the host's CPU count)."""
+    write_thread_pool_size: int = 4
+    """Threads that copy payload for writes (capped at the host's CPU count)."""
+    aggregate_io: bool = True
+    """Accepted for compatibility: pieces of one object are always moved in one request."""
+    aggregate_num: int = 122
+    """Accepted for compatibility."""
+    ubs_io_enable: bool = False
+    """SSD tier; not supported yet."""
+    memory_pool_mode: str = "standard"
+    """Accepted for compatibility."""
+    tag: str = ""
+    """Free-form label of this LocalService, shown in /get_all_segments."""
+    heartbeat_interval_ms: int = 1000
+    """How often this LocalService tells the MetaService it is alive."""
+    host_id: str = ""
+    """Identity of this host for choosing shared memory over TCP; empty = derived from the machine."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def dram_bytes(self) -> int:
+        return parse_size(self.dram_size, "dram_size")
+
+    def validate(self) -> None:
+        parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
+        parse_url(self.config_store_url, "config_store_url", ("tcp",))
+        parse_url(self.hcom_url, "hcom_url", ("tcp",))
+        _check_log_level(self.log_level)
+        _check_range("world_size", self.world_size, 1, 1024)
+        if self.protocol not in HOST_PROTOCOLS + ASCEND_PROTOCOLS:
+            raise ConfigError(
+                f"protocol: unknown protocol {self.protocol!r}; expected one of "
+                f"{', '.join(HOST_PROTOCOLS + ASCEND_PROTOCOLS)}")
+        parse_size(self.dram_size, "dram_size")
+        for key in ("hbm_size", "max_dram_size", "max_hbm_size"):
+            parse_size(getattr(self, key), key)
+        if self.protocol in HOST_PROTOCOLS and parse_size(self.hbm_size, "hbm_size") != 0:
+            raise ConfigError(f"hbm_size: must be 0 with protocol {self.protocol}")
+        _check_range("client_timeout_seconds", self.client_timeout_seconds, 0.01, 86400)
+        _check_range("client_retry_milliseconds", self.client_retry_milliseconds, 0, 3_600_000)
+        _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
+        _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
+        _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
+        if self.ubs_io_enable:
+            raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
+
+
+@dataclasses.dataclass
+class ReplicateConfig:
+    """Replica placement of a put (memcache_hybrid field names)."""
+
+    replicaNum: int = 1  # noqa: N815 - memcache_hybrid's name
+    """Copies of the object, each in a different segment (at most 8)."""
+    preferredLocalServiceIDs: list[int] = dataclasses.field(default_factory=list)  # noqa: N815
+    """LocalService ids to place replicas on first (unique, at most replicaNum)."""
+
+    def validate(self) -> None:
+        if isinstance(self.replicaNum, bool) or not isinstance(self.replicaNum, int) \
+                or not 1 <= self.replicaNum <= 8:
+            raise ConfigError(f"replicaNum: expected 1..8, got {self.replicaNum!r}")
+        ids = list(self.preferredLocalServiceIDs)
+        if len(set(ids)) != len(ids) or len(ids) > self.replicaNum:
+            raise ConfigError("preferredLocalServiceIDs: ids must be unique and at most replicaNum")
+
+
+def _check_log_level(level: str) -> None:
+    if str(level).lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
+        raise ConfigError(f"log_level: expected debug, info, warning or error, got {level!r}")
+
+
+C = TypeVar("C", MetaConfig, LocalConfig)
+
+
+def apply_dict(cfg: C, values: dict[str, Any], source: str = "config") -> C:
+    """Set known fields from ``values``; warn about unknown keys (never fatal); then validate."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
+    names = {f.name for f in dataclasses.fields(cfg)}
+    unknown = sorted(k for k in values if k not in names)
+    if unknown:
+        logger.warning("%s: ignoring unknown %s keys: %s", source, type(cfg).__name__, ", ".join(unknown))
+    for k, v in values.items():
+        if k in names:
+            setattr(cfg, k, v)
+    cfg.validate()
+    return cfg
+
+
+def load_file(cls: type[C], path: str) -> C:
+    """Build a config from a JSON file; a missing file or bad JSON raises ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"config_path: cannot read {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config_path: {path} is not valid JSON: {e}") from e
+    return apply_dict(cls(), values, source=path)
+
+
+def meta_config_from_env() -> MetaConfig:
+    path = os.environ.get(META_CONFIG_ENV)
+    return load_file(MetaConfig, path) if path else MetaConfig()
+
+
+def local_config_from_env() -> LocalConfig:
+    path = os.environ.get(LOCAL_CONFIG_ENV)
+    return load_file(LocalConfig, path) if path else LocalConfig()
+
+
+def env_host_id() -> str:
+    """The host identity used to decide whether a segment can be mapped through shared memory."""
+    override = os.environ.get("MEMCACHE_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
+def shm_dir() -> str:
+    """Where shared-memory segments are created (POSIX shared memory on Linux)."""
+    return os.environ.get("MEMCACHE_SHM_DIR", "/dev/shm")

@@ -1,0 +1,132 @@
+"""One exception hierarchy for the whole core, each class carrying its stable MemCache return code.
+
+Inside the core everything raises; the memcache_hybrid-compatible API (``DistributedObjectStore``)
+turns exceptions into these integer codes at its boundary and nowhere else.
+"""
+
+from __future__ import annotations
+
+SUCCESS = 0
+ERROR = -1
+INVALID_PARAM = -3000
+MALLOC_FAILED = -3001
+OBJECT_CREATE_FAILED = -3002
+SERVICE_NOT_STARTED = -3003
+TIMEOUT = -3004
+REPEATED_CALL = -3005
+OBJECT_ALREADY_EXISTS = -3006
+OBJECT_NOT_EXISTS = -3007
+NOT_INITIALIZED = -3008
+OVER_CAPACITY = -3013
+CONNECTION_NOT_FOUND = -3014
+OUT_OF_MEMORY = -3016
+META_NOT_CONNECTED = -3017
+LOCAL_NOT_CONNECTED = -3018
+CLIENT_NOT_INITIALIZED = -3019
+STATE_MISMATCH = -3101
+LEASE_NOT_EXPIRED = -3104
+
+MAX_KEY_BYTES = 256
+
+
+class MemCacheError(Exception):
+    """Base of every error the core raises; ``code`` is the MemCache return code."""
+
+    code: int = ERROR
+
+
+class InvalidParameter(MemCacheError, ValueError):
+    code = INVALID_PARAM
+
+
+class KeyNotFound(MemCacheError, KeyError):
+    code = OBJECT_NOT_EXISTS
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep messages readable
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class ObjectExists(MemCacheError):
+    code = OBJECT_ALREADY_EXISTS
+
+
+class OutOfSpace(MemCacheError):
+    """No segment can hold the object even after eviction."""
+
+    code = OUT_OF_MEMORY
+
+
+class OverCapacity(MemCacheError):
+    """The object is larger than any segment of the pool."""
+
+    code = OVER_CAPACITY
+
+
+class StateMismatch(MemCacheError):
+    """The object is not in the state the call needs (e.g. commit of an unknown allocation)."""
+
+    code = STATE_MISMATCH
+
+
+class LeaseExpired(MemCacheError):
+    """A read outlived its lease and the object changed underneath: the bytes are not trusted."""
+
+    code = STATE_MISMATCH
+
+
+class MetaServiceUnavailable(MemCacheError):
+    code = META_NOT_CONNECTED
+
+
+class PeerUnavailable(MemCacheError):
+    """The LocalService that owns a segment cannot be reached (dead or unreachable)."""
+
+    code = LOCAL_NOT_CONNECTED
+
+
+class TransferFailed(MemCacheError):
+    code = ERROR
+
+
+class NotInitialized(MemCacheError):
+    code = NOT_INITIALIZED
+
+
+class ConfigError(MemCacheError, ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+    code = INVALID_PARAM
+
+
+class UnsupportedProtocol(ConfigError):
+    """An Ascend-only protocol was asked for on a host without MemFabric."""
+
+
+_BY_CODE: dict[int, type[MemCacheError]] = {
+    INVALID_PARAM: InvalidParameter,
+    OBJECT_NOT_EXISTS: KeyNotFound,
+    OBJECT_ALREADY_EXISTS: ObjectExists,
+    OUT_OF_MEMORY: OutOfSpace,
+    OVER_CAPACITY: OverCapacity,
+    STATE_MISMATCH: StateMismatch,
+    META_NOT_CONNECTED: MetaServiceUnavailable,
+    LOCAL_NOT_CONNECTED: PeerUnavailable,
+    NOT_INITIALIZED: NotInitialized,
+}
+
+
+def error_from_code(code: int, message: str) -> MemCacheError:
+    """Rebuild an exception from a code carried over the wire."""
+    return _BY_CODE.get(code, MemCacheError)(message)
+
+
+def check_key(key: str) -> bytes:
+    """Return the key's UTF-8 bytes, or raise InvalidParameter for an empty or oversized key."""
+    if not isinstance(key, str):
+        raise InvalidParameter(f"key must be str, got {type(key).__name__}")
+    raw = key.encode()
+    if not raw:
+        raise InvalidParameter("key is empty")
+    if len(raw) >= MAX_KEY_BYTES:
+        raise InvalidParameter(f"key is {len(raw)} bytes; keys must be shorter than {MAX_KEY_BYTES} bytes")
+    return raw

@@ -1,0 +1,73 @@
+"""Registered buffers: the only memory that pointer-based calls may read or write.
+
+A (pointer, size) pair given to put_from / get_into must lie inside one registered buffer, or the
+call is refused with INVALID_PARAM before anything is dereferenced.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidParameter
+
+
+class BufferRegistry:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def register(self, ptr: int, size: int) -> None:
+        _check_int("ptr", ptr)
+        _check_int("size", size)
+        if ptr <= 0 or size <= 0:
+            raise InvalidParameter(f"register_buffer: pointer {ptr:#x} and size {size} must be positive")
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr)
+            if i > 0 and self._starts[i - 1] == ptr and self._ends[i - 1] == ptr + size:
+                return  # registering the same buffer twice is harmless
+            starts, ends = list(self._starts), list(self._ends)
+            starts.insert(i, ptr)
+            ends.insert(i, ptr + size)
+            self._starts, self._ends = starts, ends
+
+    def unregister(self, ptr: int, size: int) -> None:
+        with self._lock:
+            for i, (s, e) in enumerate(zip(self._starts, self._ends, strict=True)):
+                if s == ptr and e == ptr + size:
+                    self._starts = self._starts[:i] + self._starts[i + 1:]
+                    self._ends = self._ends[:i] + self._ends[i + 1:]
+                    return
+        raise InvalidParameter(f"unregister_buffer: {ptr:#x}+{size} was not registered")
+
+    def check(self, ptr: int, size: int) -> None:
+        """Raise InvalidParameter unless [ptr, ptr+size) lies inside one registered buffer."""
+        _check_int("ptr", ptr)
+        _check_int("size", size)
+        if size <= 0:
+            raise InvalidParameter(f"size must be positive, got {size}")
+        starts, ends = self._starts, self._ends  # copy-on-write lists: no lock needed to read
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0 or ptr + size > ends[i]:
+            raise InvalidParameter(f"buffer {ptr:#x}+{size} is not inside a registered buffer")
+
+
+def _check_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise InvalidParameter(f"{name} must be an int, got {type(v).__name__}")
+
+
+def buffer_address(buf: Any) -> tuple[int, int, Any]:
+    """(address, length, keepalive) of any contiguous bytes-like object, read-only ones included."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    return arr.ctypes.data, arr.nbytes, arr
+
+
+def view_at(ptr: int, size: int) -> memoryview:
+    """A writable memoryview over raw memory (the caller has checked the range)."""
+    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")

@@ -1,0 +1,289 @@
+"""``DistributedObjectStore``: the memcache_hybrid-compatible API, the one place exceptions become codes.
+
+Argument order, defaults and return codes follow memcache_hybrid 1.3.0: 0 is success, batch calls
+return one code per key, ``batch_get_into`` returns 0 per key on success, ``is_exist`` 1/0, ``get``
+returns b"" when the key is absent. Pointer arguments must lie inside buffers given to
+``register_buffer``; anything else is refused with -3000 before it is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from .. import errors
+from ..config import LocalConfig, local_config_from_env
+from ..errors import InvalidParameter, MemCacheError, NotInitialized
+from .buffers import BufferRegistry, buffer_address
+from .service import LocalService
+
+logger = logging.getLogger(__name__)
+
+# copy directions (accepted for compatibility; the path is chosen from the buffer and the segment)
+L2G, G2L, G2H, H2G, AUTO = 0, 1, 2, 3, 4
+
+T = TypeVar("T")
+
+
+class KeyInfo:
+    """What ``get_key_info`` returns, with memcache_hybrid's accessor methods."""
+
+    def __init__(self, size: int, locations: list[int], media: list[str]) -> None:
+        self._size, self._locs, self._media = size, locations, media
+
+    def size(self) -> int:
+        return self._size
+
+    def loc_list(self) -> list[int]:
+        return list(self._locs)
+
+    def type_list(self) -> list[str]:
+        return list(self._media)
+
+    def gva_list(self) -> list[int]:
+        return []
+
+    def __repr__(self) -> str:
+        return f"KeyInfo(size={self._size}, locations={self._locs})"
+
+
+def _code(fn: Callable[[], int]) -> int:
+    try:
+        return fn()
+    except MemCacheError as e:
+        logger.debug("call failed: %s", e)
+        return e.code
+    except (TypeError, ValueError) as e:
+        logger.debug("call refused: %s", e)
+        return errors.INVALID_PARAM
+
+
+def _codes(n: int, fn: Callable[[], list[int]]) -> list[int]:
+    try:
+        return fn()
+    except MemCacheError as e:
+        logger.debug("batch call failed: %s", e)
+        return [e.code] * n
+    except (TypeError, ValueError) as e:
+        logger.debug("batch call refused: %s", e)
+        return [errors.INVALID_PARAM] * n
+
+
+def _as_code(e: MemCacheError | None) -> int:
+    return errors.SUCCESS if e is None else e.code
+
+
+class DistributedObjectStore:
+    def __init__(self) -> None:
+        self._config: LocalConfig | None = None
+        self._svc: LocalService | None = None
+        self._buffers = BufferRegistry()
+        self._pure_client = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def setup(self, config: LocalConfig | None = None) -> int:
+        def run() -> int:
+            cfg = config if config is not None else local_config_from_env()
+            cfg.validate()
+            if cfg.protocol not in ("host_shm", "host_tcp"):
+                from ..transfer.memfabric import require_memfabric
+                require_memfabric(cfg.protocol)
+            self._config = cfg
+            return errors.SUCCESS
+        rc = _code(run)
+        if rc != 0:
+            logger.error("setup failed (%d)", rc)
+        return rc
+
+    def init(self, device_id: int = 0, init_bm: bool = True) -> int:
+        if self._config is None:
+            rc = self.setup()
+            if rc != 0:
+                return rc
+        if self._svc is not None:
+            return errors.REPEATED_CALL
+
+        def run() -> int:
+            assert self._config is not None
+            svc = LocalService(self._config)
+            svc.start(int(device_id), with_segment=bool(init_bm))
+            self._svc = svc
+            self._pure_client = not init_bm
+            return errors.SUCCESS
+        rc = _code(run)
+        if rc != 0:
+            logger.error("init failed (%d): is the MetaService at %s running?", rc,
+                         self._config.meta_service_url if self._config else "?")
+        return rc
+
+    def close(self) -> int:
+        svc, self._svc = self._svc, None
+        if svc is not None:
+            svc.close()
+        return errors.SUCCESS
+
+    def get_local_service_id(self) -> int:
+        return self._svc.client_id if self._svc is not None else errors.NOT_INITIALIZED
+
+    def _service(self) -> LocalService:
+        if self._svc is None:
+            raise NotInitialized("DistributedObjectStore is not initialized: call setup() and init() first")
+        return self._svc
+
+    # ---- buffers ---------------------------------------------------------------------------------
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        return _code(lambda: (self._buffers.register(ptr, size), 0)[1])
+
+    def unregister_buffer(self, ptr: int, size: int) -> int:
+        return _code(lambda: (self._buffers.unregister(ptr, size), 0)[1])
+
+    def _checked(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+                 ) -> tuple[list[list[tuple[int, int]]], list[MemCacheError | None]]:
+        if not (len(keys) == len(ptrs) == len(sizes)):
+            raise InvalidParameter(f"keys ({len(keys)}), pointers ({len(ptrs)}) and sizes ({len(sizes)}) "
+                                   f"differ in length")
+        pieces: list[list[tuple[int, int]]] = []
+        errs: list[MemCacheError | None] = []
+        for ps, ss in zip(ptrs, sizes, strict=True):
+            try:
+                if len(ps) != len(ss) or not ps:
+                    raise InvalidParameter("each key needs as many pointers as sizes, at least one")
+                for ptr, size in zip(ps, ss, strict=True):
+                    self._buffers.check(ptr, size)
+                pieces.append([(int(p_), int(s)) for p_, s in zip(ps, ss, strict=True)])
+                errs.append(None)
+            except InvalidParameter as e:
+                pieces.append([])
+                errs.append(e)
+        return pieces, errs
+
+    # ---- put ---------------------------------------------------------------------------------------
+
+    def _put(self, keys: Sequence[str], pieces: list[list[tuple[int, int]]], errs: list[MemCacheError | None],
+             rc: Any) -> list[int]:
+        replicas, preferred = 1, []
+        if rc is not None:
+            rc.validate()
+            replicas, preferred = rc.replicaNum, list(rc.preferredLocalServiceIDs)
+        ok = [i for i, e in enumerate(errs) if e is None]
+        res = self._service().put([keys[i] for i in ok], [pieces[i] for i in ok], replicas, preferred)
+        for i, e in zip(ok, res, strict=True):
+            errs[i] = e
+        return [_as_code(e) for e in errs]
+
+    def batch_put_from_layers(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
+                              direct: int = H2G, replicateConfig: Any = None) -> list[int]:  # noqa: N803
+        def run() -> list[int]:
+            pieces, errs = self._checked(keys, ptrs, sizes)
+            return self._put(keys, pieces, errs, replicateConfig)
+        return _codes(len(keys), run)
+
+    def put_from_layers(self, key: str, ptrs: list[int], sizes: list[int], direct: int = H2G,
+                        replicateConfig: Any = None) -> int:  # noqa: N803
+        return self.batch_put_from_layers([key], [ptrs], [sizes], direct, replicateConfig)[0]
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], direct: int = H2G,
+                       replicateConfig: Any = None) -> list[int]:  # noqa: N803
+        if not (len(keys) == len(ptrs) == len(sizes)):
+            return [errors.INVALID_PARAM] * len(keys)
+        return self.batch_put_from_layers(keys, [[x] for x in ptrs], [[s] for s in sizes], direct,
+                                          replicateConfig)
+
+    def put_from(self, key: str, ptr: int, size: int, direct: int = H2G, replicateConfig: Any = None) -> int:  # noqa: N803
+        return self.batch_put_from_layers([key], [[ptr]], [[size]], direct, replicateConfig)[0]
+
+    def put_batch(self, keys: list[str], values: list[Any], replicateConfig: Any = None) -> int:  # noqa: N803
+        def run() -> int:
+            if len(keys) != len(values):
+                raise InvalidParameter("keys and values differ in length")
+            pieces, keep = [], []
+            for v in values:
+                addr, n, anchor = buffer_address(v)
+                if n == 0:
+                    raise InvalidParameter("a value is empty")
+                pieces.append([(addr, n)])
+                keep.append(anchor)
+            codes = self._put(keys, pieces, [None] * len(keys), replicateConfig)
+            return next((c for c in codes if c != 0), 0)
+        return _code(run)
+
+    def put(self, key: str, buf: Any, replicateConfig: Any = None) -> int:  # noqa: N803
+        return self.put_batch([key], [buf], replicateConfig)
+
+    # ---- get ---------------------------------------------------------------------------------------
+
+    def batch_get_into_layers(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
+                              direct: int = G2H) -> list[int]:
+        def run() -> list[int]:
+            pieces, errs = self._checked(keys, ptrs, sizes)
+            ok = [i for i, e in enumerate(errs) if e is None]
+            res, _ = self._service().get([keys[i] for i in ok], [pieces[i] for i in ok])
+            for i, e in zip(ok, res, strict=True):
+                errs[i] = e
+            return [_as_code(e) for e in errs]
+        return _codes(len(keys), run)
+
+    def get_into_layers(self, key: str, ptrs: list[int], sizes: list[int], direct: int = G2H) -> int:
+        return self.batch_get_into_layers([key], [ptrs], [sizes], direct)[0]
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int], direct: int = G2H) -> list[int]:
+        if not (len(keys) == len(ptrs) == len(sizes)):
+            return [errors.INVALID_PARAM] * len(keys)
+        return self.batch_get_into_layers(keys, [[x] for x in ptrs], [[s] for s in sizes], direct)
+
+    def get_into(self, key: str, ptr: int, size: int, direct: int = G2H) -> int:
+        return self.batch_get_into_layers([key], [[ptr]], [[size]], direct)[0]
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        try:
+            svc = self._service()
+            sizes = svc.lookup_sizes(keys)
+        except (MemCacheError, TypeError, ValueError) as e:
+            logger.debug("get_batch failed: %s", e)
+            return [b""] * len(keys)
+        bufs = [bytearray(f.size) if f is not None else bytearray() for f in sizes]
+        anchors = [buffer_address(b) if b else None for b in bufs]
+        want = [i for i, a in enumerate(anchors) if a is not None]
+        res, _ = svc.get([keys[i] for i in want],
+                         [[(anchors[i][0], anchors[i][1])] for i in want],  # type: ignore[index]
+                         exact=False)
+        out = [b""] * len(keys)
+        for i, e in zip(want, res, strict=True):
+            if e is None:
+                out[i] = bytes(bufs[i])
+        return out
+
+    def get(self, key: str) -> bytes:
+        return self.get_batch([key])[0]
+
+    # ---- exist / remove / info ----------------------------------------------------------------------
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return _codes(len(keys), lambda: [int(f) for f in self._service().exist(keys)])
+
+    def is_exist(self, key: str) -> int:
+        return self.batch_is_exist([key])[0]
+
+    def remove_batch(self, keys: list[str]) -> list[int]:
+        return _codes(len(keys), lambda: self._service().remove(keys))
+
+    def remove(self, key: str) -> int:
+        return self.remove_batch([key])[0]
+
+    def remove_all(self) -> int:
+        return _code(lambda: (self._service().remove_all(), 0)[1])
+
+    def batch_get_key_info(self, keys: list[str]) -> list[KeyInfo]:
+        try:
+            found = self._service().lookup_sizes(keys)
+        except (MemCacheError, TypeError, ValueError):
+            return [KeyInfo(0, [], []) for _ in keys]
+        return [KeyInfo(0, [], []) if f is None else
+                KeyInfo(f.size, [loc.segment_id for loc in f.locations], ["DRAM"] * len(f.locations))
+                for f in found]
+
+    def get_key_info(self, key: str) -> KeyInfo:
+        return self.batch_get_key_info([key])[0]

@@ -1,0 +1,22 @@
+"""Logging for the processes this package runs itself (never called on import: a library installs no handlers)."""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+
+
+def configure_logging(level: str = "info", log_path: str = "", name: str = "memcache") -> None:
+    lvl = {"warn": "WARNING"}.get(level.lower(), level.upper())
+    handler: logging.Handler
+    if log_path:
+        os.makedirs(log_path, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(os.path.join(log_path, f"{name}.log"),
+                                                       maxBytes=20 << 20, backupCount=50)
+    else:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(lvl)

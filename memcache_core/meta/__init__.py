@@ -1,0 +1,1 @@
+"""The MetaService: key -> location map, per-segment allocation, LRU eviction, leases, membership."""

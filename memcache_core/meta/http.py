@@ -1,0 +1,134 @@
+"""HTTP admin server of the MetaService, at ``metrics_url``.
+
+GET /health, /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
+/get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
+/api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
+as memcache_hybrid answers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlparse
+
+from ..config import parse_url
+
+if TYPE_CHECKING:
+    from .service import MetaServiceCore
+
+logger = logging.getLogger(__name__)
+
+
+class AdminServer:
+    def __init__(self, core: MetaServiceCore, url: str) -> None:
+        host, port = parse_url(url, "metrics_url", ("http",))
+        self.core = core
+        handler = type("Handler", (_Handler,), {"core": core})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="meta-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    core: MetaServiceCore
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        logger.debug("http: " + format, *args)  # noqa: G003
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        url = urlparse(self.path)
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        core = self.core
+        if url.path == "/metrics":
+            with core.lock:
+                body = core.metrics.render(core)
+            return self._send(200, body.encode(), "text/plain; version=0.0.4")
+        with core.lock:
+            result = self._route(url.path, q)
+        if result is None:
+            return self._send(404, json.dumps({"success": False, "error_message": f"no route {url.path}"})
+                              .encode(), "application/json")
+        self._send(200, json.dumps(result).encode(), "application/json")
+
+    def _route(self, path: str, q: dict[str, str]) -> dict[str, Any] | None:
+        core, t = self.core, self.core.table
+        now = time.monotonic()
+        match path:
+            case "/health":
+                return {"success": True, "status": "ok", "epoch": core.epoch,
+                        "uptime_s": round(now - core.started, 3), "members": len(core.members)}
+            case "/role" | "/leader" | "/ha_status":
+                return {"success": True, "role": "leader", "ha_enable": False}
+            case "/query_key":
+                return self._keys([q.get("key", "")], now)
+            case "/batch_query_keys":
+                return self._keys([k for k in q.get("keys", "").split(",") if k], now)
+            case "/get_all_keys":
+                keys = sorted(k for k, o in t.objects.items() if o.committed)
+                return {"success": True, "count": len(keys), "keys": keys}
+            case "/get_all_segments" | "/api/v1/segments/status":
+                return {"success": True, "segments": [self._segment(i) for i in sorted(t.segments)]}
+            case "/query_segment":
+                try:
+                    sid = int(q.get("segment", ""))
+                except ValueError:
+                    return _error("segment: expected an integer id")
+                if sid not in t.segments:
+                    return _error(f"segment {sid} not found")
+                return {"success": True, **self._segment(sid)}
+            case "/api/v1/capacity/usage" | "/api/v1/capacity/segment_remaining":
+                total = sum(s.allocator.size for s in t.segments.values())
+                used = sum(s.allocator.used for s in t.segments.values())
+                return {"success": True, "total_bytes": total, "used_bytes": used,
+                        "free_bytes": total - used, "usage_percent": round(100.0 * used / total, 3) if total else 0.0,
+                        "segments": [self._segment(i) for i in sorted(t.segments)]}
+            case "/metrics/summary":
+                c = t.counters
+                return {"success": True, **{k: getattr(c, k) for k in c.__dataclass_fields__}}
+        return None
+
+    def _keys(self, keys: list[str], now: float) -> dict[str, Any]:
+        out = []
+        for k in keys:
+            o = self.core.table.objects.get(k)
+            if o is None or not o.committed:
+                out.append({"key": k, "exists": False})
+            else:
+                out.append({"key": k, "exists": True, "size": o.size, "generation": o.generation,
+                            "leased": o.lease_until > now,
+                            "locations": [{"segment": loc.segment_id, "offset": loc.offset} for loc in o.locations]})
+        if len(out) == 1:
+            return {"success": out[0]["exists"], **out[0],
+                    **({} if out[0]["exists"] else {"error_message": "key not found"})}
+        return {"success": True, "keys": out}
+
+    def _segment(self, sid: int) -> dict[str, Any]:
+        s = self.core.table.segments[sid]
+        owner = next((m for m in self.core.members.values() if m.segment_id == sid), None)
+        return {"segment_id": sid, "host_id": s.info.host_id, "tag": s.info.tag, "data_addr": s.info.data_addr,
+                "pid": owner.pid if owner else None, "capacity_bytes": s.allocator.size,
+                "used_bytes": s.allocator.used, "objects": len(s.lru),
+                "largest_free_bytes": s.allocator.largest_free}
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _error(msg: str) -> dict[str, Any]:
+    return {"success": False, "error_message": msg, "timestamp": time.time()}

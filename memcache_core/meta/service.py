@@ -1,0 +1,245 @@
+"""The MetaService process: one thread serving the control plane, one serving HTTP admin.
+
+It never touches payload bytes. State lives in memory only; after a restart the LocalServices
+re-join and report the objects in their segments (see ``ObjectTable.add_segment``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+
+import zmq
+
+from .. import errors
+from .. import protocol as p
+from ..config import MetaConfig, parse_url
+from .http import AdminServer
+from .metrics import Metrics
+from .table import ObjectTable
+
+logger = logging.getLogger(__name__)
+
+RECOVERY_GRACE_S = 1.0   # a re-joined segment takes new objects only after writers of the old epoch are done
+
+
+@dataclasses.dataclass
+class Member:
+    client_id: int
+    host_id: str
+    pid: int
+    segment_id: int | None
+    last_seen: float
+
+
+class MetaServiceCore:
+    """Request handling and housekeeping; the socket loop is in ``serve``."""
+
+    def __init__(self, config: MetaConfig) -> None:
+        self.config = config
+        self.epoch = int(time.time()) & 0x7FFFFFFF
+        self.table = ObjectTable(config.evict_threshold_high, config.evict_threshold_low,
+                                 config.lease_ttl_ms / 1000.0, config.pending_timeout_ms / 1000.0,
+                                 self.epoch)
+        self.members: dict[int, Member] = {}
+        self.config_store: dict[str, bytes] = {}
+        self.metrics = Metrics()
+        self.lock = threading.Lock()   # the HTTP thread reads under it
+        self.started = time.monotonic()
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+
+    def handle(self, req: p.Request) -> p.Reply:
+        now = time.monotonic()
+        t = self.table
+        match req:
+            case p.Exist(keys=keys):
+                t.counters.exists += len(keys)
+                return p.Flags([t.exists(k) for k in keys])
+            case p.Lookup(keys=keys, lease=lease):
+                results = []
+                for k in keys:
+                    o = t.lookup(k, now, lease)
+                    results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations)))
+                return p.LookupReply(results, self.config.lease_ttl_ms)
+            case p.Alloc(client_id=cid, keys=keys, sizes=sizes, replicas=replicas, preferred=preferred):
+                if len(keys) != len(sizes):
+                    return p.Error(errors.INVALID_PARAM, "keys and sizes differ in length")
+                member = self._touch(cid, now)
+                order = self._placement(member, preferred)
+                out = []
+                for k, s in zip(keys, sizes, strict=True):
+                    code, gen, locs = t.alloc(cid, k, s, replicas, order, now)
+                    out.append(p.AllocResult(code, gen, locs))
+                return p.AllocReply(out)
+            case p.Commit(client_id=cid, keys=keys, generations=gens):
+                self._touch(cid, now)
+                return p.Codes([t.commit(cid, k, g, now) for k, g in zip(keys, gens, strict=True)])
+            case p.Abort(client_id=cid, keys=keys, generations=gens):
+                for k, g in zip(keys, gens, strict=True):
+                    t.abort(k, g)
+                return p.Ok()
+            case p.Validate(keys=keys, generations=gens):
+                return p.Flags([t.validate(k, g) for k, g in zip(keys, gens, strict=True)])
+            case p.Remove(keys=keys):
+                return p.Codes([t.remove(k, now) for k in keys])
+            case p.RemoveAll():
+                return p.Codes([t.remove_all(now)])
+            case p.Heartbeat(client_id=cid, journal_ack=ack):
+                return self._heartbeat(cid, ack, now)
+            case p.Join():
+                return self._join(req, now)
+            case p.Leave(client_id=cid):
+                self._drop_member(cid, "left")
+                return p.Ok()
+            case p.GetSegments(segment_ids=ids):
+                segs = t.segments
+                wanted = ids or list(segs)
+                return p.Segments([segs[i].info for i in wanted if i in segs])
+            case p.ConfigPut(key=k, value=v):
+                self.config_store[k] = v
+                return p.Ok()
+            case p.ConfigGet(key=k):
+                return p.Value(self.config_store.get(k))
+        return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
+
+    # ---- membership -------------------------------------------------------------------------------
+
+    def _join(self, req: p.Join, now: float) -> p.Reply:
+        cid = req.client_id
+        old = self.members.get(cid)
+        if old is not None and (old.host_id, old.pid) != (req.host_id, req.pid):
+            return p.Error(errors.OBJECT_ALREADY_EXISTS, f"client id {cid} is taken")
+        if old is not None:
+            self._drop_member(cid, "re-joined")
+        seg_id = None
+        if req.segment is not None:
+            seg_id = req.segment.segment_id
+            grace = now + RECOVERY_GRACE_S if req.objects else 0.0
+            refused = self.table.add_segment(req.segment, req.objects, alloc_after=grace)
+            seg = self.table.segments[seg_id]
+            for r in refused:   # tell the owner to forget objects that now mean something else
+                seg.journal_seq += 1
+                seg.journal.append(p.JournalEntry(seg.journal_seq, False, r))
+            logger.info("LocalService %d joined from %s pid %d: segment of %d bytes, %d objects recovered",
+                        cid, req.host_id, req.pid, req.segment.size, len(req.objects) - len(refused))
+        else:
+            logger.info("client %d joined from %s pid %d (no segment)", cid, req.host_id, req.pid)
+        self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now)
+        return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms)
+
+    def _heartbeat(self, cid: int, ack: int, now: float) -> p.Reply:
+        m = self.members.get(cid)
+        if m is None:
+            return p.HeartbeatReply(self.epoch, known=False)
+        m.last_seen = now
+        journal: list[p.JournalEntry] = []
+        if m.segment_id is not None:
+            journal = self.table.segments[m.segment_id].journal_since(ack)
+        return p.HeartbeatReply(self.epoch, known=True, journal=journal)
+
+    def _touch(self, cid: int, now: float) -> Member | None:
+        m = self.members.get(cid)
+        if m is not None:
+            m.last_seen = now
+        return m
+
+    def _placement(self, member: Member | None, preferred: list[int]) -> list[int]:
+        """Segment order for a new object: preferred ids, the writer's own segment, then most free."""
+        segs = self.table.segments
+        order = [self.members[c].segment_id for c in preferred
+                 if c in self.members and self.members[c].segment_id is not None]
+        if member is not None and member.segment_id is not None:
+            order.append(member.segment_id)
+        rest = sorted(segs, key=lambda s: segs[s].allocator.free, reverse=True)
+        seen: set[int | None] = set()
+        return [s for s in order + rest if not (s in seen or seen.add(s))]  # type: ignore[func-returns-value]
+
+    def _drop_member(self, cid: int, why: str) -> None:
+        m = self.members.pop(cid, None)
+        if m is None:
+            return
+        lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
+        self.table.reclaim(time.monotonic(), {cid})
+        logger.info("client %d %s; %d objects left the pool with its segment", cid, why, lost)
+
+    def housekeeping(self, now: float) -> None:
+        dead_after = self.config.heartbeat_timeout_ms / 1000.0
+        for cid in [c for c, m in self.members.items() if now - m.last_seen > dead_after]:
+            self._drop_member(cid, f"missed heartbeats for {dead_after:g}s, declared dead")
+        self.table.reclaim(now)
+        self.table.evict_all(now)
+
+
+def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
+    """Run the MetaService until SIGTERM/SIGINT (or ``stop`` is set)."""
+    core = MetaServiceCore(config)
+    stop = stop or threading.Event()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    store = ctx.socket(zmq.ROUTER)
+    for sock, url in ((router, config.meta_service_url), (store, config.config_store_url)):
+        host, port = parse_url(url, "meta_service_url" if sock is router else "config_store_url", ("tcp",))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{host}:{port}")
+    admin = AdminServer(core, config.metrics_url)
+    admin.start()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    logger.info("MetaService (pid %d, epoch %d) serving %s, config store %s, admin %s",
+                os.getpid(), core.epoch, config.meta_service_url, config.config_store_url,
+                config.metrics_url)
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(store, zmq.POLLIN)
+    interval = min(config.evict_check_interval_seconds, config.heartbeat_timeout_ms / 4000.0, 1.0)
+    next_house = time.monotonic() + interval
+    try:
+        while not stop.is_set():
+            timeout_ms = max(0, int((next_house - time.monotonic()) * 1000))
+            for sock, _ in poller.poll(min(timeout_ms, 200)):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    sock.send_multipart(_answer(core, frames))
+            if time.monotonic() >= next_house:
+                with core.lock:
+                    core.housekeeping(time.monotonic())
+                next_house = time.monotonic() + interval
+    finally:
+        admin.stop()
+        router.close(0)
+        store.close(0)
+        ctx.term()
+        logger.info("MetaService stopped")
+
+
+def _answer(core: MetaServiceCore, frames: list[bytes]) -> list[bytes]:
+    if len(frames) != 3:
+        return [frames[0], b"", p.request_encoder.encode(p.Error(errors.INVALID_PARAM, "bad frames"))]
+    ident, rid, payload = frames
+    t0 = time.perf_counter()
+    try:
+        req = p.request_decoder.decode(payload)
+    except Exception as e:  # noqa: BLE001 - a malformed message must not stop the service
+        reply: p.Reply = p.Error(errors.INVALID_PARAM, f"malformed request: {e}")
+        name = "malformed"
+    else:
+        name = type(req).__name__
+        with core.lock:
+            try:
+                reply = core.handle(req)
+            except errors.MemCacheError as e:
+                reply = p.Error(e.code, str(e))
+            except Exception as e:
+                logger.exception("request %s failed", name)
+                reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
+    core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
+    return [ident, rid, p.request_encoder.encode(reply)]

@@ -1,0 +1,308 @@
+"""The object table: key -> object, the segments that hold them, LRU eviction and read leases.
+
+Invariants (docs/design.md explains each):
+* PENDING objects (allocated, not committed) are invisible to lookup and exist.
+* A leased object is never evicted and its space is never reused until the lease ends; removing a
+  leased object hides it at once and frees its space when the lease ends.
+* Exist does not lease and does not touch LRU order.
+* Eviction frees least-recently-used committed, unleased objects of a segment above its high-water
+  mark until it is at its low-water mark.
+Time is passed in (``now``, monotonic seconds) so the logic is testable without sleeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from .. import errors
+from ..protocol import JournalEntry, Location, ObjectReport, SegmentInfo
+from .allocator import Allocator, aligned
+
+logger = logging.getLogger(__name__)
+
+MAX_JOURNAL = 1_000_000
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Obj:
+    key: str
+    size: int
+    generation: int
+    locations: list[Location]
+    owner: int                      # client that allocated it
+    committed: bool = False
+    pending_deadline: float = 0.0
+    lease_until: float = 0.0
+
+
+class Segment:
+    def __init__(self, info: SegmentInfo, allocator: Allocator, alloc_after: float = 0.0) -> None:
+        self.info = info
+        self.allocator = allocator
+        self.lru: OrderedDict[str, Obj] = OrderedDict()  # committed objects here, least recent first
+        self.journal: list[JournalEntry] = []
+        self.journal_seq = 0
+        self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
+
+    def record(self, added: bool, obj: Obj, loc: Location) -> None:
+        self.journal_seq += 1
+        self.journal.append(JournalEntry(self.journal_seq, added,
+                                         ObjectReport(obj.key, loc.offset, obj.size, obj.generation)))
+        if len(self.journal) > MAX_JOURNAL:
+            del self.journal[: len(self.journal) - MAX_JOURNAL]
+
+    def journal_since(self, ack: int) -> list[JournalEntry]:
+        if self.journal and self.journal[0].seq <= ack:
+            keep = next((i for i, e in enumerate(self.journal) if e.seq > ack), len(self.journal))
+            del self.journal[:keep]
+        return list(self.journal)
+
+
+@dataclasses.dataclass
+class Counters:
+    allocs: int = 0
+    commits: int = 0
+    lookups: int = 0
+    hits: int = 0
+    exists: int = 0
+    removes: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    alloc_failures: int = 0
+    pending_reclaimed: int = 0
+
+
+class ObjectTable:
+    def __init__(self, high: float, low: float, lease_ttl_s: float, pending_timeout_s: float,
+                 epoch: int) -> None:
+        self.high, self.low = high / 100.0, low / 100.0
+        self.lease_ttl_s = lease_ttl_s
+        self.pending_timeout_s = pending_timeout_s
+        self.objects: dict[str, Obj] = {}
+        self.segments: dict[int, Segment] = {}
+        self.doomed: list[Obj] = []     # removed while leased: space freed when the lease ends
+        self.counters = Counters()
+        self._next_gen = epoch << 32
+
+    # ---- segments -------------------------------------------------------------------------------
+
+    def add_segment(self, info: SegmentInfo, reports: Iterable[ObjectReport] = (),
+                    alloc_after: float = 0.0) -> list[ObjectReport]:
+        """Add a segment (with the objects its owner reports after a MetaService restart).
+
+        Returns the reports that were refused (the key now means another object).
+        """
+        accepted: list[tuple[ObjectReport, Obj | None]] = []
+        refused: list[ObjectReport] = []
+        for r in reports:
+            cur = self.objects.get(r.key)
+            if cur is None or (cur.committed and cur.generation == r.generation and cur.size == r.size):
+                accepted.append((r, cur))
+            else:
+                refused.append(r)
+        try:
+            alloc = Allocator.from_used(info.size, [(r.offset, r.size) for r, _ in accepted])
+        except ValueError as e:
+            logger.error("segment %d reported inconsistent objects (%s); starting it empty",
+                         info.segment_id, e)
+            alloc, refused, accepted = Allocator(info.size), [r for r, _ in accepted] + refused, []
+        seg = Segment(info, alloc, alloc_after)
+        self.segments[info.segment_id] = seg
+        for r, cur in accepted:
+            loc = Location(info.segment_id, r.offset)
+            if cur is None:
+                cur = Obj(r.key, r.size, r.generation, [], owner=0, committed=True)
+                self.objects[r.key] = cur
+                self._next_gen = max(self._next_gen, r.generation + 1)
+            cur.locations.append(loc)
+            seg.lru[r.key] = cur
+        return refused
+
+    def drop_segment(self, segment_id: int) -> int:
+        """Forget a dead segment: its objects lose that replica, and vanish if it was the last."""
+        seg = self.segments.pop(segment_id, None)
+        if seg is None:
+            return 0
+        lost = 0
+        for obj in list(self.objects.values()):
+            if any(loc.segment_id == segment_id for loc in obj.locations):
+                obj.locations = [loc for loc in obj.locations if loc.segment_id != segment_id]
+                if not obj.locations:
+                    self._unlink(obj)
+                    lost += 1
+        self.doomed = [o for o in self.doomed if any(loc.segment_id in self.segments for loc in o.locations)]
+        return lost
+
+    # ---- put: alloc / commit / abort -------------------------------------------------------------
+
+    def alloc(self, client_id: int, key: str, size: int, replicas: int, order: list[int],
+              now: float) -> tuple[int, int, list[Location]]:
+        """Reserve space for a new object. Returns (code, generation, locations)."""
+        self.counters.allocs += 1
+        if key in self.objects:
+            return errors.OBJECT_ALREADY_EXISTS, 0, []
+        if size <= 0:
+            return errors.INVALID_PARAM, 0, []
+        candidates = [self.segments[s] for s in order if s in self.segments
+                      and self.segments[s].alloc_after <= now]
+        if not candidates:
+            self.counters.alloc_failures += 1
+            return errors.OUT_OF_MEMORY, 0, []
+        if all(aligned(size) > s.allocator.size for s in candidates):
+            self.counters.alloc_failures += 1
+            return errors.OVER_CAPACITY, 0, []
+        chosen: list[tuple[Segment, int]] = []
+        for evict in (False, True):
+            for seg in candidates:
+                if len(chosen) == replicas:
+                    break
+                if any(seg is c for c, _ in chosen):
+                    continue
+                off = self._alloc_in(seg, size, now, evict)
+                if off is not None:
+                    chosen.append((seg, off))
+        if not chosen:
+            self.counters.alloc_failures += 1
+            return errors.OUT_OF_MEMORY, 0, []
+        self._next_gen += 1
+        locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
+        self.objects[key] = Obj(key, size, self._next_gen, locs, client_id,
+                                pending_deadline=now + self.pending_timeout_s)
+        return errors.SUCCESS, self._next_gen, locs
+
+    def _alloc_in(self, seg: Segment, size: int, now: float, evict: bool) -> int | None:
+        a = seg.allocator
+        if not evict:
+            if a.used + aligned(size) > self.high * a.size:
+                return None
+            return a.alloc(size)
+        if a.used + aligned(size) > self.high * a.size:
+            self.evict_segment(seg, now, target=max(0, int(self.low * a.size) - aligned(size)))
+        off = a.alloc(size)
+        while off is None and self._evict_one(seg, now):
+            off = a.alloc(size)
+        return off
+
+    def commit(self, client_id: int, key: str, generation: int, now: float) -> int:
+        obj = self.objects.get(key)
+        if obj is None or obj.generation != generation:
+            return errors.STATE_MISMATCH  # aborted (timed out, writer declared dead) or replaced
+        if obj.committed:
+            return errors.SUCCESS
+        obj.committed = True
+        obj.pending_deadline = 0.0
+        for loc in obj.locations:
+            seg = self.segments[loc.segment_id]
+            seg.lru[key] = obj
+            seg.record(True, obj, loc)
+        self.counters.commits += 1
+        return errors.SUCCESS
+
+    def abort(self, key: str, generation: int) -> None:
+        obj = self.objects.get(key)
+        if obj is not None and obj.generation == generation and not obj.committed:
+            self._unlink(obj)
+
+    def reclaim(self, now: float, dead_clients: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        """Abort PENDING objects past their deadline or whose writer died; end expired leases."""
+        n = 0
+        for obj in [o for o in self.objects.values() if not o.committed
+                    and (o.pending_deadline <= now or o.owner in dead_clients)]:
+            self._unlink(obj)
+            n += 1
+        self.counters.pending_reclaimed += n
+        if self.doomed:
+            still = []
+            for obj in self.doomed:
+                if obj.lease_until > now:
+                    still.append(obj)
+                else:
+                    self._free_space(obj)
+            self.doomed = still
+        return n
+
+    # ---- get / exist / remove ----------------------------------------------------------------------
+
+    def lookup(self, key: str, now: float, lease: bool) -> Obj | None:
+        self.counters.lookups += 1
+        obj = self.objects.get(key)
+        if obj is None or not obj.committed:
+            return None
+        self.counters.hits += 1
+        if lease:
+            obj.lease_until = max(obj.lease_until, now + self.lease_ttl_s)
+            for loc in obj.locations:
+                self.segments[loc.segment_id].lru.move_to_end(key)
+        return obj
+
+    def exists(self, key: str) -> bool:
+        obj = self.objects.get(key)
+        return obj is not None and obj.committed
+
+    def validate(self, key: str, generation: int) -> bool:
+        obj = self.objects.get(key)
+        return obj is not None and obj.committed and obj.generation == generation
+
+    def remove(self, key: str, now: float) -> int:
+        obj = self.objects.get(key)
+        if obj is None or not obj.committed:
+            return errors.OBJECT_NOT_EXISTS
+        self.counters.removes += 1
+        self._unlink(obj, now)
+        return errors.SUCCESS
+
+    def remove_all(self, now: float) -> int:
+        keys = [k for k, o in self.objects.items() if o.committed]
+        for k in keys:
+            self._unlink(self.objects[k], now)
+        self.counters.removes += len(keys)
+        return len(keys)
+
+    # ---- eviction ------------------------------------------------------------------------------------
+
+    def evict_all(self, now: float) -> int:
+        n = 0
+        for seg in self.segments.values():
+            if seg.allocator.used > self.high * seg.allocator.size:
+                n += self.evict_segment(seg, now, target=int(self.low * seg.allocator.size))
+        return n
+
+    def evict_segment(self, seg: Segment, now: float, target: int) -> int:
+        n = 0
+        while seg.allocator.used > target and self._evict_one(seg, now):
+            n += 1
+        return n
+
+    def _evict_one(self, seg: Segment, now: float) -> bool:
+        for key, obj in seg.lru.items():
+            if obj.lease_until <= now:
+                self.counters.evictions += 1
+                self.counters.evicted_bytes += obj.size
+                self._unlink(obj, now)
+                return True
+        return False
+
+    # ---- internals -----------------------------------------------------------------------------------
+
+    def _unlink(self, obj: Obj, now: float = 0.0) -> None:
+        """Take the object out of the table; free its space now, or when its lease ends."""
+        if self.objects.get(obj.key) is obj:
+            del self.objects[obj.key]
+        for loc in obj.locations:
+            seg = self.segments.get(loc.segment_id)
+            if seg is not None and seg.lru.get(obj.key) is obj:
+                del seg.lru[obj.key]
+                seg.record(False, obj, loc)
+        if obj.committed and obj.lease_until > now:
+            self.doomed.append(obj)
+        else:
+            self._free_space(obj)
+
+    def _free_space(self, obj: Obj) -> None:
+        for loc in obj.locations:
+            seg = self.segments.get(loc.segment_id)
+            if seg is not None:
+                seg.allocator.free_range(loc.offset, obj.size)

@@ -1,0 +1,190 @@
+"""Every control-plane message, as msgspec Structs (tagged unions decoded with typed decoders).
+
+Client -> MetaService requests are ``Request``; the replies are ``Reply``. A batch call is one
+message: one round trip per batch, never one per key. Frames on the wire (ZeroMQ DEALER -> ROUTER):
+``[request_id, msgpack(Request)]`` answered by ``[request_id, msgpack(Reply)]``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SegmentInfo(msgspec.Struct, frozen=True):
+    """A LocalService's contribution to the pool, as every peer needs to reach it."""
+
+    segment_id: int
+    size: int
+    host_id: str
+    shm_path: str          # shared-memory file, mappable by peers on the same host
+    data_addr: str         # "host:port" of the owner's data server (TCP transfers)
+    tag: str = ""
+
+
+class Location(msgspec.Struct, array_like=True, frozen=True):
+    segment_id: int
+    offset: int
+
+
+class ObjectReport(msgspec.Struct, array_like=True, frozen=True):
+    """One committed object held in a segment; the owner keeps these for MetaService recovery."""
+
+    key: str
+    offset: int
+    size: int
+    generation: int
+
+
+class JournalEntry(msgspec.Struct, array_like=True, frozen=True):
+    """A change to a segment's objects, pushed to its owner on heartbeat replies."""
+
+    seq: int
+    added: bool
+    obj: ObjectReport
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+class Join(msgspec.Struct, tag=True):
+    client_id: int
+    host_id: str
+    pid: int
+    segment: SegmentInfo | None = None
+    objects: list[ObjectReport] = []
+
+
+class Leave(msgspec.Struct, tag=True):
+    client_id: int
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    client_id: int
+    journal_ack: int = 0
+
+
+class Alloc(msgspec.Struct, tag=True):
+    client_id: int
+    keys: list[str]
+    sizes: list[int]
+    replicas: int = 1
+    preferred: list[int] = []
+
+
+class Commit(msgspec.Struct, tag=True):
+    client_id: int
+    keys: list[str]
+    generations: list[int]
+
+
+class Abort(msgspec.Struct, tag=True):
+    client_id: int
+    keys: list[str]
+    generations: list[int]
+
+
+class Lookup(msgspec.Struct, tag=True):
+    keys: list[str]
+    lease: bool = True
+
+
+class Exist(msgspec.Struct, tag=True):
+    keys: list[str]
+
+
+class Validate(msgspec.Struct, tag=True):
+    keys: list[str]
+    generations: list[int]
+
+
+class Remove(msgspec.Struct, tag=True):
+    keys: list[str]
+
+
+class RemoveAll(msgspec.Struct, tag=True):
+    pass
+
+
+class GetSegments(msgspec.Struct, tag=True):
+    segment_ids: list[int] = []
+
+
+class ConfigPut(msgspec.Struct, tag=True):
+    key: str
+    value: bytes
+
+
+class ConfigGet(msgspec.Struct, tag=True):
+    key: str
+
+
+Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
+           | RemoveAll | GetSegments | ConfigPut | ConfigGet)
+
+
+# ---- replies ----------------------------------------------------------------------------------
+
+class Error(msgspec.Struct, tag=True):
+    code: int
+    message: str
+
+
+class Ok(msgspec.Struct, tag=True):
+    pass
+
+
+class Joined(msgspec.Struct, tag=True):
+    client_id: int
+    meta_epoch: int
+    lease_ttl_ms: int
+    pending_timeout_ms: int
+
+
+class HeartbeatReply(msgspec.Struct, tag=True):
+    meta_epoch: int
+    known: bool
+    journal: list[JournalEntry] = []
+
+
+class AllocResult(msgspec.Struct, array_like=True):
+    code: int                      # 0 allocated, OBJECT_ALREADY_EXISTS, or a negative error code
+    generation: int = 0
+    locations: list[Location] = []
+
+
+class AllocReply(msgspec.Struct, tag=True):
+    results: list[AllocResult]
+
+
+class Found(msgspec.Struct, array_like=True):
+    size: int
+    generation: int
+    locations: list[Location]
+
+
+class LookupReply(msgspec.Struct, tag=True):
+    results: list[Found | None]
+    lease_ttl_ms: int = 0
+
+
+class Codes(msgspec.Struct, tag=True):
+    codes: list[int]
+
+
+class Flags(msgspec.Struct, tag=True):
+    flags: list[bool]
+
+
+class Segments(msgspec.Struct, tag=True):
+    segments: list[SegmentInfo]
+
+
+class Value(msgspec.Struct, tag=True):
+    value: bytes | None
+
+
+Reply = (Error | Ok | Joined | HeartbeatReply | AllocReply | LookupReply | Codes | Flags | Segments
+         | Value)
+
+request_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -1,0 +1,117 @@
+"""Start real MemCache processes for tests, examples and benchmarks.
+
+``running_meta_service()`` picks free ports, starts a MetaService process, waits for its /health
+(with a deadline; a process that died is never counted as started) and always terminates it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MetaServiceProcess:
+    """A MetaService in its own process, restartable on the same ports."""
+
+    def __init__(self, config_dir: str, **overrides: Any) -> None:
+        self.meta_service_url = f"tcp://127.0.0.1:{free_port()}"
+        self.config_store_url = f"tcp://127.0.0.1:{free_port()}"
+        self.metrics_url = f"http://127.0.0.1:{free_port()}"
+        self.config: dict[str, Any] = {"meta_service_url": self.meta_service_url,
+                                       "config_store_url": self.config_store_url,
+                                       "metrics_url": self.metrics_url, "log_level": "info", **overrides}
+        self.config_path = os.path.join(config_dir, f"meta-{os.getpid()}-{id(self)}.json")
+        with open(self.config_path, "w", encoding="utf-8") as f:
+            json.dump(self.config, f)
+        self.log_path = self.config_path[:-5] + ".log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def local_config(self, **overrides: Any) -> Any:
+        from .config import LocalConfig
+        cfg = LocalConfig(meta_service_url=self.meta_service_url, config_store_url=self.config_store_url,
+                          protocol="host_shm", dram_size="64MB", client_timeout_seconds=5)
+        for k, v in overrides.items():
+            setattr(cfg, k, v)
+        cfg.validate()
+        return cfg
+
+    def start(self, timeout_s: float = 30.0) -> MetaServiceProcess:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen([sys.executable, "-m", "memcache_core.meta_service",
+                                      "--config_path", self.config_path],
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"MetaService exited with {self.proc.returncode}: {self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"MetaService not healthy within {timeout_s}s: {self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.metrics_url + "/health", timeout=1) as r:
+                return r.status == 200 and json.load(r).get("success") is True
+        except OSError:
+            return False
+
+    def http(self, path: str) -> Any:
+        with urllib.request.urlopen(self.metrics_url + path, timeout=5) as r:
+            body = r.read()
+        return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def running_meta_service(**overrides: Any) -> Iterator[MetaServiceProcess]:
+    """A started MetaService with the given MetaConfig overrides; terminated on exit."""
+    with tempfile.TemporaryDirectory(prefix="memcache-test-") as d:
+        ms = MetaServiceProcess(d, **overrides)
+        try:
+            yield ms.start()
+        finally:
+            ms.stop()

@@ -1,0 +1,192 @@
+"""Cross-host transfers: each LocalService serves its segment over TCP; peers read and write ranges.
+
+Wire format (little endian). Request: ``b"MCD1"``, op (1 read, 2 write), range count, then
+``(offset, length)`` per range; a write is followed by the ranges' bytes back to back. Answer:
+``(status, length)``; a successful read is followed by the bytes. The server sends from and receives
+into the segment memory itself, and the client receives straight into the destination buffers:
+the kernel's socket copies are the only copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections import defaultdict
+
+from ..errors import PeerUnavailable, TransferFailed
+from ..local.buffers import view_at
+from ..local.segment import Mapping
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"MCD1"
+OP_READ, OP_WRITE = 1, 2
+_HEAD = struct.Struct("<4sBI")
+_RANGE = struct.Struct("<QQ")
+_ANSWER = struct.Struct("<iQ")
+_BUF = 4 << 20
+
+Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, size), ...])
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed the connection")
+        got += r
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class DataServer:
+    """Serves one segment to peers; one thread per connection."""
+
+    def __init__(self, mapping: Mapping, host: str, port: int) -> None:
+        self.mapping = mapping
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError:
+            self._sock.bind((host, 0))   # another LocalService on this host has the configured port
+        self._sock.listen(64)
+        self.addr = "%s:%d" % self._sock.getsockname()[:2]
+        self._stop = False
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="memcache-data-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            _tune(conn)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="memcache-data", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = bytearray(_HEAD.size)
+        try:
+            while True:
+                _recv_exact(conn, memoryview(head))
+                magic, op, n = _HEAD.unpack(head)
+                if magic != MAGIC or op not in (OP_READ, OP_WRITE) or n > 1 << 20:
+                    return
+                raw = bytearray(n * _RANGE.size)
+                _recv_exact(conn, memoryview(raw))
+                ranges = [_RANGE.unpack_from(raw, i * _RANGE.size) for i in range(n)]
+                total = sum(length for _, length in ranges)
+                if any(off + length > self.mapping.size for off, length in ranges):
+                    conn.sendall(_ANSWER.pack(-1, 0))
+                    return  # the write payload (if any) is not drained: close the connection
+                if op == OP_READ:
+                    conn.sendall(_ANSWER.pack(0, total))
+                    for off, length in ranges:
+                        conn.sendall(self.mapping.view(off, length))
+                else:
+                    for off, length in ranges:
+                        _recv_exact(conn, self.mapping.view(off, length))
+                    conn.sendall(_ANSWER.pack(0, total))
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+
+class TcpClient:
+    """Connection pools to peers' data servers."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[str, list[socket.socket]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def _acquire(self, addr: str) -> socket.socket:
+        with self._lock:
+            if self._idle[addr]:
+                return self._idle[addr].pop()
+        host, port = addr.rsplit(":", 1)
+        try:
+            s = socket.create_connection((host, int(port)), timeout=min(self.timeout_s, 5.0))
+        except OSError as e:
+            raise PeerUnavailable(f"cannot connect to data server {addr}: {e}") from e
+        s.settimeout(self.timeout_s)
+        _tune(s)
+        return s
+
+    def _release(self, addr: str, s: socket.socket) -> None:
+        with self._lock:
+            self._idle[addr].append(s)
+
+    def _request(self, addr: str, op: int, ops: list[Op]) -> None:
+        s = self._acquire(addr)
+        ok = False
+        try:
+            head = _HEAD.pack(MAGIC, op, len(ops)) + b"".join(
+                _RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
+            if op == OP_WRITE:
+                s.sendall(head)
+                for _, pieces in ops:
+                    for ptr, size in pieces:
+                        s.sendall(view_at(ptr, size))
+            else:
+                s.sendall(head)
+            ans = bytearray(_ANSWER.size)
+            _recv_exact(s, memoryview(ans))
+            status, _total = _ANSWER.unpack(ans)
+            if status != 0:
+                raise TransferFailed(f"data server {addr} refused the request (status {status})")
+            if op == OP_READ:
+                for _, pieces in ops:
+                    for ptr, size in pieces:
+                        _recv_exact(s, view_at(ptr, size))
+            ok = True
+        except (OSError, ConnectionError) as e:
+            raise PeerUnavailable(f"transfer with {addr} failed: {e}") from e
+        finally:
+            if ok:
+                self._release(addr, s)
+            else:
+                s.close()
+
+    def read(self, addr: str, ops: list[Op]) -> None:
+        self._request(addr, OP_READ, ops)
+
+    def write(self, addr: str, ops: list[Op]) -> None:
+        self._request(addr, OP_WRITE, ops)
+
+    def forget(self, addr: str) -> None:
+        with self._lock:
+            conns = self._idle.pop(addr, [])
+        for c in conns:
+            c.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._idle = self._idle, defaultdict(list)
+        for conns in pools.values():
+            for c in conns:
+                c.close()
