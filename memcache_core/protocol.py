@@ -1,8 +1,7 @@
 """Every control-plane message, as msgspec Structs (tagged unions decoded with typed decoders).
 
 Client -> MetaService requests are ``Request``; the replies are ``Reply``. A batch call is one
-message: one round trip per batch, never one per key. Frames on the wire (ZeroMQ DEALER -> ROUTER):
-``[request_id, msgpack(Request)]`` answered by ``[request_id, msgpack(Reply)]``.
+message: one round trip per batch, never one per key. Framing is in ``rpc.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,21 +22,19 @@ class Histogram:
 
 
 class Metrics:
-    """Handling latency and failures per request type."""
+    """Handling latency and failures per request type (updated and read under the MetaService lock)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self.requests: dict[str, Histogram] = {}
 
     def observe(self, name: str, seconds: float, failed: bool) -> None:
-        with self._lock:
-            h = self.requests.get(name)
-            if h is None:
-                h = self.requests[name] = Histogram()
-            h.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-            h.total += seconds
-            h.count += 1
-            h.failures += failed
+        h = self.requests.get(name)
+        if h is None:
+            h = self.requests[name] = Histogram()
+        h.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        h.total += seconds
+        h.count += 1
+        h.failures += failed
 
     def render(self, core: MetaServiceCore) -> str:
         out: list[str] = []
@@ -77,18 +74,17 @@ class Metrics:
                 ("put_failures_total", c.alloc_failures, "Puts refused for lack of space."),
                 ("pending_reclaimed_total", c.pending_reclaimed, "Uncommitted puts aborted.")):
             metric(name, "counter", help_, [("", value)])
-        with self._lock:
-            reqs = sorted(self.requests.items())
-            out.append("# HELP memcache_request_seconds Time the MetaService spent on a request.")
-            out.append("# TYPE memcache_request_seconds histogram")
-            for name, h in reqs:
-                cum = 0
-                for le, n in zip(BUCKETS + (float("inf"),), h.counts, strict=True):
-                    cum += n
-                    le_s = "+Inf" if le == float("inf") else f"{le:g}"
-                    out.append(f'memcache_request_seconds_bucket{{op="{name}",le="{le_s}"}} {cum}')
-                out.append(f'memcache_request_seconds_sum{{op="{name}"}} {h.total:.9f}')
-                out.append(f'memcache_request_seconds_count{{op="{name}"}} {h.count}')
-            metric("request_failures_total", "counter", "Requests answered with an error.",
-                   [(f'{{op="{name}"}}', h.failures) for name, h in reqs])
+        reqs = sorted(self.requests.items())
+        out.append("# HELP memcache_request_seconds Time the MetaService spent on a request.")
+        out.append("# TYPE memcache_request_seconds histogram")
+        for name, h in reqs:
+            cum = 0
+            for le, n in zip(BUCKETS + (float("inf"),), h.counts, strict=True):
+                cum += n
+                le_s = "+Inf" if le == float("inf") else f"{le:g}"
+                out.append(f'memcache_request_seconds_bucket{{op="{name}",le="{le_s}"}} {cum}')
+            out.append(f'memcache_request_seconds_sum{{op="{name}"}} {h.total:.9f}')
+            out.append(f'memcache_request_seconds_count{{op="{name}"}} {h.count}')
+        metric("request_failures_total", "counter", "Requests answered with an error.",
+               [(f'{{op="{name}"}}', h.failures) for name, h in reqs])
         return "\n".join(out) + "\n"

@@ -13,11 +13,10 @@ import signal
 import threading
 import time
 
-import zmq
-
 from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig, parse_url
+from ..rpc import FrameServer
 from .http import AdminServer
 from .metrics import Metrics
 from .table import ObjectTable
@@ -179,13 +178,9 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     """Run the MetaService until SIGTERM/SIGINT (or ``stop`` is set)."""
     core = MetaServiceCore(config)
     stop = stop or threading.Event()
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    store = ctx.socket(zmq.ROUTER)
-    for sock, url in ((router, config.meta_service_url), (store, config.config_store_url)):
-        host, port = parse_url(url, "meta_service_url" if sock is router else "config_store_url", ("tcp",))
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{host}:{port}")
+    server = FrameServer([parse_url(config.meta_service_url, "meta_service_url", ("tcp",)),
+                          parse_url(config.config_store_url, "config_store_url", ("tcp",))],
+                         lambda body: _answer(core, body))
     admin = AdminServer(core, config.metrics_url)
     admin.start()
     if threading.current_thread() is threading.main_thread():
@@ -194,37 +189,22 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     logger.info("MetaService (pid %d, epoch %d) serving %s, config store %s, admin %s",
                 os.getpid(), core.epoch, config.meta_service_url, config.config_store_url,
                 config.metrics_url)
-    poller = zmq.Poller()
-    poller.register(router, zmq.POLLIN)
-    poller.register(store, zmq.POLLIN)
     interval = min(config.evict_check_interval_seconds, config.heartbeat_timeout_ms / 4000.0, 1.0)
     next_house = time.monotonic() + interval
     try:
         while not stop.is_set():
-            timeout_ms = max(0, int((next_house - time.monotonic()) * 1000))
-            for sock, _ in poller.poll(min(timeout_ms, 200)):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    sock.send_multipart(_answer(core, frames))
+            server.poll(max(0.0, min(next_house - time.monotonic(), 0.2)))
             if time.monotonic() >= next_house:
                 with core.lock:
                     core.housekeeping(time.monotonic())
                 next_house = time.monotonic() + interval
     finally:
         admin.stop()
-        router.close(0)
-        store.close(0)
-        ctx.term()
+        server.close()
         logger.info("MetaService stopped")
 
 
-def _answer(core: MetaServiceCore, frames: list[bytes]) -> list[bytes]:
-    if len(frames) != 3:
-        return [frames[0], b"", p.request_encoder.encode(p.Error(errors.INVALID_PARAM, "bad frames"))]
-    ident, rid, payload = frames
+def _answer(core: MetaServiceCore, payload: bytes) -> bytes:
     t0 = time.perf_counter()
     try:
         req = p.request_decoder.decode(payload)
@@ -233,7 +213,8 @@ def _answer(core: MetaServiceCore, frames: list[bytes]) -> list[bytes]:
         name = "malformed"
     else:
         name = type(req).__name__
-        with core.lock:
+    with core.lock:
+        if name != "malformed":
             try:
                 reply = core.handle(req)
             except errors.MemCacheError as e:
@@ -241,5 +222,5 @@ def _answer(core: MetaServiceCore, frames: list[bytes]) -> list[bytes]:
             except Exception as e:
                 logger.exception("request %s failed", name)
                 reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
-    core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
-    return [ident, rid, p.request_encoder.encode(reply)]
+        core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
+    return p.request_encoder.encode(reply)

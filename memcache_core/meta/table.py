@@ -277,7 +277,7 @@ class ObjectTable:
         return n
 
     def _evict_one(self, seg: Segment, now: float) -> bool:
-        for key, obj in seg.lru.items():
+        for _key, obj in seg.lru.items():
             if obj.lease_until <= now:
                 self.counters.evictions += 1
                 self.counters.evicted_bytes += obj.size

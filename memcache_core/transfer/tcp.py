@@ -56,7 +56,8 @@ class DataServer:
         except OSError:
             self._sock.bind((host, 0))   # another LocalService on this host has the configured port
         self._sock.listen(64)
-        self.addr = "%s:%d" % self._sock.getsockname()[:2]
+        host_, port_ = self._sock.getsockname()[:2]
+        self.addr = f"{host_}:{port_}"
         self._stop = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
