@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Start (and stop) a real SGLang server on this CPU with the ``npu_memcache`` HiCache L3 backend.
+
+    python examples/sglang/serve_cpu.py start --port 30000      # or examples/sglang/serve_cpu.sh
+    python examples/sglang/serve_cpu.py stop --port 30000       # or examples/sglang/stop_cpu.sh
+
+``start`` creates the SGLang environment if missing (``.ci/sglang_env.sh``), makes the tiny model
+if missing (``examples/make_tiny_model.py``), starts a MemCache MetaService
+(``python -m memcache_sglang.start_meta_service``) unless ``--meta-config`` names a running one,
+then SGLang on 127.0.0.1:PORT with ``--hicache-storage-backend npu_memcache``, page size 128 and
+write-through, and returns once the server answers ``/health``. Its state (PIDs, URLs, logs) is
+kept in ``${MEMCACHE_CACHE_DIR:-~/.cache/memcache}/run/sglang-PORT/``; ``stop`` terminates exactly
+the processes recorded there. Python callers (the tests, the benchmark) use :func:`start_meta`,
+:func:`start_server` and the handles' ``stop()`` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("MEMCACHE_CACHE_DIR") or Path.home() / ".cache" / "memcache")
+SERVER_READY_TIMEOUT_S = 300.0
+META_READY_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def terminate(pid: int | None, timeout_s: float = 30.0) -> None:
+    """SIGTERM the process group we started (``start_new_session``), then SIGKILL after a deadline."""
+    if not pid:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:  # not our child: poll for its exit
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    return
+            time.sleep(0.1)
+
+
+def venv_python() -> str:
+    """The SGLang environment's python (created by .ci/sglang_env.sh when missing)."""
+    out = subprocess.run(["bash", str(REPO / ".ci" / "sglang_env.sh")], check=True, stdout=subprocess.PIPE,
+                         text=True).stdout.strip().splitlines()
+    return str(Path(out[-1]) / "bin" / "python")
+
+
+def ensure_model(python: str, model_args: list[str] | None = None) -> str:
+    cmd = [python, str(REPO / "examples" / "make_tiny_model.py"), *(model_args or [])]
+    return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+
+
+@dataclass
+class MetaHandle:
+    """A MetaService started by us (restartable on the same ports), or one we only point at."""
+
+    config_path: str
+    meta_service_url: str
+    config_store_url: str
+    metrics_url: str
+    python: str = sys.executable
+    log_path: str = ""
+    pid: int | None = None
+
+    @classmethod
+    def from_config(cls, path: str, python: str = sys.executable) -> MetaHandle:
+        cfg = json.loads(Path(path).read_text())
+        return cls(path, cfg["meta_service_url"], cfg["config_store_url"], cfg["metrics_url"], python)
+
+    def start(self, timeout_s: float = META_READY_TIMEOUT_S) -> MetaHandle:
+        log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen([self.python, "-m", "memcache_sglang.start_meta_service",
+                                 "--config_path", self.config_path], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        log.close()
+        self.pid = proc.pid
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self.pid = None
+                raise RuntimeError(f"MetaService exited with {proc.returncode}; see {self.log_path}")
+            if http_ok(self.metrics_url + "/health"):
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"MetaService not healthy within {timeout_s:.0f}s; see {self.log_path}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.pid is None:
+            return
+        if sig == signal.SIGKILL:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        terminate(self.pid, timeout_s=10.0)
+        self.pid = None
+
+    def backend_config(self, **extra: Any) -> dict[str, Any]:
+        """The ``--hicache-storage-backend-extra-config`` of a server joining this pool."""
+        return {"meta_service_url": self.meta_service_url, "config_store_url": self.config_store_url,
+                "metrics_url": self.metrics_url, "log_level": "info", "world_size": 256,
+                "protocol": "host_shm", "dram_size": "512MB", "prefetch_threshold": 1, **extra}
+
+
+def start_meta(run_dir: str | Path, python: str = sys.executable, **meta_config: Any) -> MetaHandle:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"meta_service_url": f"tcp://127.0.0.1:{free_port()}",
+           "config_store_url": f"tcp://127.0.0.1:{free_port()}",
+           "metrics_url": f"http://127.0.0.1:{free_port()}", "log_level": "info", **meta_config}
+    path = run_dir / "metaservice_config.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    meta = MetaHandle(str(path), cfg["meta_service_url"], cfg["config_store_url"], cfg["metrics_url"],
+                      python, str(run_dir / "meta.log"))
+    return meta.start()
+
+
+@dataclass
+class ServerHandle:
+    port: int
+    pid: int
+    log_path: str
+    model: str
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        terminate(self.pid)
+        deadline = time.monotonic() + 30
+        while not port_is_free(self.port) and time.monotonic() < deadline:
+            time.sleep(0.2)  # SGLang's socket lingers a few seconds after exit
+
+
+def sglang_command(python: str, model: str, port: int, extra_config: dict[str, Any],
+                   extra_args: list[str] | None = None) -> list[str]:
+    return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--attention-backend", "torch_native",
+            "--disable-cuda-graph", "--page-size", "128", "--mem-fraction-static", "0.3",
+            "--max-total-tokens", "12800", "--enable-hierarchical-cache", "--hicache-ratio", "2",
+            "--hicache-write-policy", "write_through", "--hicache-io-backend", "direct",
+            "--hicache-mem-layout", "layer_first", "--hicache-storage-backend", "npu_memcache",
+            "--hicache-storage-backend-extra-config", json.dumps(extra_config), *(extra_args or [])]
+
+
+def start_server(port: int, meta: MetaHandle, *, python: str = sys.executable, model: str | None = None,
+                 log_path: str | Path | None = None, extra_config: dict[str, Any] | None = None,
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 timeout_s: float = SERVER_READY_TIMEOUT_S) -> ServerHandle:
+    """Start SGLang on 127.0.0.1:port joined to ``meta``'s pool; return once /health answers."""
+    model = model or ensure_model(python)
+    cfg = meta.backend_config(**(extra_config or {}))
+    log_path = Path(log_path or CACHE / "run" / f"sglang-{port}" / "server.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    child_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(sglang_command(python, model, port, cfg, extra_args), stdout=log,
+                            stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    log.close()
+    server = ServerHandle(port, proc.pid, str(log_path), model, cfg)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"SGLang exited with {proc.returncode}; see {log_path}")
+        if http_ok(f"{server.url}/health", timeout=5):
+            return server
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"SGLang not ready within {timeout_s:.0f}s; see {log_path}")
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def _state_dir(port: int) -> Path:
+    return CACHE / "run" / f"sglang-{port}"
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    python = args.python or venv_python()
+    state_dir = _state_dir(args.port)
+    if (state_dir / "state.json").exists():
+        print(f"a server is already recorded on port {args.port}; run stop first", file=sys.stderr)
+        return 1
+    if not port_is_free(args.port):
+        print(f"port {args.port} is busy", file=sys.stderr)
+        return 1
+    model = args.model or ensure_model(python)
+    meta = (MetaHandle.from_config(args.meta_config, python) if args.meta_config
+            else start_meta(state_dir, python))
+    try:
+        server = start_server(args.port, meta, python=python, model=model,
+                              log_path=state_dir / "server.log",
+                              extra_config=json.loads(args.extra_config) if args.extra_config else None,
+                              extra_args=args.sglang_args)
+    except BaseException:
+        meta.stop()
+        raise
+    state = {"server": asdict(server), "meta": asdict(meta), "owns_meta": not args.meta_config}
+    (state_dir / "state.json").write_text(json.dumps(state, indent=1))
+    print(f"SGLang ready at {server.url} (model {model}); MetaService config {meta.config_path}")
+    print(f"logs: {server.log_path}; stop with: {sys.argv[0]} stop --port {args.port}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args.port)
+    try:
+        state = json.loads((state_dir / "state.json").read_text())
+    except OSError:
+        print(f"no server recorded on port {args.port}", file=sys.stderr)
+        return 1
+    ServerHandle(**state["server"]).stop()
+    if state["owns_meta"]:
+        MetaHandle(**state["meta"]).stop()
+    shutil.rmtree(state_dir, ignore_errors=True)
+    print(f"stopped the server on port {args.port}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start", help="start a MetaService (unless --meta-config) and SGLang")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--model", help="model directory (default: the tiny model, made if missing)")
+    s.add_argument("--meta-config", help="join the pool of a running MetaService (its JSON config)")
+    s.add_argument("--extra-config", help="JSON merged into the backend's extra config")
+    s.add_argument("--python", help="python of an SGLang environment (default: .ci/sglang_env.sh)")
+    s.add_argument("sglang_args", nargs="*", help="more SGLang flags, after --")
+    t = sub.add_parser("stop", help="stop what start recorded for this port")
+    t.add_argument("--port", type=int, required=True)
+    args = p.parse_args(argv)
+    return cmd_start(args) if args.cmd == "start" else cmd_stop(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

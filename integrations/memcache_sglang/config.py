@@ -1,0 +1,149 @@
+"""Configuration of the ``npu_memcache`` backend, merged the way SGLang's built-in backend does.
+
+Precedence (later wins): the JSON file named by ``SGLANG_HICACHE_MEMCACHE_CONFIG_PATH``, then
+SGLang's ``--hicache-storage-backend-extra-config``. Keys split into:
+
+* control keys read by the backend itself (:data:`CONTROL_KEYS`);
+* everything else, applied to :class:`memcache_core.LocalConfig` when it has such a field
+  (``meta_service_url``, ``config_store_url``, ``protocol``, ``dram_size``, ``world_size``, ...);
+  other keys (``file_storage_path`` injected by SGLang, typos) are warned about, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CONFIG_PATH_ENV = "SGLANG_HICACHE_MEMCACHE_CONFIG_PATH"
+WARMUP_ENV = "SGLANG_NPU_MEMCACHE_ENABLE_WARMUP"
+
+#: Keys the backend reads; never applied to LocalConfig. The first seven are the built-in
+#: backend's; ``clear_scope`` is ours (see docs/sglang.md).
+CONTROL_KEYS = frozenset(
+    {
+        "device_id",
+        "init_bm",
+        "conf_file_path",
+        "check_server",
+        "metrics_url",
+        "memcache_metrics_url",
+        "extra_backend_tag",
+        "clear_scope",
+    }
+)
+
+#: Keys SGLang consumes on its normal path; on the PD-decode offload path they reach us. They
+#: are dropped silently rather than reported as unknown LocalConfig keys.
+SGLANG_KEYS = frozenset(
+    {
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+        "interface_v1",
+        "backend_name",
+        "module_path",
+        "class_name",
+    }
+)
+
+CLEAR_SCOPES = ("namespace", "all")
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+@dataclass
+class BackendConfig:
+    """The merged configuration: LocalConfig fields and control fields."""
+
+    local_fields: dict[str, Any] = field(default_factory=dict)
+    ctrl: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_sources(cls, extra_config: dict[str, Any] | None) -> BackendConfig:
+        merged: dict[str, Any] = {}
+        path = os.environ.get(CONFIG_PATH_ENV)
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+                merged.update(data)
+                logger.info("MemCache backend config loaded from %s", path)
+            except (OSError, ValueError) as exc:
+                logger.warning("cannot load MemCache backend config from %s: %s", path, exc)
+        merged.update(extra_config or {})
+        ctrl = {k: v for k, v in merged.items() if k in CONTROL_KEYS}
+        local = {k: v for k, v in merged.items() if k not in CONTROL_KEYS and k not in SGLANG_KEYS}
+        scope = ctrl.get("clear_scope", "namespace")
+        if scope not in CLEAR_SCOPES:
+            raise ValueError(f"clear_scope must be one of {CLEAR_SCOPES}, got {scope!r}")
+        return cls(local_fields=local, ctrl=ctrl)
+
+    def apply_to(self, local_cfg: Any) -> list[str]:
+        """Set every known LocalConfig field; return the unknown keys."""
+        unknown = []
+        for key, value in self.local_fields.items():
+            if hasattr(local_cfg, key):
+                setattr(local_cfg, key, value)
+            else:
+                unknown.append(key)
+        return unknown
+
+    @property
+    def init_bm(self) -> bool:
+        value = self.ctrl.get("init_bm", True)
+        if isinstance(value, str):
+            return value.strip().lower() not in ("0", "false", "no", "n", "off")
+        return bool(value)
+
+    @property
+    def check_server(self) -> bool:
+        value = self.ctrl.get("check_server", False)
+        if isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes", "y", "on")
+        return bool(value)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self.ctrl.get("metrics_url") or self.ctrl.get("memcache_metrics_url")
+
+    @property
+    def extra_backend_tag(self) -> str | None:
+        tag = self.ctrl.get("extra_backend_tag")
+        return str(tag) if tag not in (None, "") else None
+
+    @property
+    def clear_scope(self) -> str:
+        return self.ctrl.get("clear_scope", "namespace")
+
+    def device_id(self, tp_rank: int, tp_size: int) -> int:
+        """``device_id`` as the built-in backend resolves it: absent -> tp_rank, map -> by rank."""
+        if "device_id" not in self.ctrl:
+            return tp_rank
+        raw = self.ctrl["device_id"]
+        mapping = raw if isinstance(raw, dict) else None
+        if mapping is None and isinstance(raw, str) and raw.strip().startswith("{"):
+            try:
+                mapping = json.loads(raw)
+            except ValueError:
+                logger.warning("cannot parse device_id %r as JSON; using tp_rank", raw)
+                return tp_rank
+        if isinstance(mapping, dict):
+            for key in (tp_rank, str(tp_rank)):
+                if key in mapping:
+                    return int(mapping[key])
+            logger.warning("device_id map has no entry for tp_rank=%s; using tp_rank", tp_rank)
+            return tp_rank
+        if tp_size > 1:
+            logger.warning("device_id=%s is shared by all %d TP ranks", raw, tp_size)
+        return int(raw)
