@@ -51,6 +51,7 @@ class _Conn:
         self.sock.settimeout(_SLICE_S)
         self.buf = bytearray()
         self.next_id = 1
+        self.used = False
 
     def close(self) -> None:
         try:
@@ -93,10 +94,18 @@ class RpcClient:
         while True:
             try:
                 return self._call_once(req, self.timeout_s if timeout_s is None else timeout_s, probe)
-            except MetaServiceUnavailable:
-                if not idempotent or time.monotonic() + backoff.cap_s > deadline:
-                    raise
-                time.sleep(backoff.next())
+            except _StaleConnection:
+                # this thread's connection was to a MetaService that has since restarted: the request
+                # never reached a live service, so sending it once more on a new connection is safe
+                try:
+                    return self._call_once(req, self.timeout_s if timeout_s is None else timeout_s, probe)
+                except _StaleConnection as e:
+                    err: MetaServiceUnavailable = e
+            except MetaServiceUnavailable as e:
+                err = e
+            if not idempotent or time.monotonic() + backoff.cap_s > deadline:
+                raise err
+            time.sleep(backoff.next())
 
     def _conn(self, timeout_s: float) -> _Conn:
         c: _Conn | None = getattr(self._local, "conn", None)
@@ -153,8 +162,12 @@ class RpcClient:
             raise
         except (OSError, ValueError) as e:
             self._drop(c)
+            if c.used and isinstance(e, (ConnectionResetError, BrokenPipeError)) and not c.buf:
+                raise _StaleConnection(str(e)) from e
             self.mark_down(str(e))
             raise MetaServiceUnavailable(f"MetaService at {self.url}: {e}") from e
+        finally:
+            c.used = True
 
     def close(self) -> None:
         self._closed = True
@@ -162,6 +175,10 @@ class RpcClient:
             conns, self._conns = self._conns, set()
         for c in conns:
             c.close()
+
+
+class _StaleConnection(MetaServiceUnavailable):
+    """A kept-alive connection turned out to be closed by a MetaService that went away."""
 
 
 def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:

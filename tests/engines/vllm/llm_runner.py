@@ -1,0 +1,91 @@
+"""Run one vLLM engine lifetime in this (fresh) process and report what it produced, as JSON.
+
+    python llm_runner.py SPEC.json OUT.json
+
+SPEC: {"model": DIR, "block_size": 32, "dtype": "bfloat16", "kv_transfer_config": {...} | null,
+       "enable_prefix_caching": bool, "steps": [STEP, ...]}
+STEP: {"generate": [[token ids], ...], "max_tokens": N}  -> one result per prompt
+      {"wait_for_file": PATH}                               -> blocks until PATH exists (the test
+                                                                changes the world meanwhile)
+      {"signal_file": PATH}                                 -> creates PATH
+OUT: {"steps": [[{"token_ids", "logprobs", "num_cached_tokens", "elapsed_s"}, ...] | null, ...],
+      "metrics": {name: value}, "startup_s": float}
+
+A separate process per lifetime is the point: nothing survives between two engines but the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Same thread count with and without a connector, so logprobs are comparable bit for bit.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            out[m.name] = out.get(m.name, 0) + float(value)
+    return out
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"], block_size=spec.get("block_size", 32), dtype=spec.get("dtype", "bfloat16"),
+        enforce_eager=True, max_model_len=spec.get("max_model_len", 4096), seed=0,
+        enable_prefix_caching=spec.get("enable_prefix_caching", False), disable_log_stats=False,
+    )
+    if spec.get("kv_transfer_config"):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
+    for step in spec["steps"]:
+        if "wait_for_file" in step:
+            deadline = time.monotonic() + step.get("timeout_s", 300)
+            while not Path(step["wait_for_file"]).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(step["wait_for_file"])
+                time.sleep(0.05)
+            result["steps"].append(None)
+            continue
+        if "signal_file" in step:
+            Path(step["signal_file"]).write_text("ok")
+            result["steps"].append(None)
+            continue
+        params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=1,
+                                ignore_eos=True)
+        outs = []
+        for prompt in step["generate"]:
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            comp = out.outputs[0]
+            outs.append({
+                "token_ids": list(comp.token_ids),
+                "logprobs": [lp[tok].logprob for lp, tok in zip(comp.logprobs, comp.token_ids)],
+                "num_cached_tokens": out.num_cached_tokens,
+                "finish_reason": comp.finish_reason,
+                "elapsed_s": time.perf_counter() - t,
+            })
+        result["steps"].append(outs)
+    result["metrics"] = _metrics(llm)
+    Path(sys.argv[2]).write_text(json.dumps(result))
+    del llm
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""A LocalService in its own process, driven by JSON lines on stdin (one answer line per command).
+
+Payloads are derived from the key (``pattern``), so any process can check any object byte for byte
+without the bytes travelling through the test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+
+from memcache_core import DistributedObjectStore, LocalConfig
+from memcache_core.config import apply_dict
+
+
+def pattern(key: str, n: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+class Worker:
+    def __init__(self, cfg: dict, init_bm: bool) -> None:
+        self.store = DistributedObjectStore()
+        rc = self.store.setup(apply_dict(LocalConfig(), cfg))
+        if rc == 0:
+            rc = self.store.init(0, init_bm)
+        self.rc = rc
+        self.buf = np.zeros(0, np.uint8)
+
+    def _buffer(self, n: int) -> np.ndarray:
+        if self.buf.nbytes < n:
+            self.buf = np.zeros(n, np.uint8)
+            assert self.store.register_buffer(self.buf.ctypes.data, self.buf.nbytes) == 0
+        return self.buf
+
+    def _layout(self, keys: list[str], layout: list[int]) -> tuple[list[list[int]], list[list[int]], int]:
+        per = sum(layout)
+        buf = self._buffer(per * len(keys))
+        base = buf.ctypes.data
+        ptrs, sizes = [], []
+        for i in range(len(keys)):
+            off = base + i * per
+            ps = []
+            for s in layout:
+                ps.append(off)
+                off += s
+            ptrs.append(ps)
+            sizes.append(list(layout))
+        return ptrs, sizes, per
+
+    def put(self, keys: list[str], layout: list[int]) -> dict:
+        ptrs, sizes, per = self._layout(keys, layout)
+        for i, k in enumerate(keys):
+            self.buf[i * per:(i + 1) * per] = pattern(k, per)
+        t = time.perf_counter()
+        codes = self.store.batch_put_from_layers(keys, ptrs, sizes)
+        return {"codes": codes, "seconds": time.perf_counter() - t}
+
+    def get(self, keys: list[str], layout: list[int]) -> dict:
+        ptrs, sizes, per = self._layout(keys, layout)
+        self.buf[: per * len(keys)] = 0xEE
+        t = time.perf_counter()
+        codes = self.store.batch_get_into_layers(keys, ptrs, sizes)
+        dt = time.perf_counter() - t
+        bad = [k for i, (k, c) in enumerate(zip(keys, codes)) if c == 0
+               and not np.array_equal(self.buf[i * per:(i + 1) * per], pattern(k, per))]
+        return {"codes": codes, "mismatches": bad, "seconds": dt}
+
+    def handle(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        if op == "put":
+            return self.put(cmd["keys"], cmd["layout"])
+        if op == "get":
+            return self.get(cmd["keys"], cmd["layout"])
+        if op == "exist":
+            return {"codes": self.store.batch_is_exist(cmd["keys"])}
+        if op == "remove":
+            return {"codes": self.store.remove_batch(cmd["keys"])}
+        if op == "id":
+            return {"id": self.store.get_local_service_id()}
+        if op == "close":
+            return {"rc": self.store.close()}
+        raise ValueError(f"unknown op {op}")
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    init_bm = cfg.pop("init_bm", True)
+    w = Worker(cfg, init_bm)
+    print(json.dumps({"ready": w.rc == 0, "rc": w.rc}), flush=True)
+    if w.rc != 0:
+        return
+    for line in sys.stdin:
+        try:
+            out = w.handle(json.loads(line))
+        except Exception as e:  # noqa: BLE001 - report to the test
+            out = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(out), flush=True)
+        if out.get("rc") == 0 and line.find('"close"') >= 0:
+            break
+
+
+if __name__ == "__main__":
+    main()

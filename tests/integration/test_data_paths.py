@@ -1,0 +1,131 @@
+"""Bytes written by one process are read byte-exact by others, over host_shm and host_tcp."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from memcache_core import DistributedObjectStore
+
+from .conftest import DSR1_LAYOUT
+from .store_worker import pattern
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_layered_batches_between_three_processes(stores, protocol):
+    """Scenario: A writes 32 DeepSeek-shaped blocks of 122 pieces; B and C read every one byte-exact."""
+    a, b, c = (stores(protocol=protocol, dram_size="160MB") for _ in range(3))
+    keys = [f"{protocol}-blk-{i}" for i in range(32)]
+    assert a("put", keys=keys[:16], layout=DSR1_LAYOUT)["codes"] == [0] * 16
+    assert b("put", keys=keys[16:], layout=DSR1_LAYOUT)["codes"] == [0] * 16
+    for reader in (b, c):
+        got = reader("get", keys=keys, layout=DSR1_LAYOUT)
+        assert got["codes"] == [0] * 32
+        assert got["mismatches"] == []
+    assert c("exist", keys=keys + ["absent"])["codes"] == [1] * 32 + [0]
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_contiguous_objects_and_same_layout_reads(stores, protocol):
+    a, b = stores(protocol=protocol), stores(protocol=protocol)
+    keys = [f"c-{i}" for i in range(8)]
+    assert a("put", keys=keys, layout=[8784 << 10])["codes"] == [0] * 8
+    got = b("get", keys=keys, layout=[8784 << 10])
+    assert got["codes"] == [0] * 8 and got["mismatches"] == []
+    # the same object read with a different piece layout of the same total size
+    got = b("get", keys=keys, layout=[4392 << 10, 4392 << 10])
+    assert got["codes"] == [0] * 8 and got["mismatches"] == []
+
+
+def test_put_existing_key_is_a_noop_success(stores):
+    a, b = stores(), stores()
+    assert a("put", keys=["dup"], layout=[4096])["codes"] == [0]
+    assert b("put", keys=["dup", "dup"], layout=[4096])["codes"] == [0, 0]
+    assert b("get", keys=["dup"], layout=[4096])["mismatches"] == []
+
+
+def test_one_store_many_threads(meta):
+    """Scenario: SGLang's prefetch, backup and scheduler threads share one store object."""
+    store = DistributedObjectStore()
+    assert store.setup(meta.local_config(dram_size="128MB")) == 0
+    assert store.init(0, True) == 0
+    size, per_thread, nthreads = 256 << 10, 24, 6
+    buf = np.zeros(size * per_thread * nthreads * 2, np.uint8)
+    assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        base = t * per_thread * 2 * size
+        keys = [f"t{t}-{i}" for i in range(per_thread)]
+        for i, k in enumerate(keys):
+            buf[base + i * size: base + (i + 1) * size] = pattern(k, size)
+        src = [buf.ctypes.data + base + i * size for i in range(per_thread)]
+        dst_off = base + per_thread * size
+        dst = [buf.ctypes.data + dst_off + i * size for i in range(per_thread)]
+        for _ in range(3):
+            if store.batch_put_from(keys, src, [size] * per_thread) != [0] * per_thread:
+                errors.append(f"put failed in thread {t}")
+            if store.batch_get_into(keys, dst, [size] * per_thread) != [0] * per_thread:
+                errors.append(f"get failed in thread {t}")
+            for i, k in enumerate(keys):
+                if not np.array_equal(buf[dst_off + i * size: dst_off + (i + 1) * size], pattern(k, size)):
+                    errors.append(f"mismatch {k}")
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(nthreads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    store.close()
+    assert errors == []
+
+
+def test_bytes_api_and_key_info(meta):
+    s = DistributedObjectStore()
+    assert s.setup(meta.local_config()) == 0 and s.init(0, True) == 0
+    payload = bytes(range(256)) * 100
+    assert s.put("bytes-key", payload) == 0
+    assert s.get("bytes-key") == payload
+    assert s.get("nope") == b""
+    assert s.put_batch(["b1", "b2"], [b"one", bytearray(b"two")]) == 0
+    assert s.get_batch(["b1", "b2", "b3"]) == [b"one", b"two", b""]
+    info = s.get_key_info("bytes-key")
+    assert info.size() == len(payload) and len(info.loc_list()) == 1
+    assert s.batch_get_key_info(["nope"])[0].size() == 0
+    assert s.remove("b1") == 0 and s.is_exist("b1") == 0
+    assert s.remove("b1") == -3007
+    assert s.remove_batch(["b2", "b2"]) == [0, -3007]
+    assert s.remove_all() == 0 and s.is_exist("bytes-key") == 0
+    s.close()
+
+
+def test_pure_client_writes_into_a_standalone_local_service(meta, tmp_path):
+    """Scenario: a memory provider process holds the pool; engines come and go as pure clients."""
+    import json
+    import subprocess
+    import sys
+    import time
+    cfg = tmp_path / "local.json"
+    cfg.write_text(json.dumps({"meta_service_url": meta.meta_service_url, "protocol": "host_shm",
+                               "dram_size": "64MB", "heartbeat_interval_ms": 200}))
+    provider = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service",
+                                 "--config_path", str(cfg)])
+    try:
+        deadline = time.monotonic() + 20
+        while not meta.http("/get_all_segments")["segments"]:
+            assert provider.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        for i in range(2):
+            c = DistributedObjectStore()
+            assert c.setup(meta.local_config()) == 0 and c.init(0, init_bm=False) == 0
+            if i == 0:
+                assert c.put("survives", b"x" * 10000) == 0
+            else:
+                assert c.get("survives") == b"x" * 10000
+            c.close()
+    finally:
+        provider.terminate()
+        assert provider.wait(10) == 0

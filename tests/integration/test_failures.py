@@ -1,0 +1,152 @@
+"""Failures: a LocalService killed mid-traffic, a MetaService restart, a MetaService down, a writer dying."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from memcache_core import DistributedObjectStore, LocalConfig
+from memcache_core import protocol as p
+from memcache_core.rpc import expect
+from memcache_core.testing import running_meta_service
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_kill9_of_a_local_service_mid_traffic(meta, stores, protocol):
+    """Scenario: C dies with kill -9 while A and B keep writing and reading. Keys held by C become
+    misses (never wrong bytes); everything else keeps working, and no error outlives the timeout."""
+    a, b, c = (stores(protocol=protocol) for _ in range(3))
+    layout = [64 << 10, 16 << 10]
+    on_c = [f"c-{i}" for i in range(10)]
+    assert c("put", keys=on_c, layout=layout)["codes"] == [0] * 10   # placed in C's own segment
+    on_a = [f"a-{i}" for i in range(10)]
+    assert a("put", keys=on_a, layout=layout)["codes"] == [0] * 10
+    c.kill()
+    deadline = time.monotonic() + 15
+    rounds, gone = 0, False
+    while time.monotonic() < deadline and not gone:
+        keys = [f"traffic-{rounds}-{i}" for i in range(4)]
+        assert a("put", keys=keys, layout=layout)["codes"] == [0] * 4
+        got = b("get", keys=keys + on_a, layout=layout)
+        assert got["codes"] == [0] * 14 and got["mismatches"] == []
+        from_c = b("get", keys=on_c, layout=layout)
+        assert from_c["mismatches"] == []        # whatever is read is right, or it is a miss
+        gone = b("exist", keys=on_c)["codes"] == [0] * 10
+        rounds += 1
+    assert gone, "keys of the dead LocalService were still listed after its heartbeat timeout"
+    assert all(code == -3007 for code in b("get", keys=on_c, layout=layout)["codes"])
+    assert len(meta.http("/get_all_segments")["segments"]) == 2
+
+
+def test_meta_service_restart_recovers_the_table(meta, stores):
+    """Scenario: the MetaService is killed between writes and reads; after a restart on the same
+    address the LocalServices re-join and report their objects, and every read is byte-exact."""
+    a, b = stores(), stores(protocol="host_tcp")
+    layout = [100 << 10] * 3
+    keys = [f"persist-{i}" for i in range(20)]
+    assert a("put", keys=keys[:10], layout=layout)["codes"] == [0] * 10
+    assert b("put", keys=keys[10:], layout=layout)["codes"] == [0] * 10
+    time.sleep(0.6)   # the owners learn about their objects on the next heartbeats
+    meta.kill()
+    got = a("exist", keys=keys[:1])["codes"]
+    assert got[0] == -3017
+    meta.start()
+    wait_for(lambda: len(meta.http("/get_all_keys")["keys"]) == 20, 15, "recovery of 20 keys")
+    for reader in (a, b):
+        got = reader("get", keys=keys, layout=layout)
+        assert got["codes"] == [0] * 20 and got["mismatches"] == []
+    # and the pool takes new writes again once the recovery grace has passed
+    wait_for(lambda: a("put", keys=["after-restart"], layout=layout)["codes"] == [0], 10, "new puts")
+    assert b("get", keys=["after-restart"], layout=layout)["mismatches"] == []
+
+
+def test_meta_service_down_gives_3017_without_hanging():
+    with running_meta_service() as ms:
+        s = DistributedObjectStore()
+        assert s.setup(ms.local_config(client_timeout_seconds=2, heartbeat_interval_ms=200)) == 0
+        assert s.init(0, True) == 0
+        assert s.put("k", b"v") == 0
+        os.kill(ms.pid, signal.SIGSTOP)  # frozen: connections stay open, nothing answers
+        try:
+            t = time.monotonic()
+            assert s.is_exist("k") == -3017
+            assert time.monotonic() - t < 2.5
+            t = time.monotonic()   # once known down, calls fail at once
+            assert s.batch_is_exist(["k", "j"]) == [-3017, -3017]
+            assert s.get("k") == b""
+            assert time.monotonic() - t < 0.5
+        finally:
+            os.kill(ms.pid, signal.SIGCONT)
+        wait_for(lambda: s.is_exist("k") == 1, 5, "the MetaService to answer again")
+        ms.kill()
+        t = time.monotonic()
+        assert s.put("k2", b"v") == -3017
+        assert time.monotonic() - t < 2.5
+        s.close()
+    # a store whose MetaService never existed does not start
+    s = DistributedObjectStore()
+    cfg = LocalConfig(meta_service_url="tcp://127.0.0.1:1", protocol="host_shm", dram_size="8MB",
+                      client_timeout_seconds=1)
+    assert s.setup(cfg) == 0
+    t = time.monotonic()
+    assert s.init(0, True) == -3017
+    assert time.monotonic() - t < 2
+
+
+def test_writer_dying_between_alloc_and_commit_leaves_nothing(meta):
+    """Scenario: a writer allocates (objects PENDING) and dies before commit: nothing becomes
+    visible, and its space comes back when it is declared dead."""
+    reader = DistributedObjectStore()
+    assert reader.setup(meta.local_config()) == 0 and reader.init(0, True) == 0
+    before = meta.http("/api/v1/capacity/usage")["used_bytes"]
+    code = f"""
+import os
+from memcache_core.local.service import LocalService
+from memcache_core.config import LocalConfig
+from memcache_core import protocol as p
+svc = LocalService(LocalConfig(meta_service_url={meta.meta_service_url!r}, protocol="host_shm",
+                               dram_size="8MB", heartbeat_interval_ms=200))
+svc.start(0, with_segment=False)
+r = svc.rpc.call(p.Alloc(svc.client_id, ["half-written"], [1 << 20]))
+assert r.results[0].code == 0, r
+print("allocated", flush=True)
+os.kill(os.getpid(), 9)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "allocated" in out.stdout, out.stderr
+    assert reader.is_exist("half-written") == 0
+    assert reader.get("half-written") == b""
+    assert meta.http("/api/v1/capacity/usage")["used_bytes"] > before
+    wait_for(lambda: meta.http("/api/v1/capacity/usage")["used_bytes"] == before, 10, "space reclaimed")
+    assert reader.put("half-written", b"now whole") == 0
+    assert reader.get("half-written") == b"now whole"
+    reader.close()
+
+
+def test_pending_deadline_and_commit_after_abort():
+    with running_meta_service(pending_timeout_ms=300) as ms:
+        s = DistributedObjectStore()
+        assert s.setup(ms.local_config()) == 0 and s.init(0, True) == 0
+        svc = s._service()
+        r = expect(svc.rpc.call(p.Alloc(svc.client_id, ["slow"], [4096])), p.AllocReply)
+        gen = r.results[0].generation
+        wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 5, "pending reclaim")
+        codes = expect(svc.rpc.call(p.Commit(svc.client_id, ["slow"], [gen])), p.Codes).codes
+        assert codes == [-3101]
+        assert s.is_exist("slow") == 0
+        s.close()
