@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""The MemCache benchmark workload on memcache_core (or, with ``--engine mooncake``, on Mooncake Store).
+
+A MetaService and two LocalService processes, a writer and a reader, each contributing a 1 GB
+segment. Per protocol (host_shm, host_tcp), layout (one contiguous 8,784 KiB buffer per object, or
+122 pieces: 61 x 128 KiB + 61 x 16 KiB scattered layer-major over the batch) and batch (1-32 keys):
+
+* put      the writer stores a batch; objects land in its own segment (the default placement);
+* put>peer the writer stores a batch into the reader's segment (cross-process write);
+* get      the reader reads the writer's objects (cross-process read; over host_tcp through the
+           writer's data server).
+
+Every operation is followed, in the same process, by a single-thread ``ctypes.memmove`` of the same
+number of bytes between two warm private buffers; figures are medians over the repetitions, and the
+ratio is op bandwidth / memcpy bandwidth. Every get is checked byte for byte against what the writer
+wrote (each object carries a per-repetition stamp, so stale data is caught too); a mismatch or a
+failed operation aborts the run with a non-zero exit.
+
+Small objects: 4 KiB put (writer), get and is_exist (reader) latency p50/p99, and batch_is_exist of
+1,000 present keys (reader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+
+KIB = 1 << 10
+OBJ_BYTES = 8784 * KIB
+LAYER_PIECES = (128 * KIB, 16 * KIB)          # per layer: one 128 KiB and one 16 KiB piece
+LAYERS = 61
+SMALL = 4 * KIB
+SEGMENT = 1 << 30
+SEED = 20240611
+
+
+class BenchError(RuntimeError):
+    """A failed operation or a byte mismatch: the run is invalid."""
+
+
+# ---- buffer layouts (shared by both processes, so the reader can rebuild what the writer wrote) ----
+
+def pieces_of(layout: str, base: int, batch: int, k: int) -> list[tuple[int, int]]:
+    """(pointer, size) pieces of object k of a batch; laid end to end they form the object."""
+    if layout == "contiguous":
+        return [(base + k * OBJ_BYTES, OBJ_BYTES)]
+    out, off = [], 0
+    for _ in range(LAYERS):
+        for size in LAYER_PIECES:
+            out.append((base + off + k * size, size))
+            off += batch * size
+    return out
+
+
+def stamp(arr: np.ndarray, layout: str, batch: int, rep: int, tag: int) -> None:
+    """Write a per-(repetition, object) marker into each object's first piece."""
+    base = arr.ctypes.data
+    for k in range(batch):
+        ptr, _ = pieces_of(layout, base, batch, k)[0]
+        arr[ptr - base:ptr - base + 8] = np.frombuffer(
+            np.uint64((tag << 40) ^ (rep << 16) ^ (k + 1)).tobytes(), np.uint8)
+
+
+def memcpy_s(dst: np.ndarray, src: np.ndarray, n: int) -> float:
+    t = time.perf_counter()
+    ctypes.memmove(dst.ctypes.data, src.ctypes.data, n)
+    return time.perf_counter() - t
+
+
+# ---- engine adapters (run inside the worker processes) ----------------------------------------------
+
+class CoreClient:
+    """memcache_core's DistributedObjectStore."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from memcache_core import DistributedObjectStore, LocalConfig, ReplicateConfig
+        cfg = LocalConfig()
+        cfg.meta_service_url = spec["meta_service_url"]
+        cfg.config_store_url = spec["config_store_url"]
+        cfg.protocol = spec["protocol"]
+        cfg.dram_size = SEGMENT
+        cfg.log_level = "warning"
+        cfg.hcom_url = "tcp://127.0.0.1:0"
+        self._rc = ReplicateConfig
+        self.store = DistributedObjectStore()
+        if self.store.setup(cfg) != 0 or self.store.init(0, init_bm=True) != 0:
+            raise BenchError("LocalService did not start")
+        self.ident = self.store.get_local_service_id()
+
+    def register(self, ptr: int, size: int) -> None:
+        if self.store.register_buffer(ptr, size) != 0:
+            raise BenchError("register_buffer failed")
+
+    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any) -> list[int]:
+        rc = None
+        if peer is not None:
+            rc = self._rc()
+            rc.preferredLocalServiceIDs = [peer]
+        return self.store.batch_put_from_layers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                [[s for _, s in ps] for ps in pieces], replicateConfig=rc)
+
+    def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
+        return self.store.batch_get_into_layers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                [[s for _, s in ps] for ps in pieces])
+
+    def put1(self, key: str, ptr: int, size: int) -> int:
+        return self.store.put_from(key, ptr, size)
+
+    def get1(self, key: str, ptr: int, size: int) -> int:
+        return self.store.get_into(key, ptr, size)
+
+    def exist1(self, key: str) -> int:
+        return self.store.is_exist(key)
+
+    def exist(self, keys: list[str]) -> list[int]:
+        return self.store.batch_is_exist(keys)
+
+    def remove(self, keys: list[str]) -> None:
+        self.store.remove_batch(keys)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class MooncakeClient:
+    """Mooncake Store's MooncakeDistributedStore over its TCP transport (its only CPU transport)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        self._rc = ReplicateConfig
+        self.store = MooncakeDistributedStore()
+        self.ident = f"127.0.0.1:{_free_port()}"
+        rc = self.store.setup(self.ident, spec["metadata_url"], SEGMENT, 64 << 20, "tcp", "",
+                              spec["master_addr"])
+        if rc != 0:
+            raise BenchError(f"Mooncake setup failed ({rc})")
+
+    def register(self, ptr: int, size: int) -> None:
+        if self.store.register_buffer(ptr, size) != 0:
+            raise BenchError("register_buffer failed")
+
+    def _config(self, segment: str | None) -> Any:
+        rc = self._rc()
+        rc.replica_num = 1
+        rc.preferred_segment = segment or self.ident
+        return rc
+
+    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any) -> list[int]:
+        cfg = self._config(peer)
+        if all(len(ps) == 1 for ps in pieces):
+            return self.store.batch_put_from(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces], cfg)
+        return self.store.batch_put_from_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                       [[s for _, s in ps] for ps in pieces], cfg)
+
+    def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
+        if all(len(ps) == 1 for ps in pieces):
+            got = self.store.batch_get_into(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces])
+        else:
+            got = self.store.batch_get_into_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                          [[s for _, s in ps] for ps in pieces])
+        return [0 if g == sum(s for _, s in ps) else (g if g < 0 else -1) for g, ps in zip(got, pieces, strict=True)]
+
+    def put1(self, key: str, ptr: int, size: int) -> int:
+        return self.store.put_from(key, ptr, size, self._config(None))
+
+    def get1(self, key: str, ptr: int, size: int) -> int:
+        got = self.store.get_into(key, ptr, size)
+        return 0 if got == size else -1
+
+    def exist1(self, key: str) -> int:
+        return self.store.is_exist(key)
+
+    def exist(self, keys: list[str]) -> list[int]:
+        return self.store.batch_is_exist(keys)
+
+    def remove(self, keys: list[str]) -> None:
+        for k in keys:
+            self.store.remove(k, True)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# ---- worker process -------------------------------------------------------------------------------
+
+class Worker:
+    """One LocalService process: holds a data buffer (source or destination), a reference copy of the
+    expected content and a scratch buffer for the memcpy reference."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.client = (MooncakeClient if spec["engine"] == "mooncake" else CoreClient)(spec)
+        n = spec["max_batch"] * OBJ_BYTES
+        self.expected = np.frombuffer(np.random.default_rng(SEED).bytes(n), np.uint8).copy()
+        self.data = self.expected.copy()
+        self.scratch = np.ones(n, np.uint8)
+        self.small = np.frombuffer(np.random.default_rng(SEED + 1).bytes(SMALL), np.uint8).copy()
+        self.small_dst = np.zeros(SMALL, np.uint8)
+        for arr in (self.data, self.small, self.small_dst):
+            self.client.register(arr.ctypes.data, arr.nbytes)
+
+    def _batch(self, layout: str, batch: int, prefix: str) -> tuple[list[str], list[list[tuple[int, int]]]]:
+        keys = [f"{prefix}/{k}" for k in range(batch)]
+        return keys, [pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch)]
+
+    def put(self, layout: str, batch: int, rep: int, prefix: str, peer: Any) -> dict[str, Any]:
+        ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)  # drop old stamps
+        stamp(self.data, layout, batch, rep, tag=1 if peer is None else 2)
+        keys, pieces = self._batch(layout, batch, prefix)
+        t = time.perf_counter()
+        codes = self.client.put(keys, pieces, peer)
+        dt = time.perf_counter() - t
+        if any(c != 0 for c in codes):
+            return {"error": f"put {prefix}: codes {sorted(set(codes))}"}
+        return {"s": dt, "memcpy_s": memcpy_s(self.scratch, self.expected, batch * OBJ_BYTES)}
+
+    def get(self, layout: str, batch: int, rep: int, prefix: str) -> dict[str, Any]:
+        keys, pieces = self._batch(layout, batch, prefix)
+        t = time.perf_counter()
+        codes = self.client.get(keys, pieces)
+        dt = time.perf_counter() - t
+        if any(c != 0 for c in codes):
+            return {"error": f"get {prefix}: codes {sorted(set(codes))}"}
+        n = batch * OBJ_BYTES
+        mc = memcpy_s(self.scratch, self.expected, n)   # the scratch copy then becomes the expected image
+        want = self.scratch
+        stamp(want, layout, batch, rep, tag=1)
+        if not np.array_equal(self.data[:n], want[:n]):
+            bad = int(np.flatnonzero(self.data[:n] != want[:n])[0])
+            return {"error": f"get {prefix}: bytes differ from what was written (first at offset {bad})"}
+        return {"s": dt, "memcpy_s": mc}
+
+    def remove(self, layout: str, batch: int, prefix: str) -> dict[str, Any]:
+        self.client.remove(self._batch(layout, batch, prefix)[0])
+        return {}
+
+    def small_ops(self, op: str, prefix: str, n: int) -> dict[str, Any]:
+        lat, c = [], self.client
+        ptr_s, ptr_d = self.small.ctypes.data, self.small_dst.ctypes.data
+        for i in range(n):
+            key = f"{prefix}/{i}"
+            t = time.perf_counter_ns()
+            rc = (c.put1(key, ptr_s, SMALL) if op == "put" else c.get1(key, ptr_d, SMALL) if op == "get"
+                  else c.exist1(key) - 1)
+            lat.append(time.perf_counter_ns() - t)
+            if rc != 0:
+                return {"error": f"small {op} {key}: {rc}"}
+        if op == "get" and not np.array_equal(self.small, self.small_dst):
+            return {"error": "small get: bytes differ from what was written"}
+        return {"ns": lat}
+
+    def batch_exist(self, prefix: str, n: int, reps: int) -> dict[str, Any]:
+        keys, lat = [f"{prefix}/{i}" for i in range(n)], []
+        for _ in range(reps):
+            t = time.perf_counter_ns()
+            flags = self.client.exist(keys)
+            lat.append(time.perf_counter_ns() - t)
+            if list(flags) != [1] * n:
+                return {"error": f"batch_is_exist: {sum(f == 1 for f in flags)} of {n} keys found"}
+        return {"ns": lat}
+
+
+def _worker_main(conn: Any, spec: dict[str, Any]) -> None:
+    try:
+        w = Worker(spec)
+        conn.send({"ident": w.client.ident})
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
+        conn.send({"error": f"worker start: {e!r}"})
+        return
+    while True:
+        cmd, kwargs = conn.recv()
+        if cmd == "close":
+            w.client.close()
+            conn.send({})
+            return
+        try:
+            conn.send(getattr(w, cmd)(**kwargs))
+        except Exception as e:  # noqa: BLE001
+            conn.send({"error": f"{cmd}: {e!r}"})
+
+
+class Proc:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.proc.start()
+        self.ident = self.wait()["ident"]
+
+    def wait(self) -> dict[str, Any]:
+        if not self.conn.poll(300):
+            raise BenchError("worker did not answer within 300 s")
+        r = self.conn.recv()
+        if "error" in r:
+            raise BenchError(r["error"])
+        return r
+
+    def call(self, cmd: str, **kwargs: Any) -> dict[str, Any]:
+        self.conn.send((cmd, kwargs))
+        return self.wait()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close", {}))
+            self.conn.poll(20)
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# ---- the pool: MetaService (or Mooncake master) + writer + reader --------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MooncakeMaster:
+    def __init__(self) -> None:
+        exe = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+        rpc, meta, metrics = _free_port(), _free_port(), _free_port()
+        self.log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [exe, f"--rpc_port={rpc}", "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={meta}", f"--metrics_port={metrics}"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.spec = {"master_addr": f"127.0.0.1:{rpc}", "metadata_url": f"http://127.0.0.1:{meta}/metadata"}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"mooncake_master exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise BenchError("mooncake_master did not come up within 30 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list[dict[str, Any]]) -> None:
+    spec: dict[str, Any] = {"engine": engine, "protocol": protocol, "max_batch": max(args.batches)}
+    if engine == "mooncake":
+        master = MooncakeMaster()
+        spec.update(master.spec)
+        stop = master.stop
+    else:
+        from memcache_core.testing import running_meta_service
+        ctx = running_meta_service(log_level="warning")
+        meta = ctx.__enter__()
+        spec.update(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url)
+        stop = lambda: ctx.__exit__(None, None, None)  # noqa: E731
+    procs: list[Proc] = []
+    try:
+        writer = Proc(spec)
+        procs.append(writer)
+        reader = Proc(spec)
+        procs.append(reader)
+        for layout in args.layouts:
+            for batch in args.batches:
+                rows = {"put": [], "put>peer": [], "get": []}
+                for rep in range(args.warmup + args.reps):
+                    prefix = f"{engine}/{protocol}/{layout}/b{batch}/r{rep}"
+                    put = writer.call("put", layout=layout, batch=batch, rep=rep, prefix=prefix, peer=None)
+                    get = reader.call("get", layout=layout, batch=batch, rep=rep, prefix=prefix)
+                    writer.call("remove", layout=layout, batch=batch, prefix=prefix)
+                    peer = writer.call("put", layout=layout, batch=batch, rep=rep, prefix=prefix + "p",
+                                       peer=reader.ident)
+                    writer.call("remove", layout=layout, batch=batch, prefix=prefix + "p")
+                    if rep >= args.warmup:
+                        for op, r in (("put", put), ("put>peer", peer), ("get", get)):
+                            rows[op].append(r)
+                    elif rep == 0:
+                        cold = get["s"]
+                for op, rs in rows.items():
+                    row = _bandwidth_row(engine, protocol, layout, batch, op, rs)
+                    if op == "get" and args.warmup:
+                        row["cold_get_gbps"] = round(batch * OBJ_BYTES / cold / 1e9, 3)
+                    out.append(row)
+                    _print_row(row)
+        small = f"{engine}/{protocol}/small"
+        res = {"put": writer.call("small_ops", op="put", prefix=small, n=max(args.small_n, 1000)),
+               "get": reader.call("small_ops", op="get", prefix=small, n=args.small_n),
+               "is_exist": reader.call("small_ops", op="exist", prefix=small, n=args.small_n),
+               "batch_is_exist(1000)": reader.call("batch_exist", prefix=small, n=1000, reps=args.exist_reps)}
+        for op, r in res.items():
+            ns = sorted(r["ns"])
+            row = {"engine": engine, "protocol": protocol, "op": op, "n": len(ns),
+                   "p50_us": round(ns[len(ns) // 2] / 1e3, 1),
+                   "p99_us": round(ns[min(len(ns) - 1, int(len(ns) * 0.99))] / 1e3, 1)}
+            out.append(row)
+            _print_row(row)
+    finally:
+        for p in procs:
+            p.close()
+        stop()
+
+
+def _bandwidth_row(engine: str, protocol: str, layout: str, batch: int, op: str,
+                   rs: list[dict[str, Any]]) -> dict[str, Any]:
+    nbytes = batch * OBJ_BYTES
+    t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
+    return {"engine": engine, "protocol": protocol, "layout": layout, "batch": batch, "op": op,
+            "gbps": round(nbytes / t / 1e9, 3), "memcpy_gbps": round(nbytes / mc / 1e9, 3),
+            "ratio": round(mc / t, 3), "ms": round(t * 1e3, 2), "reps": len(rs)}
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    if "gbps" in row:
+        extra = f"  cold {row['cold_get_gbps']:6.2f} GB/s" if "cold_get_gbps" in row else ""
+        print(f"{row['engine']:8} {row['protocol']:8} {row['layout']:10} {row['batch']:>3} {row['op']:9}"
+              f" {row['gbps']:7.2f} GB/s  memcpy {row['memcpy_gbps']:6.2f} GB/s  x{row['ratio']:.2f}"
+              f"  {row['ms']:8.2f} ms{extra}", flush=True)
+    else:
+        print(f"{row['engine']:8} {row['protocol']:8} {'4KiB' if 'batch' not in row['op'] else '1000 keys':10}"
+              f"     {row['op']:21} p50 {row['p50_us']:8.1f} us  p99 {row['p99_us']:8.1f} us  (n={row['n']})",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=("memcache", "mooncake"), default="memcache")
+    ap.add_argument("--protocol", choices=("host_shm", "host_tcp", "all"), default="all",
+                    help="Mooncake has only TCP: it always runs host_tcp")
+    ap.add_argument("--quick", action="store_true", help="small run (< 60 s), a smoke check")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    ap.add_argument("--layouts", type=lambda s: s.split(","), default=["contiguous", "layered"],
+                    help="comma-separated: contiguous, layered")
+    ap.add_argument("--reps", type=int, default=None, help="measured repetitions per figure")
+    ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
+    args = ap.parse_args(argv)
+    if args.engine == "mooncake":
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as e:
+            print(f"--engine mooncake: Mooncake Store is not importable in {sys.executable} ({e}).\n"
+                  "Install it into a separate venv: pip install mooncake-transfer-engine-non-cuda numpy "
+                  "(and apt-get install libibverbs1), then run this script with that venv's python.",
+                  file=sys.stderr)
+            return 2
+    args.batches = args.batches or ([1, 8] if args.quick else [1, 2, 4, 8, 16, 32])
+    args.reps = args.reps or (3 if args.quick else 7)
+    args.warmup = 1
+    args.small_n = 300 if args.quick else 2000
+    args.exist_reps = 50 if args.quick else 300
+    protocols = ["host_tcp"] if args.engine == "mooncake" else (
+        ["host_shm", "host_tcp"] if args.protocol == "all" else [args.protocol])
+    print(f"engine {args.engine}; object {OBJ_BYTES // KIB} KiB (contiguous, or {LAYERS}x128 KiB + {LAYERS}x16 KiB);"
+          f" batches {args.batches}; {args.reps} reps (+{args.warmup} warm-up) per figure; medians; "
+          f"ratio = op bandwidth / single-thread memcpy of the same bytes in the same process", flush=True)
+    out: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    try:
+        for protocol in protocols:
+            run_protocol(args.engine, protocol, args, out)
+    except BenchError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"argv": sys.argv[1:], "results": out}, f, indent=1)
+    print(f"done in {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
