@@ -84,18 +84,17 @@ class DistributedObjectStore:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def setup(self, config: LocalConfig | None = None) -> int:
-        def run() -> int:
+        try:
             cfg = config if config is not None else local_config_from_env()
             cfg.validate()
             if cfg.protocol not in ("host_shm", "host_tcp"):
                 from ..transfer.memfabric import require_memfabric
                 require_memfabric(cfg.protocol)
-            self._config = cfg
-            return errors.SUCCESS
-        rc = _code(run)
-        if rc != 0:
-            logger.error("setup failed (%d)", rc)
-        return rc
+        except MemCacheError as e:
+            logger.error("setup failed: %s", e)
+            return e.code
+        self._config = cfg
+        return errors.SUCCESS
 
     def init(self, device_id: int = 0, init_bm: bool = True) -> int:
         if self._config is None:
@@ -104,19 +103,19 @@ class DistributedObjectStore:
                 return rc
         if self._svc is not None:
             return errors.REPEATED_CALL
-
-        def run() -> int:
-            assert self._config is not None
+        assert self._config is not None
+        try:
             svc = LocalService(self._config)
             svc.start(int(device_id), with_segment=bool(init_bm))
-            self._svc = svc
-            self._pure_client = not init_bm
-            return errors.SUCCESS
-        rc = _code(run)
-        if rc != 0:
-            logger.error("init failed (%d): is the MetaService at %s running?", rc,
-                         self._config.meta_service_url if self._config else "?")
-        return rc
+        except MemCacheError as e:
+            logger.error("init failed: %s", e)
+            return e.code
+        except OSError as e:
+            logger.error("init failed: cannot create the segment or data server: %s", e)
+            return errors.MALLOC_FAILED
+        self._svc = svc
+        self._pure_client = not init_bm
+        return errors.SUCCESS
 
     def close(self) -> int:
         svc, self._svc = self._svc, None

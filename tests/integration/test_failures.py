@@ -150,3 +150,33 @@ def test_pending_deadline_and_commit_after_abort():
         assert codes == [-3101]
         assert s.is_exist("slow") == 0
         s.close()
+
+
+def test_stalled_reader_never_reports_bytes_of_a_reused_space():
+    """Scenario: a reader stalls past its lease; meanwhile the object is removed, its lease ends,
+    and the same space is given to another object. The late read must fail, not return J's bytes."""
+    import numpy as np
+    with running_meta_service(lease_ttl_ms=300, heartbeat_timeout_ms=1000) as ms:
+        owner, reader = DistributedObjectStore(), DistributedObjectStore()
+        assert owner.setup(ms.local_config(dram_size="4MB")) == 0 and owner.init(0, True) == 0
+        assert reader.setup(ms.local_config()) == 0 and reader.init(1, False) == 0
+        assert owner.put("K", b"k" * 65536) == 0
+        k_loc = ms.http("/query_key?key=K")["locations"]
+        svc = reader._service()
+        real_read = svc.engine.read
+
+        def stalled_read(ops):
+            assert owner.remove("K") == 0
+            time.sleep(0.8)                          # the lease (300 ms) ends, the space is freed
+            assert owner.put("J", b"j" * 65536) == 0  # best fit: J lands where K was
+            real_read(ops)
+        svc.engine.read = stalled_read
+        dst = np.zeros(65536, np.uint8)
+        assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+        assert reader.get_into("K", dst.ctypes.data, 65536) == -3101
+        assert ms.http("/query_key?key=J")["locations"] == k_loc   # the space really was reused
+        svc.engine.read = real_read
+        assert owner.put("K", b"k" * 65536) == 0
+        assert reader.get_into("K", dst.ctypes.data, 65536) == 0 and bytes(dst) == b"k" * 65536
+        owner.close()
+        reader.close()

@@ -1,0 +1,100 @@
+"""Fixtures for the SGLang engine tests: real MetaService, real SGLang servers, tiny local model.
+
+Run with the SGLang environment's python (``.ci/sglang_env.sh`` prints it):
+
+    "$(bash .ci/sglang_env.sh | tail -1)/bin/python" -m pytest tests/engines/sglang -m engine
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="needs the SGLang test environment (.ci/sglang_env.sh)")
+import requests  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "examples" / "sglang"))
+import serve_cpu  # noqa: E402
+
+PROMPT_TOKENS = 3200
+PAGE = 128
+FULL_PAGES = PROMPT_TOKENS // PAGE
+REQUEST_TIMEOUT_S = 240
+BACKUP_TIMEOUT_S = 60
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 32000) for _ in range(PROMPT_TOKENS)]
+
+
+def generate(server: serve_cpu.ServerHandle, ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
+    """Greedy /generate; returns text, cached token details (device/host/storage) and latency."""
+    start = time.monotonic()
+    r = requests.post(f"{server.url}/generate", timeout=REQUEST_TIMEOUT_S, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
+    r.raise_for_status()
+    body = r.json()
+    details = body["meta_info"].get("cached_tokens_details") or {}
+    return {"text": body["text"], "device": details.get("device", 0), "host": details.get("host", 0),
+            "storage": details.get("storage", 0), "backend": details.get("storage_backend"),
+            "seconds": time.monotonic() - start}
+
+
+def flush(server: serve_cpu.ServerHandle) -> None:
+    """Drop device and host caches (L1/L2); L3 is untouched. Retries while requests drain."""
+    deadline = time.monotonic() + 30
+    while True:
+        r = requests.post(f"{server.url}/flush_cache", timeout=30)
+        if r.status_code == 200:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/flush_cache refused: {r.status_code} {r.text}")
+        time.sleep(0.5)
+
+
+def pool_keys(meta: serve_cpu.MetaHandle) -> set[str]:
+    with urllib.request.urlopen(meta.metrics_url + "/get_all_keys", timeout=10) as r:
+        return set(json.load(r)["keys"])
+
+
+def wait_for_new_keys(meta: serve_cpu.MetaHandle, before: set[str], count: int,
+                      timeout_s: float = BACKUP_TIMEOUT_S) -> set[str]:
+    """Wait until write-through has committed at least ``count`` new objects; return them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        new = pool_keys(meta) - before
+        if len(new) >= count:
+            time.sleep(0.5)  # let the last batch of this backup land too
+            return pool_keys(meta) - before
+        if time.monotonic() > deadline:
+            raise AssertionError(f"only {len(new)} of {count} objects written within {timeout_s}s")
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    return serve_cpu.ensure_model(sys.executable)
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[serve_cpu.MetaHandle]:
+    handle = serve_cpu.start_meta(tmp_path_factory.mktemp("meta"))
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def start(meta: serve_cpu.MetaHandle, model: str, log_dir: Path, name: str, **kw: Any) -> serve_cpu.ServerHandle:
+    port = serve_cpu.free_port()
+    return serve_cpu.start_server(port, meta, model=model, log_path=log_dir / f"{name}.log", **kw)

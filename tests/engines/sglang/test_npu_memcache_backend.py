@@ -1,0 +1,182 @@
+"""``--hicache-storage-backend npu_memcache`` (our NpuMemcacheStore) against a real SGLang server.
+
+One MetaService and one server (A) serve the whole module; the two-server test adds B for its
+own duration. The MetaService-failure test runs last because it restarts the MetaService.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import serve_cpu
+from conftest import (
+    FULL_PAGES,
+    flush,
+    generate,
+    pool_keys,
+    prompt,
+    start,
+    wait_for_new_keys,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+# Short client timeout so a dead MetaService costs seconds, not the 60 s default.
+EXTRA = {"client_timeout_seconds": 5}
+
+
+@pytest.fixture(scope="module")
+def server_a(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[serve_cpu.ServerHandle]:
+    server = start(meta, model, tmp_path_factory.mktemp("logs"), "server_a", extra_config=EXTRA)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def write_through(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle, ids: list[int]
+                  ) -> tuple[dict, set[str]]:
+    """First (cold) request; returns it and the objects its write-through put in the pool."""
+    before = pool_keys(meta)
+    cold = generate(server, ids)
+    assert cold["device"] == cold["host"] == cold["storage"] == 0, cold
+    return cold, wait_for_new_keys(meta, before, FULL_PAGES)
+
+
+def test_l3_restore_after_flush(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+    """Scenario: cold -> device hit -> /flush_cache -> restored from L3 (same text) -> device hit."""
+    ids = prompt(1)
+    cold, written = write_through(server_a, meta, ids)
+    assert all(k.startswith("sgl1.") for k in written), sorted(written)[:3]
+
+    warm = generate(server_a, ids)
+    assert warm["device"] >= (FULL_PAGES - 1) * 128 and warm["storage"] == 0, warm
+    assert warm["text"] == cold["text"]
+
+    flush(server_a)
+    restored = generate(server_a, ids)
+    assert restored["backend"] == "NpuMemcacheStore", restored
+    assert restored["device"] == 0 and restored["host"] == 0, restored
+    assert restored["storage"] >= (FULL_PAGES - 1) * 128, restored
+    assert restored["text"] == cold["text"]
+
+    again = generate(server_a, ids)
+    assert again["device"] >= restored["storage"] and again["storage"] == 0, again
+    assert again["text"] == cold["text"]
+
+
+def test_restore_uses_the_stored_bytes(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+    """Scenario: the pool's objects are replaced by same-size garbage -> the restored text changes.
+
+    Proves the restore comparison can fail: a backend that reported hits without delivering the
+    written bytes would not pass the other tests.
+    """
+    from memcache_core import DistributedObjectStore
+
+    ids = prompt(2)
+    cold, written = write_through(server_a, meta, ids)
+    client = DistributedObjectStore()
+    assert client.setup(meta_local_config(meta)) == 0 and client.init(0, True) == 0
+    try:
+        for key in written:
+            size = client.get_key_info(key).size()
+            assert size > 0
+            assert client.remove(key) == 0
+            assert client.put(key, os.urandom(size)) == 0
+        flush(server_a)
+        restored = generate(server_a, ids)
+        assert restored["storage"] >= (FULL_PAGES - 1) * 128, restored
+        assert restored["text"] != cold["text"], "garbage KV produced the same text: the check is blind"
+    finally:
+        client.remove_batch(sorted(written))
+        client.close()
+
+
+def meta_local_config(meta: serve_cpu.MetaHandle):  # noqa: ANN201
+    from memcache_core import LocalConfig
+
+    cfg = LocalConfig()
+    cfg.meta_service_url = meta.meta_service_url
+    cfg.config_store_url = meta.config_store_url
+    cfg.protocol = "host_shm"
+    cfg.dram_size = "64MB"
+    return cfg
+
+
+def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
+                                              meta: serve_cpu.MetaHandle) -> None:
+    """Scenario: POST /hicache/storage-backend/clear -> no storage hit; other namespaces survive."""
+    import requests
+    from memcache_core import DistributedObjectStore
+
+    client = DistributedObjectStore()
+    assert client.setup(meta_local_config(meta)) == 0 and client.init(0, True) == 0
+    foreign = "other-model:sgl1.0123456789abcdef." + "ab" * 32 + ".r0p0c0"
+    try:
+        assert client.put(foreign, b"x" * 4096) == 0
+        ids = prompt(3)
+        cold, _ = write_through(server_a, meta, ids)
+        r = requests.post(f"{server_a.url}/hicache/storage-backend/clear", timeout=60)
+        assert r.status_code == 200, r.text
+        left = pool_keys(meta)
+        assert left == {foreign}, sorted(left)[:5]
+        flush(server_a)
+        after = generate(server_a, ids)
+        assert after["storage"] == 0 and after["device"] == 0 and after["host"] == 0, after
+        assert after["text"] == cold["text"]
+    finally:
+        client.remove(foreign)
+        client.close()
+
+
+def test_two_servers_share_one_pool(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle,
+                                    model: str, tmp_path: Path) -> None:
+    """Scenario: server A writes a prompt's KV; server B (own LocalService) restores it from L3."""
+    ids = prompt(4)
+    cold, _ = write_through(server_a, meta, ids)
+    server_b = start(meta, model, tmp_path, "server_b", extra_config=EXTRA)
+    try:
+        got = generate(server_b, ids)
+        assert got["device"] == 0 and got["host"] == 0, got
+        assert got["storage"] >= (FULL_PAGES - 1) * 128, got
+        assert got["text"] == cold["text"]
+    finally:
+        server_b.stop()
+
+
+def test_meta_service_killed_while_serving(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+    """Scenario: MetaService SIGKILLed -> requests still succeed (recompute, same text, no hang);
+    after a restart on the same ports -> storage hits resume."""
+    ids = prompt(5)
+    baseline, _ = write_through(server_a, meta, ids)
+    meta.stop(sig=9)
+    try:
+        for seed in (6, 5):  # a new prompt, then the stored one (its L3 objects are unreachable)
+            if seed == 5:
+                flush(server_a)
+            got = generate(server_a, prompt(seed))
+            assert got["seconds"] < 60, f"request took {got['seconds']:.1f}s with the MetaService down"
+            assert got["storage"] == 0, got
+            if seed == 5:
+                assert got["text"] == baseline["text"]
+    finally:
+        meta.start()
+
+    # The server's LocalService re-joins on its next heartbeat and reports what it holds.
+    deadline = time.monotonic() + 30
+    while not pool_keys(meta) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    ids7 = prompt(7)
+    cold, _ = write_through(server_a, meta, ids7)
+    flush(server_a)
+    restored = generate(server_a, ids7)
+    assert restored["storage"] >= (FULL_PAGES - 1) * 128, restored
+    assert restored["text"] == cold["text"]
+    recovered = generate(server_a, ids)  # written before the crash, reported again on re-join
+    assert recovered["storage"] >= (FULL_PAGES - 1) * 128, recovered
+    assert recovered["text"] == baseline["text"]
