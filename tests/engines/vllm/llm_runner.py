@@ -76,7 +76,7 @@ def main() -> None:
             comp = out.outputs[0]
             outs.append({
                 "token_ids": list(comp.token_ids),
-                "logprobs": [lp[tok].logprob for lp, tok in zip(comp.logprobs, comp.token_ids)],
+                "logprobs": [lp[tok].logprob for lp, tok in zip(comp.logprobs, comp.token_ids, strict=False)],
                 "num_cached_tokens": out.num_cached_tokens,
                 "finish_reason": comp.finish_reason,
                 "elapsed_s": time.perf_counter() - t,

@@ -1,0 +1,150 @@
+"""Settings of the MemCache connector, read from ``kv_connector_extra_config``.
+
+One dict carries two kinds of keys:
+
+* connector keys (below), including those of vllm-ascend's pool connector (``backend``,
+  ``lookup_rpc_port``, ``load_async``, ``use_layerwise``, ``consumer_is_to_put``,
+  ``consumer_is_to_load``, ``discard_partial_chunks``) with the same meaning where it applies;
+* the store's own keys: any field of ``memcache_core.LocalConfig`` (``meta_service_url``,
+  ``protocol``, ``dram_size``, ``client_timeout_seconds``, ...), passed to the LocalService.
+
+Unknown keys are warned about, never fatal; invalid values fail at start-up naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+logger = logging.getLogger("vllm." + __name__)
+
+# Keys of vllm-ascend's AscendStoreConnector that have no effect here, accepted for compatibility.
+_COMPAT_ONLY_KEYS = frozenset({
+    "mooncake_rpc_port", "prefill_pp_size", "prefill_pp_layer_partition", "prefill_tp_size",
+    "decode_tp_size", "layerwise_prefetch_layers", "layerwise_max_transfer_blocks",
+    "layerwise_max_transfer_bytes", "h2d_stagger_us",
+})
+
+# Store defaults that differ from LocalConfig's: its protocol default needs Ascend hardware, and a
+# MetaService that does not answer must cost a step a few seconds at most, not a minute.
+_STORE_DEFAULTS: dict[str, Any] = {"protocol": "host_shm", "client_timeout_seconds": 5.0}
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"kv_connector_extra_config.{key}: expected a boolean, got {value!r}")
+
+
+def _as_float(key: str, value: Any, low: float) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config.{key}: expected a number, got {value!r}") from None
+    if out < low:
+        raise ValueError(f"kv_connector_extra_config.{key}: must be >= {low}, got {value!r}")
+    return out
+
+
+@dataclasses.dataclass
+class ConnectorConfig:
+    """Connector settings; every field is a key of ``kv_connector_extra_config``."""
+
+    backend: str = "memcache"
+    """Pool backend (vllm-ascend key); only ``memcache`` exists here."""
+    lookup_rpc_port: int = 0
+    """vllm-ascend key. Lookups here go straight to the MetaService through a pure client, so no
+    scheduler-to-worker socket exists and the value is unused (kept unique-per-instance safe)."""
+    load_async: bool = False
+    """Load in the background: the request waits in WAITING_FOR_REMOTE_KVS while other requests
+    run, and completion is reported through ``get_finished``. False: the step that needs the blocks
+    loads them before its forward."""
+    save_async: bool = True
+    """Save in the background without blocking the step. The source blocks stay alive until the save
+    is done (finished requests are freed late, preemptions wait for in-flight saves)."""
+    use_layerwise: bool = False
+    """vllm-ascend key: per-layer transfers. Not supported: whole blocks of all layers move as one
+    object; a true value is logged and ignored."""
+    consumer_is_to_put: bool = False
+    """A ``kv_consumer`` instance also saves to the pool."""
+    consumer_is_to_load: bool = False
+    """A ``kv_consumer`` instance also loads from the pool (else it neither looks up nor loads)."""
+    discard_partial_chunks: bool = True
+    """Only full blocks are stored or looked up. Always true here (a partial block has no vLLM block
+    hash); false is logged and ignored."""
+    save_decode_cache: bool = False
+    """Also save blocks filled by generated tokens (default: prompt blocks only)."""
+    cache_prefix: str = ""
+    """Extra namespace in front of every key, to separate tenants or experiments sharing a pool."""
+    lookup_retry_s: float = 5.0
+    """After the pool could not be reached, lookups answer "miss" at once for this long."""
+    store_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The store's own keys (``memcache_core.LocalConfig`` fields)."""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        from memcache_core import LocalConfig
+
+        extra = dict(extra or {})
+        store_fields = {f.name for f in dataclasses.fields(LocalConfig)}
+        cfg = cls()
+        cfg.store_config = dict(_STORE_DEFAULTS)
+        for key, value in extra.items():
+            if key in ("backend", "cache_prefix"):
+                setattr(cfg, key, str(value))
+            elif key in ("lookup_rpc_port", "mooncake_rpc_port"):
+                cfg.lookup_rpc_port = int(value)
+            elif key in ("load_async", "save_async", "use_layerwise", "consumer_is_to_put",
+                         "consumer_is_to_load", "discard_partial_chunks", "save_decode_cache"):
+                setattr(cfg, key, _as_bool(key, value))
+            elif key == "lookup_retry_s":
+                cfg.lookup_retry_s = _as_float(key, value, 0.0)
+            elif key in store_fields:
+                cfg.store_config[key] = value
+            elif key in _COMPAT_ONLY_KEYS:
+                logger.info("MemCacheConnector: extra config key %s has no effect here", key)
+            else:
+                logger.warning("MemCacheConnector: unknown extra config key %s ignored", key)
+        if cfg.backend.lower() != "memcache":
+            raise ValueError(
+                f"kv_connector_extra_config.backend: only 'memcache' is supported, got {cfg.backend!r}")
+        if cfg.use_layerwise:
+            logger.warning("MemCacheConnector: use_layerwise is not supported; whole blocks are moved")
+            cfg.use_layerwise = False
+        if not cfg.discard_partial_chunks:
+            logger.warning("MemCacheConnector: partial blocks are never stored (no block hash); "
+                           "discard_partial_chunks=false ignored")
+            cfg.discard_partial_chunks = True
+        cfg.local_config()  # validate the store keys now, naming the bad key
+        return cfg
+
+    def local_config(self) -> Any:
+        """A ``memcache_core.LocalConfig`` built from the store keys (validated)."""
+        from memcache_core import LocalConfig
+
+        values = dict(self.store_config)
+        try:
+            return LocalConfig(**values)
+        except TypeError as exc:
+            raise ValueError(f"kv_connector_extra_config: {exc}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class RolePolicy:
+    """What this instance does with the pool, from ``kv_role`` and the consumer keys."""
+
+    can_load: bool
+    can_save: bool
+
+    @classmethod
+    def from_role(cls, kv_role: str | None, cfg: ConnectorConfig) -> RolePolicy:
+        if kv_role == "kv_consumer":
+            return cls(can_load=cfg.consumer_is_to_load, can_save=cfg.consumer_is_to_put)
+        if kv_role in ("kv_producer", "kv_both"):
+            return cls(can_load=True, can_save=True)
+        raise ValueError(f"kv_role: expected kv_producer, kv_consumer or kv_both, got {kv_role!r}")

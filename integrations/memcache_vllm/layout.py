@@ -1,0 +1,166 @@
+"""Where the bytes of one vLLM KV block lie, and how they reach a pool object.
+
+A pool object is one block of all layers of one rank: for every layer, the block's slice of that
+layer's KV tensor, as one or more contiguous pieces. The block's dimension is found by its size
+(``num_blocks``) and strides: dimensions with a smaller stride must fill the block's stride exactly
+(they are one contiguous piece); each index of a dimension with a larger stride (e.g. K and V as
+two halves of the tensor) is a separate piece. So the CPU layout
+``[num_blocks, kv_heads, block_size, 2*head_size]`` is one piece per layer per block, and a
+``[2, num_blocks, ...]`` layout is two.
+
+Host tensors are moved in place (the store reads and writes the pieces through registered
+buffers). Tensors on a CUDA device go through a pinned host staging buffer: blocks are gathered on
+the device and copied out in one transfer per layer, and scattered back the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+@dataclass
+class LayerLayout:
+    name: str
+    tensor: torch.Tensor
+    block_dim: int
+    block_stride: int
+    """Bytes between consecutive blocks."""
+    piece_bytes: int
+    outer_offsets: list[int]
+    """Byte offset of each piece of a block, relative to the block's start."""
+
+    @property
+    def block_bytes(self) -> int:
+        return self.piece_bytes * len(self.outer_offsets)
+
+
+def _layer_layout(name: str, t: torch.Tensor, num_blocks: int) -> LayerLayout:
+    shape, strides, elem = list(t.shape), list(t.stride()), t.element_size()
+    candidates = [d for d, n in enumerate(shape) if n == num_blocks]
+    if not candidates:
+        raise ValueError(f"KV cache {name}: no dimension of size num_blocks={num_blocks} in {shape}")
+    b = candidates[0]
+    inner = sorted((strides[d], shape[d]) for d in range(len(shape))
+                   if d != b and strides[d] < strides[b] and shape[d] > 1)
+    expected = 1
+    for stride, size in inner:
+        if stride != expected:
+            raise ValueError(f"KV cache {name}: a block is not contiguous (shape {shape}, strides {strides})")
+        expected *= size
+    if expected != strides[b]:
+        raise ValueError(f"KV cache {name}: blocks are padded or overlap (shape {shape}, strides {strides})")
+    outer = [d for d in range(len(shape)) if d != b and strides[d] > strides[b] and shape[d] > 1]
+    offsets = [sum(i * strides[d] * elem for i, d in zip(idx, outer, strict=False))
+               for idx in itertools.product(*(range(shape[d]) for d in outer))]
+    return LayerLayout(name, t, b, strides[b] * elem, strides[b] * elem, offsets)
+
+
+class BlockLayout:
+    """The pieces of every block across all layers registered by vLLM, in a fixed order."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        if not kv_caches:
+            raise ValueError("no KV cache tensors registered")
+        self.layers = [_layer_layout(name, t, num_blocks) for name, t in kv_caches.items()]
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) != 1:
+            raise ValueError(f"KV caches span several devices: {devices}")
+        self.device = devices.pop()
+        self.num_blocks = num_blocks
+        self.block_bytes = sum(layer.block_bytes for layer in self.layers)
+        self.pieces_per_block = sum(len(layer.outer_offsets) for layer in self.layers)
+
+    @property
+    def on_host(self) -> bool:
+        return self.device.type == "cpu"
+
+    def regions(self) -> list[tuple[int, int]]:
+        """Distinct memory regions holding the KV caches (to register with the store)."""
+        seen: dict[int, int] = {}
+        for layer in self.layers:
+            storage = layer.tensor.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return sorted(seen.items())
+
+    def pieces(self, block_id: int) -> tuple[list[int], list[int]]:
+        """Pointers and sizes of one block's pieces, in place (host tensors only)."""
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for layer in self.layers:
+            base = layer.tensor.data_ptr() + block_id * layer.block_stride
+            for off in layer.outer_offsets:
+                ptrs.append(base + off)
+                sizes.append(layer.piece_bytes)
+        return ptrs, sizes
+
+
+class DeviceStager:
+    """A pinned host buffer of ``capacity`` blocks for KV caches on a CUDA device.
+
+    Slot ``s`` holds one block of all layers in the same piece order as ``BlockLayout.pieces``, so
+    an object's bytes are the same whether it was staged or read in place.
+    """
+
+    def __init__(self, layout: BlockLayout, capacity: int) -> None:
+        self.layout = layout
+        self.capacity = max(1, capacity)
+        self.buffer = torch.empty((self.capacity, layout.block_bytes), dtype=torch.uint8,
+                                  pin_memory=torch.cuda.is_available())
+        self._layer_offsets = list(itertools.accumulate(
+            [0] + [layer.block_bytes for layer in layout.layers]))[:-1]
+
+    def region(self) -> tuple[int, int]:
+        return self.buffer.data_ptr(), self.buffer.numel()
+
+    def pieces(self, slot: int) -> tuple[list[int], list[int]]:
+        base = self.buffer.data_ptr() + slot * self.layout.block_bytes
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for layer, loff in zip(self.layout.layers, self._layer_offsets, strict=False):
+            for i in range(len(layer.outer_offsets)):
+                ptrs.append(base + loff + i * layer.piece_bytes)
+                sizes.append(layer.piece_bytes)
+        return ptrs, sizes
+
+    def gather(self, block_ids: list[int]) -> None:
+        """Copy device blocks into slots ``0..len(block_ids)-1`` (waits for the copies)."""
+        n = len(block_ids)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.layout.device)
+        for layer, loff in zip(self.layout.layers, self._layer_offsets, strict=False):
+            sel = layer.tensor.index_select(layer.block_dim, idx).movedim(layer.block_dim, 0)
+            data = sel.contiguous().view(torch.uint8).reshape(n, -1)
+            self.buffer[:n, loff:loff + layer.block_bytes].copy_(data)
+        torch.cuda.synchronize(self.layout.device)
+
+    def scatter(self, block_ids: list[int], slots: list[int]) -> None:
+        """Copy slots into device blocks (waits for the copies)."""
+        if not block_ids:
+            return
+        dev = self.layout.device
+        idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        rows = torch.tensor(slots, dtype=torch.long)
+        for layer, loff in zip(self.layout.layers, self._layer_offsets, strict=False):
+            t = layer.tensor
+            rest = [s for d, s in enumerate(t.shape) if d != layer.block_dim]
+            host = self.buffer.index_select(0, rows)[:, loff:loff + layer.block_bytes].contiguous()
+            data = host.to(dev).view(t.dtype).reshape([len(block_ids)] + rest)
+            t.index_copy_(layer.block_dim, idx, data.movedim(0, layer.block_dim))
+        torch.cuda.synchronize(dev)
+
+
+def staging_capacity(layout: BlockLayout, budget_bytes: int) -> int:
+    return max(1, budget_bytes // max(1, layout.block_bytes))
+
+
+def describe(kv_caches: dict[str, Any], num_blocks: int) -> BlockLayout:
+    layout = BlockLayout(kv_caches, num_blocks)
+    logger.info("MemCacheConnector: %d KV tensors on %s, %d pieces and %d bytes per block",
+                len(layout.layers), layout.device, layout.pieces_per_block, layout.block_bytes)
+    return layout

@@ -1,0 +1,299 @@
+"""Worker side of the MemCache connector (runs in each vLLM worker process).
+
+It joins the pool as a LocalService (``init_bm=True``: its ``dram_size`` becomes part of the pool;
+with ``dram_size`` 0 it is a client and its blocks live in the pool's other segments),
+registers the KV cache tensors, and moves whole blocks of all its layers as layered objects, one
+key per block per rank (``batch_put_from_layers`` / ``batch_get_into_layers``).
+
+* Loads: synchronous ones run in ``start_load_kv`` before the forward; asynchronous ones run on a
+  background thread and are reported through ``get_finished`` exactly once, failed or not.
+  A block that does not load (missing, evicted, pool down) is reported through
+  ``get_block_ids_with_load_errors`` no later than its request's completion, so vLLM recomputes it.
+* Saves: issued in ``wait_for_save`` after the forward filled the blocks. Asynchronous saves keep
+  their source blocks alive: a finished request is reported in ``finished_sending`` only when its
+  saves are done (the scheduler delays the free until then), and a preempted request's in-flight
+  saves are waited for before the next forward may overwrite its freed blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from memcache_vllm.config import ConnectorConfig, RolePolicy
+from memcache_vllm.keys import KeySpace
+from memcache_vllm.layout import BlockLayout, DeviceStager, describe, staging_capacity
+from memcache_vllm.metadata import LoadJob, MemCacheConnectorMetadata
+from memcache_vllm.stats import StatsRecorder
+
+logger = logging.getLogger("vllm." + __name__)
+
+STAGING_BYTES = 256 << 20
+"""Pinned host staging per direction for KV caches on a CUDA device."""
+STORE_RETRY_S = 5.0
+
+
+def _parallel_ranks() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+    except Exception:  # parallel state not initialised (single process use)
+        return 0, 0
+
+
+class _Mover:
+    """Moves blocks between the KV caches and the pool; thread-safe per direction."""
+
+    def __init__(self, store: Any, layout: BlockLayout, prefix: str, stats: StatsRecorder) -> None:
+        self.store = store
+        self.layout = layout
+        self.prefix = prefix
+        self.stats = stats
+        self._stagers: dict[str, DeviceStager] = {}
+        if not layout.on_host:
+            cap = staging_capacity(layout, STAGING_BYTES)
+            self._stagers = {d: DeviceStager(layout, cap) for d in ("load", "save")}
+
+    def regions(self) -> list[tuple[int, int]]:
+        if self.layout.on_host:
+            return self.layout.regions()
+        return [s.region() for s in self._stagers.values()]
+
+    def _chunks(self, n: int) -> list[range]:
+        step = self._stagers["load"].capacity if self._stagers else max(n, 1)
+        return [range(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def load(self, block_ids: list[int], hashes: list[str]) -> list[int]:
+        """Load blocks; returns the ids of blocks that did not load."""
+        t0 = time.perf_counter()
+        failed: list[int] = []
+        for part in self._chunks(len(block_ids)):
+            ids = [block_ids[i] for i in part]
+            keys = [self.prefix + hashes[i] for i in part]
+            if self._stagers:
+                ptrs, sizes = zip(*(self._stagers["load"].pieces(s) for s in range(len(ids))), strict=False)
+            else:
+                ptrs, sizes = zip(*(self.layout.pieces(b) for b in ids), strict=False)
+            try:
+                codes = list(self.store.batch_get_into_layers(keys, list(ptrs), list(sizes)))
+                if len(codes) != len(keys):
+                    raise RuntimeError(f"{len(codes)} codes for {len(keys)} keys")
+            except Exception as exc:
+                logger.warning("MemCacheConnector: load of %d blocks failed: %s", len(keys), exc)
+                codes = [-1] * len(keys)
+            ok = [i for i, c in enumerate(codes) if c == 0]
+            failed.extend(ids[i] for i, c in enumerate(codes) if c != 0)
+            if self._stagers and ok:
+                self._stagers["load"].scatter([ids[i] for i in ok], ok)
+        n_ok = len(block_ids) - len(failed)
+        self.stats.add(load_blocks=n_ok, load_bytes=n_ok * self.layout.block_bytes,
+                       load_failed_blocks=len(failed), load_time_s=time.perf_counter() - t0)
+        if failed:
+            logger.warning("MemCacheConnector: %d of %d blocks did not load; they will be recomputed",
+                           len(failed), len(block_ids))
+        return failed
+
+    def save(self, block_ids: list[int], hashes: list[str]) -> int:
+        """Save blocks; returns how many failed."""
+        t0 = time.perf_counter()
+        failed = 0
+        for part in self._chunks(len(block_ids)):
+            ids = [block_ids[i] for i in part]
+            keys = [self.prefix + hashes[i] for i in part]
+            if self._stagers:
+                self._stagers["save"].gather(ids)
+                ptrs, sizes = zip(*(self._stagers["save"].pieces(s) for s in range(len(ids))), strict=False)
+            else:
+                ptrs, sizes = zip(*(self.layout.pieces(b) for b in ids), strict=False)
+            try:
+                codes = list(self.store.batch_put_from_layers(keys, list(ptrs), list(sizes)))
+            except Exception as exc:
+                logger.warning("MemCacheConnector: save of %d blocks failed: %s", len(keys), exc)
+                codes = [-1] * len(keys)
+            failed += sum(1 for c in codes if c != 0)
+        n_ok = len(block_ids) - failed
+        self.stats.add(save_blocks=n_ok, save_bytes=n_ok * self.layout.block_bytes,
+                       save_failed_blocks=failed, save_time_s=time.perf_counter() - t0)
+        if failed:
+            logger.info("MemCacheConnector: %d of %d blocks not saved (pool full or down)",
+                        failed, len(block_ids))
+        return failed
+
+
+class MemCacheWorker:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig,
+                 policy: RolePolicy, stats: StatsRecorder) -> None:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        self._cfg = cfg
+        self._policy = policy
+        self._stats = stats
+        self._kv_cache_config = kv_cache_config
+        block_size, _ = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        self.space = KeySpace.from_vllm_config(vllm_config, block_size, cfg.cache_prefix)
+        self.tp_rank, self.pp_rank = _parallel_ranks()
+        self.prefix = self.space.rank_prefix(self.tp_rank, self.pp_rank)
+        self._local_rank = int(getattr(vllm_config.parallel_config, "local_rank", 0) or 0)
+        self._layout: BlockLayout | None = None
+        self._mover: _Mover | None = None
+        self._store: Any = None
+        self._store_retry_at = 0.0
+        self._store_lock = threading.Lock()
+        # One thread per direction keeps each direction in order and off the forward's path.
+        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="memcache-save")
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="memcache-load")
+        self._save_futures: dict[str, list[Future]] = {}
+        self._reqs_with_saves: set[str] = set()
+        self._finishing: set[str] = set()
+        self._load_done: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
+        self._invalid_blocks: set[int] = set()
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        first = next(iter(kv_caches.values()))
+        num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or first.shape[0])
+        self._layout = describe(kv_caches, num_blocks)
+        self._mover_or_none()
+
+    def _mover_or_none(self) -> _Mover | None:
+        """The mover, joining the pool first if needed (retried every few seconds when it fails)."""
+        if self._mover is not None or self._layout is None:
+            return self._mover
+        with self._store_lock:
+            if self._mover is not None or time.monotonic() < self._store_retry_at:
+                return self._mover
+            try:
+                self._mover = self._join_pool(self._layout)
+            except Exception as exc:
+                logger.warning("MemCacheConnector: cannot join the pool (%s); loads fail and saves "
+                               "are skipped until it can", exc)
+                self._store_retry_at = time.monotonic() + STORE_RETRY_S
+            return self._mover
+
+    def _join_pool(self, layout: BlockLayout) -> _Mover:
+        from memcache_core import DistributedObjectStore
+
+        local = self._cfg.local_config()
+        store = DistributedObjectStore()
+        # dram_size 0: this instance contributes no memory; its blocks go to the other segments of
+        # the pool (e.g. standalone ``memcache local-service`` processes) and outlive it.
+        contributes = local.dram_bytes > 0
+        rc = store.setup(local)
+        if rc == 0:
+            rc = store.init(self._local_rank, init_bm=contributes)
+        if rc != 0:
+            store.close()
+            raise ConnectionError(f"store init failed with code {rc}")
+        mover = _Mover(store, layout, self.prefix, self._stats)
+        for ptr, size in mover.regions():
+            rc = store.register_buffer(ptr, size)
+            if rc != 0:
+                store.close()
+                raise RuntimeError(f"register_buffer({ptr:#x}, {size}) failed with code {rc}")
+        self._store = store
+        logger.info("MemCacheConnector worker tp%d pp%d joined %s (%s); keys %s<hash>",
+                    self.tp_rank, self.pp_rank, local.meta_service_url,
+                    f"contributing {local.dram_size}" if contributes else "client only", self.prefix)
+        return mover
+
+    # -- loads -----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: MemCacheConnectorMetadata) -> None:
+        sync_jobs = [j for j in meta.loads if not j.is_async]
+        for job in meta.loads:
+            if job.is_async:
+                self._load_pool.submit(self._load_async, job)
+        if sync_jobs:
+            ids = [b for j in sync_jobs for b in j.block_ids]
+            hashes = [h for j in sync_jobs for h in j.block_hashes]
+            self._invalid_blocks.update(self._load(ids, hashes))
+
+    def _load(self, block_ids: list[int], hashes: list[str]) -> list[int]:
+        mover = self._mover_or_none()
+        if mover is None:
+            self._stats.add(load_failed_blocks=len(block_ids))
+            return list(block_ids)
+        return mover.load(block_ids, hashes)
+
+    def _load_async(self, job: LoadJob) -> None:
+        failed = list(job.block_ids)
+        try:
+            failed = self._load(job.block_ids, job.block_hashes)
+        except Exception:
+            logger.exception("MemCacheConnector: asynchronous load of %s failed", job.req_id)
+        finally:
+            self._load_done.put((job.req_id, failed))
+
+    # -- saves -----------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: MemCacheConnectorMetadata) -> None:
+        if not meta.saves:
+            return
+        mover = self._mover_or_none()
+        for job in meta.saves:
+            if self._cfg.save_async:
+                self._reqs_with_saves.add(job.req_id)
+            if mover is None:
+                self._stats.add(save_failed_blocks=len(job.block_ids))
+                continue
+            if not self._cfg.save_async or not mover.layout.on_host:
+                # Device caches are copied out through one staging buffer, in the step.
+                mover.save(job.block_ids, job.block_hashes)
+                continue
+            fut = self._save_pool.submit(mover.save, job.block_ids, job.block_hashes)
+            self._save_futures.setdefault(job.req_id, []).append(fut)
+
+    def _wait_saves(self, req_id: str) -> None:
+        for fut in self._save_futures.pop(req_id, []):
+            try:
+                fut.result()
+            except Exception:
+                logger.exception("MemCacheConnector: save of %s failed", req_id)
+
+    def handle_preemptions(self, meta: MemCacheConnectorMetadata) -> None:
+        """Finish in-flight saves of preempted requests before their blocks can be reused."""
+        for rid in meta.preempted_req_ids:
+            self._wait_saves(rid)
+            self._reqs_with_saves.discard(rid)
+
+    # -- completions -----------------------------------------------------------------------
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for rid in finished_req_ids:
+            if rid in self._reqs_with_saves:
+                self._reqs_with_saves.discard(rid)
+                self._finishing.add(rid)
+        sending = {rid for rid in self._finishing
+                   if all(f.done() for f in self._save_futures.get(rid, []))}
+        for rid in sending:
+            self._finishing.discard(rid)
+            self._wait_saves(rid)
+        recving: set[str] = set()
+        while True:
+            try:
+                rid, failed = self._load_done.get_nowait()
+            except queue.Empty:
+                break
+            recving.add(rid)
+            self._invalid_blocks.update(failed)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
+
+    def shutdown(self) -> None:
+        self._save_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        if self._store is not None:
+            try:
+                self._store.close()
+            except Exception:
+                logger.debug("MemCacheConnector: store close failed", exc_info=True)
+            self._store = None
