@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from . import protocol as p
 from .config import parse_url
@@ -195,7 +196,10 @@ def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:
     return rid, body
 
 
-def expect(reply: p.Reply, kind: type) -> p.Reply:
+R = TypeVar("R")
+
+
+def expect(reply: p.Reply, kind: type[R]) -> R:
     if not isinstance(reply, kind):
         raise MemCacheError(f"unexpected reply {type(reply).__name__}, wanted {kind.__name__}")
     return reply

@@ -134,10 +134,20 @@ class DistributedObjectStore:
     # ---- buffers ---------------------------------------------------------------------------------
 
     def register_buffer(self, ptr: int, size: int) -> int:
-        return _code(lambda: (self._buffers.register(ptr, size), 0)[1])
+        try:
+            self._buffers.register(ptr, size)
+        except MemCacheError as e:
+            logger.warning("register_buffer refused: %s", e)
+            return e.code
+        return errors.SUCCESS
 
     def unregister_buffer(self, ptr: int, size: int) -> int:
-        return _code(lambda: (self._buffers.unregister(ptr, size), 0)[1])
+        try:
+            self._buffers.unregister(ptr, size)
+        except MemCacheError as e:
+            logger.warning("unregister_buffer refused: %s", e)
+            return e.code
+        return errors.SUCCESS
 
     def _checked(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
                  ) -> tuple[list[list[tuple[int, int]]], list[MemCacheError | None]]:
@@ -250,8 +260,8 @@ class DistributedObjectStore:
                          [[(anchors[i][0], anchors[i][1])] for i in want],  # type: ignore[index]
                          exact=False)
         out = [b""] * len(keys)
-        for i, e in zip(want, res, strict=True):
-            if e is None:
+        for i, err in zip(want, res, strict=True):
+            if err is None:
                 out[i] = bytes(bufs[i])
         return out
 
@@ -273,7 +283,10 @@ class DistributedObjectStore:
         return self.remove_batch([key])[0]
 
     def remove_all(self) -> int:
-        return _code(lambda: (self._service().remove_all(), 0)[1])
+        def run() -> int:
+            self._service().remove_all()
+            return errors.SUCCESS
+        return _code(run)
 
     def batch_get_key_info(self, keys: list[str]) -> list[KeyInfo]:
         try:

@@ -150,13 +150,15 @@ class MetaServiceCore:
     def _placement(self, member: Member | None, preferred: list[int]) -> list[int]:
         """Segment order for a new object: preferred ids, the writer's own segment, then most free."""
         segs = self.table.segments
-        order = [self.members[c].segment_id for c in preferred
-                 if c in self.members and self.members[c].segment_id is not None]
+        order: list[int] = []
+        for c in preferred:
+            m = self.members.get(c)
+            if m is not None and m.segment_id is not None:
+                order.append(m.segment_id)
         if member is not None and member.segment_id is not None:
             order.append(member.segment_id)
-        rest = sorted(segs, key=lambda s: segs[s].allocator.free, reverse=True)
-        seen: set[int | None] = set()
-        return [s for s in order + rest if not (s in seen or seen.add(s))]  # type: ignore[func-returns-value]
+        order += sorted(segs, key=lambda s: segs[s].allocator.free, reverse=True)
+        return list(dict.fromkeys(order))
 
     def _drop_member(self, cid: int, why: str) -> None:
         m = self.members.pop(cid, None)

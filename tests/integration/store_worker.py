@@ -66,7 +66,7 @@ class Worker:
         t = time.perf_counter()
         codes = self.store.batch_get_into_layers(keys, ptrs, sizes)
         dt = time.perf_counter() - t
-        bad = [k for i, (k, c) in enumerate(zip(keys, codes)) if c == 0
+        bad = [k for i, (k, c) in enumerate(zip(keys, codes, strict=False)) if c == 0
                and not np.array_equal(self.buf[i * per:(i + 1) * per], pattern(k, per))]
         return {"codes": codes, "mismatches": bad, "seconds": dt}
 

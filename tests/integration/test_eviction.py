@@ -40,7 +40,7 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
                 if any(c not in (0, -3016, -3013) for c in codes):
                     failures.append(f"unexpected put codes {codes}")
                 with lock:
-                    written.extend(k for k, c in zip(keys, codes) if c == 0)
+                    written.extend(k for k, c in zip(keys, codes, strict=False) if c == 0)
 
         def read(r: StoreProcess) -> None:
             n = 0

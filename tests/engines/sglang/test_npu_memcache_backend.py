@@ -112,6 +112,7 @@ def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
                                               meta: serve_cpu.MetaHandle) -> None:
     """Scenario: POST /hicache/storage-backend/clear -> no storage hit; other namespaces survive."""
     import requests
+
     from memcache_core import DistributedObjectStore
 
     client = DistributedObjectStore()

@@ -1,0 +1,140 @@
+"""Scenario tests for the object table: two-phase put, leases, LRU eviction, pending reclaim, recovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from memcache_core import errors
+from memcache_core.meta.table import ObjectTable
+from memcache_core.protocol import ObjectReport, SegmentInfo
+
+MB = 1 << 20
+
+
+def make(n_segments: int = 1, size: int = 10 * MB, high: float = 90, low: float = 50,
+         lease_s: float = 1.0) -> ObjectTable:
+    t = ObjectTable(high, low, lease_s, pending_timeout_s=5.0, epoch=7)
+    for i in range(1, n_segments + 1):
+        t.add_segment(SegmentInfo(i, size, "h", f"/dev/shm/x{i}", "127.0.0.1:1"))
+    return t
+
+
+def put(t: ObjectTable, key: str, size: int = MB, now: float = 0.0, order: list[int] | None = None) -> int:
+    code, gen, _ = t.alloc(1, key, size, 1, order or list(t.segments), now)
+    if code == 0:
+        assert t.commit(1, key, gen, now) == 0
+    return code
+
+
+def test_pending_objects_are_invisible_until_commit():
+    t = make()
+    code, gen, locs = t.alloc(1, "k", 100, 1, [1], 0.0)
+    assert code == 0 and len(locs) == 1
+    assert not t.exists("k") and t.lookup("k", 0.0, True) is None
+    assert t.alloc(1, "k", 100, 1, [1], 0.0)[0] == errors.OBJECT_ALREADY_EXISTS
+    assert t.commit(1, "k", gen + 1, 0.0) == errors.STATE_MISMATCH
+    assert t.commit(1, "k", gen, 0.0) == 0
+    assert t.exists("k") and t.lookup("k", 0.0, True) is not None
+
+
+def test_abort_and_pending_deadline_give_the_space_back():
+    t = make()
+    _, gen, _ = t.alloc(1, "a", MB, 1, [1], 0.0)
+    t.alloc(2, "b", MB, 1, [1], 0.0)
+    t.alloc(3, "c", MB, 1, [1], 0.0)
+    t.abort("a", gen)
+    assert t.segments[1].allocator.used == 2 * MB
+    assert t.reclaim(1.0, {2}) == 1          # writer 2 died
+    assert t.reclaim(5.0) == 1               # c passed its deadline
+    assert t.segments[1].allocator.used == 0 and not t.objects
+
+
+def test_lru_eviction_between_watermarks_keeps_recently_read_objects():
+    """Scenario: 9 of 10 MB used (high 90%); a new put evicts least-recently-used objects down to 50%."""
+    t = make()
+    for i in range(9):
+        assert put(t, f"k{i}", now=float(i)) == 0
+    t.lookup("k0", 100.0, lease=True)       # a read (its lease ends at 101) makes k0 recent
+    assert put(t, "new", now=200.0) == 0
+    survivors = {k for k in t.objects}
+    assert "k0" in survivors and "new" in survivors
+    assert "k1" not in survivors and "k2" not in survivors
+    assert t.segments[1].allocator.used <= 5 * MB + MB
+
+
+def test_exist_does_not_pin_or_refresh():
+    t = make()
+    for i in range(9):
+        put(t, f"k{i}", now=float(i))
+    for _ in range(10):
+        assert t.exists("k0")
+    put(t, "new", now=100.0)
+    assert not t.exists("k0")
+
+
+def test_leased_objects_are_not_evicted_and_removal_waits_for_the_lease():
+    t = make(lease_s=10.0)
+    for i in range(9):
+        put(t, f"k{i}", now=0.0)
+    assert t.lookup("k0", 20.0, lease=True) is not None      # leased until 30.0
+    put(t, "new", now=21.0)
+    assert t.exists("k0")
+    assert t.remove("k0", 22.0) == 0
+    assert not t.exists("k0")
+    used = t.segments[1].allocator.used
+    t.reclaim(25.0)
+    assert t.segments[1].allocator.used == used              # still leased: space not reused
+    t.reclaim(31.0)
+    assert t.segments[1].allocator.used == used - MB
+
+
+def test_put_that_cannot_fit_fails_with_out_of_space_never_blocks():
+    t = make(size=4 * MB, lease_s=100.0)
+    for i in range(3):
+        put(t, f"k{i}", now=0.0)
+    for i in range(3):
+        t.lookup(f"k{i}", 1.0, lease=True)     # everything is leased
+    assert put(t, "more", 2 * MB, now=2.0) == errors.OUT_OF_MEMORY
+    assert put(t, "huge", 5 * MB, now=2.0) == errors.OVER_CAPACITY
+    assert t.counters.alloc_failures == 2
+
+
+def test_placement_order_and_replicas():
+    t = make(n_segments=3)
+    code, _, locs = t.alloc(1, "r", MB, 2, [2, 1, 3], 0.0)
+    assert code == 0 and [loc.segment_id for loc in locs] == [2, 1]
+
+
+def test_dead_segment_drops_its_objects_but_keeps_other_replicas():
+    t = make(n_segments=2)
+    put(t, "only-on-1", order=[1])
+    code, gen, _ = t.alloc(1, "both", MB, 2, [1, 2], 0.0)
+    t.commit(1, "both", gen, 0.0)
+    assert t.drop_segment(1) == 1
+    assert not t.exists("only-on-1")
+    assert [loc.segment_id for loc in t.objects["both"].locations] == [2]
+
+
+def test_recovery_from_reports_and_generations_stay_unique():
+    t = make(n_segments=0)
+    refused = t.add_segment(SegmentInfo(1, 10 * MB, "h", "/x", "a:1"),
+                            [ObjectReport("a", 0, MB, (7 << 32) + 5), ObjectReport("b", MB, MB, (7 << 32) + 9)])
+    assert refused == [] and t.exists("a") and t.exists("b")
+    assert t.segments[1].allocator.used == 2 * MB
+    code, gen, locs = t.alloc(1, "c", MB, 1, [1], 0.0)
+    assert gen > (7 << 32) + 9 and locs[0].offset == 2 * MB
+    # a second segment reporting a different object under an existing key is refused
+    refused = t.add_segment(SegmentInfo(2, 10 * MB, "h", "/y", "b:1"), [ObjectReport("a", 0, MB, 1)])
+    assert [r.key for r in refused] == ["a"]
+
+
+@pytest.mark.parametrize("n", [1, 50])
+def test_journal_records_commits_and_frees_for_the_owner(n):
+    t = make()
+    for i in range(n):
+        put(t, f"k{i}", size=100_000)
+    j = t.segments[1].journal_since(0)
+    assert [e.added for e in j] == [True] * n
+    t.remove("k0", 10.0)
+    j2 = t.segments[1].journal_since(j[-1].seq)
+    assert len(j2) == 1 and not j2[0].added and j2[0].obj.key == "k0"
