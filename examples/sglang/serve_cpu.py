@@ -106,6 +106,8 @@ class MetaHandle:
     python: str = sys.executable
     log_path: str = ""
     pid: int | None = None
+    launcher: str = "memcache_sglang.start_meta_service"  # any module taking --config_path
+    env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, path: str, python: str = sys.executable) -> MetaHandle:
@@ -114,8 +116,8 @@ class MetaHandle:
 
     def start(self, timeout_s: float = META_READY_TIMEOUT_S) -> MetaHandle:
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen([self.python, "-m", "memcache_sglang.start_meta_service",
-                                 "--config_path", self.config_path], stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([self.python, "-m", self.launcher, "--config_path", self.config_path],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                 start_new_session=True)
         log.close()
         self.pid = proc.pid
@@ -148,7 +150,8 @@ class MetaHandle:
                 "protocol": "host_shm", "dram_size": "512MB", "prefetch_threshold": 1, **extra}
 
 
-def start_meta(run_dir: str | Path, python: str = sys.executable, **meta_config: Any) -> MetaHandle:
+def start_meta(run_dir: str | Path, python: str = sys.executable, launcher: str | None = None,
+               env: dict[str, str] | None = None, **meta_config: Any) -> MetaHandle:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"meta_service_url": f"tcp://127.0.0.1:{free_port()}",
@@ -157,7 +160,9 @@ def start_meta(run_dir: str | Path, python: str = sys.executable, **meta_config:
     path = run_dir / "metaservice_config.json"
     path.write_text(json.dumps(cfg, indent=1))
     meta = MetaHandle(str(path), cfg["meta_service_url"], cfg["config_store_url"], cfg["metrics_url"],
-                      python, str(run_dir / "meta.log"))
+                      python, str(run_dir / "meta.log"), env=dict(env or {}))
+    if launcher:
+        meta.launcher = launcher
     return meta.start()
 
 
