@@ -94,6 +94,8 @@ class DistributedObjectStore:
             logger.error("setup failed: %s", e)
             return e.code
         self._config = cfg
+        logging.getLogger("memcache_core").setLevel({"warn": "WARNING"}.get(cfg.log_level.lower(),
+                                                                             cfg.log_level.upper()))
         return errors.SUCCESS
 
     def init(self, device_id: int = 0, init_bm: bool = True) -> int:
