@@ -150,3 +150,39 @@ def test_core_never_imports_integrations_or_engines():
                     if f"import {mod}" in text or f"from {mod}" in text:
                         offenders.append(f"{f}: {mod}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("form", ["setup", "env"])
+def test_python_form_of_the_meta_service(tmp_path, form):
+    """MetaService.setup(MetaConfig); MetaService.main(), or main() alone with MMC_META_CONFIG_PATH."""
+    import urllib.request
+
+    from memcache_core.testing import free_port
+    port = free_port()
+    conf = {"meta_service_url": f"tcp://127.0.0.1:{free_port()}",
+            "config_store_url": f"tcp://127.0.0.1:{free_port()}", "metrics_url": f"http://127.0.0.1:{port}"}
+    env = dict(os.environ)
+    if form == "setup":
+        code = ("from memcache_core import MetaConfig, MetaService\n"
+                f"assert MetaService.setup(MetaConfig(**{conf!r})) == 0\nraise SystemExit(MetaService.main())")
+    else:
+        path = tmp_path / "meta.json"
+        path.write_text(json.dumps(conf))
+        env["MMC_META_CONFIG_PATH"] = str(path)
+        code = "from memcache_core import MetaService\nraise SystemExit(MetaService.main())"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    assert json.load(r)["success"]
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

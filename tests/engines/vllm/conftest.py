@@ -1,18 +1,14 @@
 """Fixtures for the vLLM engine tests: a tiny local model, a live pool, engine lifetimes.
 
-Run with the vLLM test environment's python (``.ci/vllm_env.sh`` prints it). Every engine
-lifetime is a fresh process (``llm_runner.py``); the pool is a real MetaService plus a standalone
-LocalService holding the blocks, so they outlive the engines that saved them.
+Run with the vLLM test environment's python (``.ci/vllm_env.sh`` prints it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,41 +16,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_harness import BLOCK, MAX_TOKENS, PROMPTS, REPO, Engine, Pool  # noqa: E402
+
 from memcache_core.testing import running_meta_service  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[3]
-HERE = Path(__file__).resolve().parent
-RUNNER = HERE / "llm_runner.py"
-BLOCK = 32
-ENGINE_TIMEOUT_S = 420
-
-
-def engine_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(REPO / "integrations"), str(HERE), str(REPO)]
-    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    return env
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    """A deterministic prompt of ``n`` token ids (no special tokens)."""
-    return [(i * 7919 + seed * 104729) % 31000 + 10 for i in range(n)]
-
-
-P1 = tokens(300, 1)
-P2 = P1 + tokens(150, 2)       # shares P1's 9 full blocks
-P3 = tokens(260, 3)
-P4 = tokens(230, 4)
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4}
-MAX_TOKENS = 8
-
-
-def full_hit(prompt: list[int]) -> int:
-    """Tokens vLLM can take from outside: whole blocks, never the last prompt token."""
-    return (len(prompt) - 1) // BLOCK * BLOCK
 
 
 @pytest.fixture(scope="session")
@@ -69,56 +33,6 @@ def tiny_model() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-class Pool:
-    """A MetaService and a standalone LocalService (the memory that outlives engines)."""
-
-    def __init__(self, meta: Any, workdir: Path) -> None:
-        self.meta = meta
-        self.workdir = workdir
-        self.local: subprocess.Popen | None = None
-
-    def start_local_service(self, dram: str = "512MB") -> None:
-        cfg = self.workdir / "local_service.json"
-        cfg.write_text(json.dumps({"meta_service_url": self.meta.meta_service_url,
-                                   "config_store_url": self.meta.config_store_url,
-                                   "protocol": "host_shm", "dram_size": dram}))
-        self.local = subprocess.Popen(
-            [sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", str(cfg)],
-            stdout=open(self.workdir / "local_service.log", "w"), stderr=subprocess.STDOUT,
-            env=engine_env())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            segs = self.meta.http("/get_all_segments").get("segments", [])
-            if any(s.get("pid") == self.local.pid for s in segs):
-                return
-            assert self.local.poll() is None, (self.workdir / "local_service.log").read_text()[-2000:]
-            time.sleep(0.1)
-        raise TimeoutError("standalone LocalService did not join the pool")
-
-    def stop(self) -> None:
-        if self.local is not None and self.local.poll() is None:
-            self.local.terminate()
-            try:
-                self.local.wait(10)
-            except subprocess.TimeoutExpired:
-                self.local.kill()
-                self.local.wait()
-
-    def keys(self) -> list[str]:
-        return list(self.meta.http("/get_all_keys").get("keys", []))
-
-    def kv_transfer_config(self, **extra: Any) -> dict[str, Any]:
-        connector_extra = {"meta_service_url": self.meta.meta_service_url,
-                           "config_store_url": self.meta.config_store_url,
-                           "protocol": "host_shm", "dram_size": "0"}
-        module = extra.pop("module", "memcache_vllm")
-        connector_extra.update(extra)
-        return {"kv_connector": "MemCacheConnector", "kv_connector_module_path": module,
-                "kv_role": connector_extra.pop("kv_role", "kv_both"),
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": connector_extra}
-
-
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     with running_meta_service() as meta:
@@ -130,37 +44,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
             p.stop()
 
 
-class Engine:
-    """One engine lifetime in a fresh process; ``result()`` waits for it."""
-
-    def __init__(self, spec: dict[str, Any], workdir: Path, name: str) -> None:
-        self.name = name
-        self.out = workdir / f"{name}.out.json"
-        self.log = workdir / f"{name}.log"
-        spec_path = workdir / f"{name}.spec.json"
-        spec_path.write_text(json.dumps(spec))
-        self.proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(self.out)],
-                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     env=engine_env())
-
-    def result(self, timeout_s: float = ENGINE_TIMEOUT_S) -> dict[str, Any]:
-        try:
-            rc = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"{self.name} timed out:\n{self.log.read_text()[-4000:]}") from None
-        assert rc == 0, f"{self.name} exited {rc}:\n{self.log.read_text()[-4000:]}"
-        return json.loads(self.out.read_text())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
-def engines(tmp_path: Path, tiny_model: str) -> Iterator[Any]:
+def engines(tmp_path: Path, tiny_model: str) -> Iterator[Callable[..., Engine]]:
     started: list[Engine] = []
 
     def start(name: str, steps: list[dict[str, Any]], kv: dict[str, Any] | None = None,
@@ -184,9 +69,3 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> dict[
             "steps": [{"generate": [PROMPTS[n] for n in names], "max_tokens": MAX_TOKENS}]}
     res = Engine(spec, tmp_path_factory.mktemp("baseline"), "baseline").result()
     return dict(zip(names, res["steps"][0], strict=True))
-
-
-def assert_same_output(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    assert got["token_ids"] == want["token_ids"], f"{what}: tokens differ from the baseline"
-    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-6), \
-        f"{what}: logprobs differ from the baseline"

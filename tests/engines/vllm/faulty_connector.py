@@ -1,0 +1,37 @@
+"""Test scaffolding: the real MemCacheConnector, except that right before each load the worker
+removes some of the blocks it is about to load from the pool (as an eviction or a dead
+LocalService would between the scheduler's lookup and the load).
+
+Selected with ``"kv_connector_module_path": "faulty_connector"``; the blocks removed are every
+block from the middle of each load job on (``MEMCACHE_TEST_DROP_FROM`` = fraction, default 0.5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from memcache_vllm import MemCacheConnector as _Real
+from memcache_vllm.metadata import LoadJob
+
+logger = logging.getLogger("vllm." + __name__)
+
+
+class MemCacheConnector(_Real):
+    def start_load_kv(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
+        worker = self._worker
+        assert worker is not None
+        meta = self._meta()
+        frac = float(os.environ.get("MEMCACHE_TEST_DROP_FROM", "0.5"))
+        for job in meta.loads:
+            self._drop(worker, job, frac)
+        super().start_load_kv(forward_context, **kwargs)
+
+    @staticmethod
+    def _drop(worker, job: LoadJob, frac: float) -> None:  # type: ignore[no-untyped-def]
+        first = int(len(job.block_hashes) * frac)
+        keys = [worker.prefix + h for h in job.block_hashes[first:]]
+        if keys and worker._store is not None:
+            codes = worker._store.remove_batch(keys)
+            logger.warning("faulty_connector: removed %d of %d blocks of %s before loading: %s",
+                           len(keys), len(job.block_hashes), job.req_id, codes)
