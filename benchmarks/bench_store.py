@@ -521,6 +521,29 @@ def _print_row(row: dict[str, Any]) -> None:
               flush=True)
 
 
+def print_table(paths: list[str]) -> None:
+    """Side by side: one column per (engine, protocol) found in the JSON files of earlier runs."""
+    cols: list[tuple[str, str]] = []
+    cells: dict[tuple[Any, ...], dict[tuple[str, str], str]] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)["results"]
+        for r in results:
+            col = (r["engine"], r["protocol"])
+            if col not in cols:
+                cols.append(col)
+            if "gbps" in r:
+                key: tuple[Any, ...] = (r["layout"], r["batch"], r["op"])
+                cells.setdefault(key, {})[col] = f"{r['gbps']:5.2f} GB/s x{r['ratio']:.2f}"
+            else:
+                cells.setdefault(("small", 0, r["op"]), {})[col] = f"{r['p50_us']:6.0f} / {r['p99_us']:<6.0f}us"
+    head = f"{'layout':10} {'batch':>5} {'op':21}" + "".join(f" | {e + ' ' + p:19}" for e, p in cols)
+    print(head + "\n" + "-" * len(head))
+    for (layout, batch, op), row in cells.items():
+        label = f"{layout:10} {batch:>5} {op:21}" if layout != "small" else f"{'p50 / p99':10} {'':>5} {op:21}"
+        print(label + "".join(f" | {row.get(c, '-'):19}" for c in cols))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=("memcache", "mooncake"), default="memcache")
@@ -537,7 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-pool", action="store_true",
                     help="skip the pool warm-up: measure fresh segments (first-touch page faults)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
+    ap.add_argument("--table", nargs="+", metavar="JSON",
+                    help="print a side-by-side table of earlier --json results (e.g. memcache and mooncake) and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print_table(args.table)
+        return 0
     if args.engine == "mooncake":
         try:
             import mooncake.store  # noqa: F401
