@@ -2,70 +2,59 @@
 
 Stock SGLang 0.5.23 binds the host<->device KV transfer functions of the MHA host pool only for
 CUDA/HIP/XPU, and pins host memory through CUDA. This plugin, loaded in every SGLang process of
-the test environment, supplies torch-indexing versions of the ``direct`` IO functions and turns
-pinning off. It changes nothing about the L3 storage path, which is what the tests exercise.
+the test environment, replaces the MHA host pool's two host<->device copy methods with
+torch-indexing versions that serve every io backend and host layout (``layer_first``,
+``page_first``, ``page_first_direct``, ``page_head``), and turns pinning off. It changes nothing about the L3 storage path, which is what the tests exercise.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 
-def _page_coords(indices: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    indices = indices.to(torch.int64)
-    return torch.div(indices, page_size, rounding_mode="floor"), indices % page_size
+def _token_index(layout: str, page_size: int, indices: torch.Tensor, layer: int) -> tuple:
+    """Index into a host K or V buffer selecting ``layer`` of every token in ``indices``.
+
+    ``buf[index]`` has shape ``(len(indices), heads, head_dim)`` for every
+    MHA host layout (advanced indices separated by a slice move to the front).
+    """
+    idx = indices.to(torch.int64)
+    page, off = torch.div(idx, page_size, rounding_mode="floor"), idx % page_size
+    if layout == "layer_first":  # (L, size, H, D)
+        return (layer, idx)
+    if layout == "page_first":  # (size, L, H, D)
+        return (idx, layer)
+    if layout == "page_first_direct":  # (pages, L, page_size, H, D)
+        return (page, layer, off)
+    if layout == "page_head":  # (pages, H, page_size, L, D)
+        return (page, slice(None), off, layer)
+    raise ValueError(f"CPU scaffolding does not support host layout {layout!r}")
 
 
-def transfer_kv_direct(
-    src_layers: Sequence[torch.Tensor],
-    dst_layers: Sequence[torch.Tensor],
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    page_size: int,
-) -> None:
-    """Token-major to token-major copy, one tensor per layer (layer_first host layout)."""
-    src_idx = src_indices.to(torch.int64)
-    dst_idx = dst_indices.to(torch.int64)
-    for src, dst in zip(src_layers, dst_layers, strict=True):
-        dst[dst_idx] = src[src_idx].to(dst.dtype)
+def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend,  # noqa: ANN001
+                             *, is_draft: bool = False) -> None:
+    """Host -> device for one layer, any io_backend, any MHA host layout (torch indexing)."""
+    if not is_draft and not 0 <= layer_id < self.target_layer_num:
+        return
+    dst_idx = device_indices.to(torch.int64)
+    for host_buf, dev in ((self.k_buffer, self.device_k_buffers[layer_id]),
+                          (self.v_buffer, self.device_v_buffers[layer_id])):
+        index = _token_index(self.layout, self.page_size, host_indices, layer_id)
+        dev[dst_idx] = host_buf[index].to(dev.dtype)
 
 
-def transfer_kv_per_layer_direct_pf_lf(
-    src_ptrs: Sequence[torch.Tensor],
-    dst_ptrs: Sequence[torch.Tensor],
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_id: int,
-    page_size: int,
-) -> None:
-    """Host ``(page, layer, page_size, ...)`` to device ``(token, ...)`` for one layer (load)."""
-    page, offset = _page_coords(src_indices, page_size)
-    dst_idx = dst_indices.to(torch.int64)
-    for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
-        dst[dst_idx] = src[page, layer_id, offset].to(dst.dtype)
-
-
-def transfer_kv_all_layer_direct_lf_pf(
-    src_ptrs: Sequence[torch.Tensor],
-    dst_ptrs: Sequence[torch.Tensor],
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    page_size: int,
-) -> None:
-    """Device per-layer ``(token, ...)`` (all K layers, then all V layers) to host page-first (backup)."""
-    page, offset = _page_coords(dst_indices, page_size)
-    src_idx = src_indices.to(torch.int64)
-    num_layers = len(src_ptrs) // len(dst_ptrs)
-    for part, dst in enumerate(dst_ptrs):
-        for layer in range(num_layers):
-            src = src_ptrs[part * num_layers + layer]
-            dst[page, layer, offset] = src[src_idx].to(dst.dtype)
+def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:  # noqa: ANN001
+    """Device -> host for every layer, any io_backend, any MHA host layout (torch indexing)."""
+    src_idx = device_indices.to(torch.int64)
+    for host_buf, layers in ((self.k_buffer, self.device_k_buffers), (self.v_buffer, self.device_v_buffers)):
+        for layer, dev in enumerate(layers):
+            index = _token_index(self.layout, self.page_size, host_indices, layer)
+            host_buf[index] = dev[src_idx].to(host_buf.dtype)
 
 
 def _alloc_plain(
@@ -89,13 +78,8 @@ def register() -> None:
     from sglang.srt.mem_cache.pool_host import base, common, mha
 
     common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain
-    for name, func in (
-        ("transfer_kv_direct", transfer_kv_direct),
-        ("transfer_kv_per_layer_direct_pf_lf", transfer_kv_per_layer_direct_pf_lf),
-        ("transfer_kv_all_layer_direct_lf_pf", transfer_kv_all_layer_direct_lf_pf),
-    ):
-        if not hasattr(mha, name):
-            setattr(mha, name, func)
+    mha.MHATokenToKVPoolHost.load_to_device_per_layer = load_to_device_per_layer
+    mha.MHATokenToKVPoolHost.backup_from_device_all_layer = backup_from_device_all_layer
 
     init = base.HostKVCache.__init__
     if not getattr(init, "_memcache_cpu_unpinned", False):

@@ -1,0 +1,78 @@
+"""Key scheme and configuration merge of the npu_memcache backend (pure Python, no server)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from memcache_sglang.config import CONFIG_PATH_ENV, BackendConfig
+from memcache_sglang.keys import KeyScheme, LayoutIdentity
+
+BASE = LayoutIdentity(model_name="m", dtype="bfloat16", layout="page_first_direct", page_size=128,
+                      attention="mha", head_sharding="tp1", pp_size=1, attn_cp_size=1,
+                      piece_sizes=(131072, 131072))
+HASH = "ab" * 32
+
+
+@pytest.mark.parametrize("change", [
+    {"model_name": "other"}, {"dtype": "float16"}, {"layout": "page_first"}, {"page_size": 64},
+    {"attention": "mla"}, {"head_sharding": "tp2"}, {"head_sharding": "hs2"}, {"pp_size": 2},
+    {"attn_cp_size": 2}, {"piece_sizes": (65536, 65536)},
+])
+def test_every_layout_fact_changes_the_namespace(change: dict) -> None:
+    """Scenario: two servers differing in one layout fact never share a key."""
+    other = dataclasses.replace(BASE, **change)
+    a, b = KeyScheme(BASE, ["r0p0c0"]), KeyScheme(other, ["r0p0c0"])
+    assert a.kv_keys([HASH]) != b.kv_keys([HASH])
+    assert not b.owns(a.kv_keys([HASH])[0])
+
+
+def test_keys_of_one_page_and_tag() -> None:
+    plain = KeyScheme(BASE, ["r0p0c0", "r1p0c0"])
+    tagged = KeyScheme(BASE, ["r0p0c0", "r1p0c0"], tag="tenant-a")
+    keys = plain.kv_keys([HASH, "cd" * 32])
+    assert len(keys) == 4 and keys[0].endswith(f"{HASH}.r0p0c0") and keys[1].endswith(f"{HASH}.r1p0c0")
+    assert tagged.kv_keys([HASH])[0] == "tenant-a:" + plain.kv_keys([HASH])[0]
+    assert plain.pool_keys([HASH], "mamba-0a1b2c3d", "r0p0c0")[0].endswith(".r0p0c0.mamba-0a1b2c3d")
+    assert all(len(k.encode()) < 256 for k in keys)
+    with pytest.raises(ValueError, match="too long"):
+        KeyScheme(BASE, ["r0p0c0"], tag="t" * 200)
+
+
+def test_config_merge_env_file_then_extra_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "memcache.json"
+    path.write_text(json.dumps({"dram_size": "1GB", "protocol": "host_tcp", "extra_backend_tag": "file",
+                                "metrics_url": "http://127.0.0.1:1"}))
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(path))
+    cfg = BackendConfig.from_sources({"protocol": "host_shm", "extra_backend_tag": "cli", "prefetch_threshold": 1,
+                                      "file_storage_path": "/x", "bogus": 2})
+    assert cfg.local_fields == {"dram_size": "1GB", "protocol": "host_shm", "file_storage_path": "/x", "bogus": 2}
+    assert cfg.extra_backend_tag == "cli" and cfg.metrics_url == "http://127.0.0.1:1"
+
+    class Local:
+        dram_size = protocol = None
+
+    local = Local()
+    assert sorted(cfg.apply_to(local)) == ["bogus", "file_storage_path"]
+    assert (local.dram_size, local.protocol) == ("1GB", "host_shm")
+
+
+def test_config_unreadable_file_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path / "missing.json"))
+    assert BackendConfig.from_sources({"dram_size": "2GB"}).local_fields == {"dram_size": "2GB"}
+
+
+def test_control_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
+    assert BackendConfig.from_sources({}).device_id(tp_rank=3, tp_size=4) == 3
+    assert BackendConfig.from_sources({"device_id": {"3": 7}}).device_id(3, 4) == 7
+    assert BackendConfig.from_sources({"device_id": '{"1": 5}'}).device_id(1, 2) == 5
+    assert BackendConfig.from_sources({"device_id": 2}).device_id(0, 1) == 2
+    assert BackendConfig.from_sources({"init_bm": "false"}).init_bm is False
+    assert BackendConfig.from_sources({}).init_bm is True
+    assert BackendConfig.from_sources({}).clear_scope == "namespace"
+    assert BackendConfig.from_sources({"clear_scope": "all"}).clear_scope == "all"
+    with pytest.raises(ValueError, match="clear_scope"):
+        BackendConfig.from_sources({"clear_scope": "everything"})
