@@ -73,6 +73,10 @@ class NpuMemcacheStore(HiCacheStorage):
         self.keys: KeyScheme | None = None
         self.gb_per_page = 0.0
         self.enable_storage_metrics = bool(self.storage_config.enable_storage_metrics)
+        extra = self.storage_config.extra_config or {}
+        # Built through `--hicache-storage-backend dynamic` without "interface_v1": SGLang then drives
+        # the legacy copy calls (whole flat pages), and existence is asked of those objects.
+        self.copy_path = bool(extra.get("module_path")) and not extra.get("interface_v1")
         self._stats_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._reset_stats()
@@ -127,7 +131,7 @@ class NpuMemcacheStore(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         layout = getattr(mem_pool_host, "layout", None)
-        if layout not in SUPPORTED_LAYOUTS:
+        if layout not in SUPPORTED_LAYOUTS and not (self.copy_path and layout == "layer_first"):
             raise ValueError(f"npu_memcache supports host layouts {SUPPORTED_LAYOUTS}, got {layout!r}")
         self._register(getattr(mem_pool_host, "kv_buffer", None))
         if self._mla_kv_split():
@@ -277,12 +281,13 @@ class NpuMemcacheStore(HiCacheStorage):
         store = self.store
         if not keys or store is None or self.keys is None:
             return 0
-        per_page = self.keys.objects_per_page
+        per_page = 1 if self.copy_path else self.keys.objects_per_page
         hits = 0
         for start in range(0, len(keys), EXISTS_CHUNK_PAGES):
             chunk = keys[start:start + EXISTS_CHUNK_PAGES]
+            obj_keys = [self._legacy_key(k) for k in chunk] if self.copy_path else self.keys.kv_keys(chunk)
             try:
-                flags = store.batch_is_exist(self.keys.kv_keys(chunk))
+                flags = store.batch_is_exist(obj_keys)
             except Exception:
                 logger.exception("npu_memcache batch_exists failed; reporting a miss")
                 return hits
@@ -389,7 +394,7 @@ class NpuMemcacheStore(HiCacheStorage):
         if store is None or self.keys is None:
             return False
         try:
-            return int(store.is_exist(self._legacy_key(key))) == 1 or self.batch_exists([key]) == 1
+            return int(store.is_exist(self._legacy_key(key))) == 1
         except Exception:
             return False
 
