@@ -189,7 +189,18 @@ class MemCacheScheduler:
         hashes = block_hashes_hex(request.block_hashes, start, end, self._ratio)
         self._pending_loads.append(LoadJob(rid, list(block_ids), hashes, self._cfg.load_async))
         tracker = self._trackers.setdefault(rid, _SaveTracker())
+        tracker.block_ids = list(blocks.get_block_ids()[0])
         tracker.next_block = max(tracker.next_block, end)
+
+    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
+        """Blocks that failed to load are recomputed by vLLM: save them again once they are."""
+        if not invalid_block_ids:
+            return
+        for tracker in self._trackers.values():
+            for i, block_id in enumerate(tracker.block_ids[:tracker.next_block]):
+                if block_id in invalid_block_ids:
+                    tracker.next_block = i
+                    break
 
     # -- saves -----------------------------------------------------------------------------
 

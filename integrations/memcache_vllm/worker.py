@@ -152,6 +152,7 @@ class MemCacheWorker:
         self._finishing: set[str] = set()
         self._load_done: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
         self._invalid_blocks: set[int] = set()
+        self._unsafe_reqs: set[str] = set()
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -212,7 +213,11 @@ class MemCacheWorker:
         if sync_jobs:
             ids = [b for j in sync_jobs for b in j.block_ids]
             hashes = [h for j in sync_jobs for h in j.block_hashes]
-            self._invalid_blocks.update(self._load(ids, hashes))
+            failed = set(self._load(ids, hashes))
+            self._invalid_blocks.update(failed)
+            # This step's forward computes these requests on top of blocks that did not load:
+            # whatever it fills must not reach the pool (vLLM recomputes it, and it is saved then).
+            self._unsafe_reqs = {j.req_id for j in sync_jobs if failed.intersection(j.block_ids)}
 
     def _load(self, block_ids: list[int], hashes: list[str]) -> list[int]:
         mover = self._mover_or_none()
@@ -233,12 +238,17 @@ class MemCacheWorker:
     # -- saves -----------------------------------------------------------------------------
 
     def wait_for_save(self, meta: MemCacheConnectorMetadata) -> None:
+        unsafe, self._unsafe_reqs = self._unsafe_reqs, set()
         if not meta.saves:
             return
         mover = self._mover_or_none()
         for job in meta.saves:
             if self._cfg.save_async:
                 self._reqs_with_saves.add(job.req_id)
+            if job.req_id in unsafe:
+                logger.info("MemCacheConnector: not saving %d blocks of %s computed over a failed load",
+                            len(job.block_ids), job.req_id)
+                continue
             if mover is None:
                 self._stats.add(save_failed_blocks=len(job.block_ids))
                 continue
