@@ -137,7 +137,7 @@ class DeviceStager:
             sel = layer.tensor.index_select(layer.block_dim, idx).movedim(layer.block_dim, 0)
             data = sel.contiguous().view(torch.uint8).reshape(n, -1)
             self.buffer[:n, loff:loff + layer.block_bytes].copy_(data)
-        torch.cuda.synchronize(self.layout.device)
+        _sync(self.layout.device)
 
     def scatter(self, block_ids: list[int], slots: list[int]) -> None:
         """Copy slots into device blocks (waits for the copies)."""
@@ -152,7 +152,12 @@ class DeviceStager:
             host = self.buffer.index_select(0, rows)[:, loff:loff + layer.block_bytes].contiguous()
             data = host.to(dev).view(t.dtype).reshape([len(block_ids)] + rest)
             t.index_copy_(layer.block_dim, idx, data.movedim(0, layer.block_dim))
-        torch.cuda.synchronize(dev)
+        _sync(dev)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def staging_capacity(layout: BlockLayout, budget_bytes: int) -> int:
