@@ -55,6 +55,10 @@ class BenchError(RuntimeError):
     """A failed operation or a byte mismatch: the run is invalid."""
 
 
+class OpFailed(BenchError):
+    """An operation returned error codes (for Mooncake: recorded as a failed figure, the run goes on)."""
+
+
 # ---- buffer layouts (shared by both processes, so the reader can rebuild what the writer wrote) ----
 
 def pieces_of(layout: str, base: int, batch: int, k: int) -> list[tuple[int, int]]:
@@ -264,7 +268,7 @@ class Worker:
                 continue
             break
         if any(c != 0 for c in codes):
-            return {"error": f"put {prefix}: codes {sorted(set(codes))}"}
+            return {"error": f"put {prefix}: codes {sorted(set(codes))}", "codes": True}
         return {"s": dt, "faults": f, "memcpy_s": memcpy_s(self.scratch, self.expected, batch * OBJ_BYTES),
                 "piece_memcpy_s": piece_memcpy_s(pieces, self.scratch.ctypes.data, gather=True)}
 
@@ -274,7 +278,7 @@ class Worker:
         codes = self.client.get(keys, pieces)
         dt, f = time.perf_counter() - t, minor_faults() - f
         if any(c != 0 for c in codes):
-            return {"error": f"get {prefix}: codes {sorted(set(codes))}"}
+            return {"error": f"get {prefix}: codes {sorted(set(codes))}", "codes": True}
         n = batch * OBJ_BYTES
         mc = memcpy_s(self.scratch, self.expected, n)   # the scratch copy then becomes the expected image
         want = self.scratch
@@ -358,7 +362,7 @@ class Proc:
             raise BenchError("worker did not answer within 300 s")
         r = self.conn.recv()
         if "error" in r:
-            raise BenchError(r["error"])
+            raise (OpFailed if r.get("codes") else BenchError)(r["error"])
         return r
 
     def call(self, cmd: str, **kwargs: Any) -> dict[str, Any]:
@@ -439,21 +443,34 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
             warm_up_pool(engine, protocol, writer, reader, spec["lease_ms"])
         for layout in args.layouts:
             for batch in args.batches:
-                rows = {"put": [], "put>peer": [], "get": []}
+                rows: dict[str, list[dict[str, Any]]] = {"put": [], "put>peer": [], "get": []}
                 for rep in range(args.warmup + args.reps):
                     prefix = f"{engine}/{protocol}/{layout}/b{batch}/r{rep}"
-                    put = writer.call("put", layout=layout, batch=batch, rep=rep, prefix=prefix, peer=None)
-                    get = reader.call("get", layout=layout, batch=batch, rep=rep, prefix=prefix)
-                    writer.call("remove", layout=layout, batch=batch, prefix=prefix)
-                    peer = writer.call("put", layout=layout, batch=batch, rep=rep, prefix=prefix + "p",
-                                       peer=reader.ident)
-                    writer.call("remove", layout=layout, batch=batch, prefix=prefix + "p")
+                    try:
+                        put = writer.call("put", layout=layout, batch=batch, rep=rep, prefix=prefix, peer=None)
+                        get = reader.call("get", layout=layout, batch=batch, rep=rep, prefix=prefix)
+                        writer.call("remove", layout=layout, batch=batch, prefix=prefix)
+                        peer = writer.call("put", layout=layout, batch=batch, rep=rep, prefix=prefix + "p",
+                                           peer=reader.ident)
+                        writer.call("remove", layout=layout, batch=batch, prefix=prefix + "p")
+                    except OpFailed as e:
+                        if engine == "memcache":
+                            raise
+                        writer.call("remove", layout=layout, batch=batch, prefix=prefix)
+                        writer.call("remove", layout=layout, batch=batch, prefix=prefix + "p")
+                        row = {"engine": engine, "protocol": protocol, "layout": layout, "batch": batch,
+                               "failed": str(e)}
+                        out.append(row)
+                        print(f"{engine:8} {protocol:8} {layout:10} {batch:>3} FAILED: {e}", flush=True)
+                        break
                     if rep >= args.warmup:
                         for op, r in (("put", put), ("put>peer", peer), ("get", get)):
                             rows[op].append(r)
                     elif rep == 0:
                         cold = get["s"]
                 for op, rs in rows.items():
+                    if not rs:
+                        continue
                     row = _bandwidth_row(engine, protocol, layout, batch, op, rs)
                     if op == "get" and args.warmup:
                         row["cold_get_gbps"] = round(batch * OBJ_BYTES / cold / 1e9, 3)
@@ -502,8 +519,8 @@ def _bandwidth_row(engine: str, protocol: str, layout: str, batch: int, op: str,
     t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
     return {"engine": engine, "protocol": protocol, "layout": layout, "batch": batch, "op": op,
             "gbps": round(nbytes / t / 1e9, 3), "memcpy_gbps": round(nbytes / mc / 1e9, 3),
-            "ratio": round(mc / t, 3), "ms": round(t * 1e3, 2), "reps": len(rs),
-            "piece_ratio": round(statistics.median(r["piece_memcpy_s"] for r in rs) / t, 3),
+            "ratio": round(statistics.median(r["memcpy_s"] / r["s"] for r in rs), 3), "ms": round(t * 1e3, 2), "reps": len(rs),
+            "piece_ratio": round(statistics.median(r["piece_memcpy_s"] / r["s"] for r in rs), 3),
             "faults_per_mib": round(statistics.median(r["faults"] for r in rs) / (nbytes / (1 << 20)), 1)}
 
 
@@ -532,7 +549,10 @@ def print_table(paths: list[str]) -> None:
             col = (r["engine"], r["protocol"])
             if col not in cols:
                 cols.append(col)
-            if "gbps" in r:
+            if "failed" in r:
+                for op in ("put", "put>peer", "get"):
+                    cells.setdefault((r["layout"], r["batch"], op), {})[col] = "FAILED"
+            elif "gbps" in r:
                 key: tuple[Any, ...] = (r["layout"], r["batch"], r["op"])
                 cells.setdefault(key, {})[col] = f"{r['gbps']:5.2f} GB/s x{r['ratio']:.2f}"
             else:
@@ -584,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         ["host_shm", "host_tcp"] if args.protocol == "all" else [args.protocol])
     print(f"engine {args.engine}; object {OBJ_BYTES // KIB} KiB (contiguous, or {LAYERS}x128 KiB + {LAYERS}x16 KiB);"
           f" batches {args.batches}; {args.reps} reps (+{args.warmup} warm-up) per figure; medians; "
-          f"ratio = op bandwidth / single-thread memcpy of the same bytes in the same process", flush=True)
+          f"xR = median over repetitions of (memcpy time / op time), the memcpy of the same bytes timed right after "
+          f"the op in the same process", flush=True)
     out: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
