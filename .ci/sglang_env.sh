@@ -18,6 +18,9 @@ VENV_ROOT="${MEMCACHE_VENV_ROOT:-$HOME/.cache/memcache/venvs}"
 HASH="$(cat "$REQ_DIR/requirements.txt" "$REQ_DIR/requirements-nodeps.txt" | sha256sum | cut -c1-12)"
 VENV="$VENV_ROOT/sglang-$HASH"
 
+# pip, quieter: this machine's extra index paths print a warning per package.
+pipq() { { "$VENV/bin/pip" "$@" 2>&1; } | { grep -v "WARNING: Location" || true; } >&2; }
+
 mkdir -p "$VENV_ROOT"
 exec 9>"$VENV_ROOT/.sglang-$HASH.lock"
 flock 9
@@ -26,9 +29,9 @@ if [[ ! -f "$VENV/.complete" ]]; then
     echo "creating SGLang venv $VENV (a few minutes)" >&2
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip setuptools wheel >&2
-    "$VENV/bin/pip" install -q -r "$REQ_DIR/requirements.txt" >&2
-    "$VENV/bin/pip" install -q --no-deps -r "$REQ_DIR/requirements-nodeps.txt" >&2
+    pipq install -q --upgrade pip setuptools wheel
+    pipq install -q -r "$REQ_DIR/requirements.txt"
+    pipq install -q --no-deps -r "$REQ_DIR/requirements-nodeps.txt"
     touch "$VENV/.complete"
 fi
 
@@ -37,7 +40,7 @@ SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 echo "$REQ_DIR/cpu_support" > "$SITE/memcache_sglang_cpu_support.pth"
 
 if [[ -f "$REPO/pyproject.toml" ]]; then
-    "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$REPO" >&2
+    pipq install -qq --no-deps --no-build-isolation -e "$REPO"
 else
     echo "warning: $REPO/pyproject.toml missing; repo not installed into the venv" >&2
 fi
