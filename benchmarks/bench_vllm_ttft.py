@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time to first token with vLLM: prompt computed (cold) versus its KV loaded from the MemCache pool.
 
-    python benchmarks/bench_vllm_ttft.py [--model DIR] [--prompt-tokens 4000] [--prompts 5]
+    python benchmarks/bench_vllm_ttft.py [--model DIR] [--prompt-tokens 2000] [--prompts 3]
 
 Starts a pool (MetaService + a standalone LocalService), then two vLLM instances in turn, each in
 fresh processes with the MemCacheConnector and the local prefix cache off:
@@ -62,8 +62,8 @@ def run_instance(spec_path: str, out_path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model directory (default: make a random 8-layer Llama)")
-    ap.add_argument("--prompt-tokens", type=int, default=4000)
-    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--instance", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.instance:
