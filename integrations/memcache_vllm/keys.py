@@ -6,7 +6,8 @@ A key names one block of one rank, all layers of that rank:
 
 ``<block hash hex>`` is vLLM's chained block hash (it already identifies the whole prefix up to and
 including the block). Everything before it is the namespace: two instances share blocks only when
-model, KV dtype, block size, KV shape (layers, heads, head size) and rank layout all agree, so a
+model, KV dtype, block size, KV shape (layers, heads, head size), device type, block hash
+algorithm and rank layout all agree, so a
 different model or setting never reads another's bytes. Keys stay below the store's 256-byte limit.
 """
 
@@ -35,6 +36,8 @@ class KeySpace:
     pp_size: int = 1
     prefix: str = ""
     hash_algo: str = "sha256"
+    device: str = "cpu"
+    """Device type of the KV caches: CPU and GPU attention backends lay a block out differently."""
 
     @classmethod
     def from_vllm_config(cls, vllm_config: object, block_size: int, prefix: str = "") -> KeySpace:
@@ -56,6 +59,7 @@ class KeySpace:
             pp_size=int(pc.pipeline_parallel_size),
             prefix=prefix,
             hash_algo=str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
+            device=str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")),
         )
 
     @property
@@ -64,7 +68,7 @@ class KeySpace:
         return [(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
 
     def _digest(self) -> str:
-        shape = (f"{self.num_layers}/{self.num_kv_heads}/{self.head_size}/{self.hash_algo}/"
+        shape = (f"{self.num_layers}/{self.num_kv_heads}/{self.head_size}/{self.hash_algo}/{self.device}/"
                  f"{self.model}/{self.kv_dtype}/{self.block_size}/{self.tp_size}/{self.pp_size}")
         return hashlib.sha256(shape.encode()).hexdigest()[:12]
 
