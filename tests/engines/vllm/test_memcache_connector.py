@@ -18,6 +18,7 @@ from vllm_harness import (
     P2,
     P3,
     P4,
+    P5,
     Engine,
     Pool,
     assert_same_output,
@@ -35,15 +36,16 @@ def gen(*prompts: list[int]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def seeded(pool: Pool, tiny_model: str, baseline: dict[str, Any], tmp_path_factory) -> Pool:
-    """Instance A computes P1 and saves its full blocks to the pool, then exits."""
+    """Instance A computes P1 and P2 (P1 + 150 tokens), saves their full blocks, then exits."""
     spec = {"model": tiny_model, "block_size": BLOCK, "enable_prefix_caching": False,
-            "kv_transfer_config": pool.kv_transfer_config(), "steps": [gen(P1)]}
+            "kv_transfer_config": pool.kv_transfer_config(), "steps": [gen(P1), gen(P2)]}
     res = Engine(spec, tmp_path_factory.mktemp("seed"), "instance_a").result()
-    out = res["steps"][0][0]
-    assert out["num_cached_tokens"] == 0
-    assert_same_output(out, baseline["P1"], "saving instance")
-    # Saves are asynchronous; the engine frees P1's blocks (and exits) only after they are done.
-    assert len(pool.keys()) == P1_BLOCKS, "one key per full prompt block (one rank)"
+    p1, p2 = res["steps"][0][0], res["steps"][1][0]
+    assert p1["num_cached_tokens"] == 0
+    assert_same_output(p1, baseline["P1"], "saving instance, P1")
+    assert_same_output(p2, baseline["P2"], "saving instance, P2")
+    # Saves are asynchronous; the engine frees a request's blocks (and exits) only after they are done.
+    assert len(pool.keys()) == len(P2) // BLOCK, "one key per full prompt block (one rank)"
     return pool
 
 
@@ -53,37 +55,37 @@ def metric(res: dict[str, Any], name: str) -> float:
 
 
 def test_fresh_instance_loads_saved_prefix(seeded: Pool, engines, baseline) -> None:
-    """Scenario: A saved P1 and exited. A fresh instance B (new processes, no local prefix cache)
-    gets P1's blocks from the pool, and for P2 (P1 + 150 tokens) the shared blocks; outputs are
-    those of a run without the connector."""
+    """Scenario: A saved P1 and P2 and exited. A fresh instance B (new processes, no local prefix
+    cache) gets P1's blocks from the pool, and for P5 (P1 + 150 other tokens) the blocks it shares
+    with P1; outputs are those of a run without the connector. B saves only P5's new blocks."""
     before = set(seeded.keys())
-    res = engines("instance_b", [gen(P1), gen(P2)], seeded.kv_transfer_config()).result()
-    p1, p2 = res["steps"][0][0], res["steps"][1][0]
+    res = engines("instance_b", [gen(P1), gen(P5)], seeded.kv_transfer_config()).result()
+    p1, p5 = res["steps"][0][0], res["steps"][1][0]
     assert p1["num_cached_tokens"] == full_hit(P1) == 288
-    assert p2["num_cached_tokens"] == P1_BLOCKS * BLOCK
+    assert p5["num_cached_tokens"] == P1_BLOCKS * BLOCK
     assert_same_output(p1, baseline["P1"], "P1 loaded from the pool")
-    assert_same_output(p2, baseline["P2"], "P2 with P1's prefix from the pool")
+    assert_same_output(p5, baseline["P5"], "P5 with P1's prefix from the pool")
     assert metric(res, "external_prefix_cache_hits") == full_hit(P1) + P1_BLOCKS * BLOCK
     assert metric(res, "memcache_load_blocks") == 2 * P1_BLOCKS
     assert metric(res, "memcache_load_failed_blocks") == 0
-    # B saved P2's blocks beyond P1's (and only those).
     after = set(seeded.keys())
-    assert before < after and len(after - before) == len(P2) // BLOCK - P1_BLOCKS
+    assert before < after and len(after - before) == len(P5) // BLOCK - P1_BLOCKS
 
 
 def test_two_instances_at_once_async_and_sync(seeded: Pool, engines, baseline, tmp_path: Path) -> None:
-    """Scenario: instances C (asynchronous loads) and D (synchronous loads) run at the same time on
-    one pool. Both load P1 (saved by A). C computes P3 and saves it; D then loads P3 from C's
-    blocks while C is still running. All outputs equal the baseline."""
+    """Scenario: instances C (asynchronous loads) and D (synchronous loads, vLLM's local prefix
+    cache on) run at the same time on one pool. Both load P1 (saved by A). C computes P3 and saves
+    it; D then loads P3 from C's blocks while C is still running. D's P2 takes P1's blocks from its
+    local prefix cache and only the rest from the pool. All outputs equal the baseline."""
     ready_c, ready_d, go, c_saved = (tmp_path / n for n in ("ready_c", "ready_d", "go", "c_saved"))
     c = engines("instance_c", [{"signal_file": str(ready_c)}, {"wait_for_file": str(go)},
                                gen(P1), gen(P3), {"signal_file": str(c_saved)},
                                {"wait_for_file": str(tmp_path / "d_done")}],
                 seeded.kv_transfer_config(load_async=True))
     d = engines("instance_d", [{"signal_file": str(ready_d)}, {"wait_for_file": str(go)},
-                               gen(P1), {"wait_for_file": str(c_saved)}, gen(P3),
+                               gen(P1), {"wait_for_file": str(c_saved)}, gen(P3), gen(P2),
                                {"signal_file": str(tmp_path / "d_done")}],
-                seeded.kv_transfer_config())
+                seeded.kv_transfer_config(), enable_prefix_caching=True)
     deadline = time.monotonic() + 400
     while not (ready_c.exists() and ready_d.exists()):
         assert c.proc.poll() is None and d.proc.poll() is None, "an instance died during start-up"
@@ -92,7 +94,7 @@ def test_two_instances_at_once_async_and_sync(seeded: Pool, engines, baseline, t
     go.write_text("go")
     rc, rd = c.result(), d.result()
     c_p1, c_p3 = rc["steps"][2][0], rc["steps"][3][0]
-    d_p1, d_p3 = rd["steps"][2][0], rd["steps"][4][0]
+    d_p1, d_p3, d_p2 = rd["steps"][2][0], rd["steps"][4][0], rd["steps"][5][0]
     for name, out in (("C P1", c_p1), ("D P1", d_p1)):
         assert out["num_cached_tokens"] == full_hit(P1), name
         assert_same_output(out, baseline["P1"], name)
@@ -100,7 +102,12 @@ def test_two_instances_at_once_async_and_sync(seeded: Pool, engines, baseline, t
     assert_same_output(c_p3, baseline["P3"], "C P3 computed")
     assert d_p3["num_cached_tokens"] == full_hit(P3), "D loads the blocks C saved while C runs"
     assert_same_output(d_p3, baseline["P3"], "D P3 loaded from C's blocks")
+    assert d_p2["num_cached_tokens"] == full_hit(P2)
+    assert_same_output(d_p2, baseline["P2"], "D P2: local prefix cache plus pool")
     assert metric(rc, "memcache_load_blocks") == P1_BLOCKS
+    # D loaded P1, P3 and only P2's blocks beyond P1 (P1's came from its local prefix cache).
+    assert metric(rd, "memcache_load_blocks") == P1_BLOCKS + full_hit(P3) // BLOCK + \
+        (full_hit(P2) // BLOCK - P1_BLOCKS)
 
 
 def test_blocks_removed_before_load_are_recomputed(seeded: Pool, engines, baseline) -> None:
@@ -122,8 +129,7 @@ def test_blocks_removed_before_load_are_recomputed(seeded: Pool, engines, baseli
 
 def test_meta_service_down_is_a_miss(seeded: Pool, engines, baseline, tmp_path: Path) -> None:
     """Scenario: the MetaService dies while an instance runs. Its next request is a miss (no hang,
-    no crash, output equals the baseline); after a restart on the same address the pool answers
-    again."""
+    no crash, output equals the baseline)."""
     stop, stopped = tmp_path / "stop_meta", tmp_path / "meta_stopped"
     e = engines("meta_down", [gen(P1), {"signal_file": str(stop)}, {"wait_for_file": str(stopped)},
                               gen(P4)], seeded.kv_transfer_config())

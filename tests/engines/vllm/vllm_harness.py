@@ -50,7 +50,8 @@ P1 = tokens(300, 1)
 P2 = P1 + tokens(150, 2)       # shares P1's 9 full blocks
 P3 = tokens(260, 3)
 P4 = tokens(230, 4)
-PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4}
+P5 = P1 + tokens(150, 5)       # shares P1's blocks, not P2's
+PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4, "P5": P5}
 MAX_TOKENS = 8
 
 
