@@ -189,7 +189,7 @@ def sglang_command(python: str, model: str, port: int, extra_config: dict[str, A
                    extra_args: list[str] | None = None) -> list[str]:
     return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
             "--port", str(port), "--device", "cpu", "--attention-backend", "torch_native",
-            "--disable-cuda-graph", "--page-size", "128", "--mem-fraction-static", "0.3",
+            "--disable-cuda-graph", "--sleep-on-idle", "--page-size", "128", "--mem-fraction-static", "0.3",
             "--max-total-tokens", "12800", "--enable-hierarchical-cache", "--hicache-ratio", "2",
             "--hicache-write-policy", "write_through", "--hicache-io-backend", "direct",
             "--hicache-mem-layout", "layer_first", "--hicache-storage-backend", "npu_memcache",
