@@ -98,7 +98,7 @@ class ConnectorConfig:
             if key in ("backend", "cache_prefix"):
                 setattr(cfg, key, str(value))
             elif key in ("lookup_rpc_port", "mooncake_rpc_port"):
-                cfg.lookup_rpc_port = int(value)
+                cfg.lookup_rpc_port = int(_as_float(key, value, 0))
             elif key in ("load_async", "save_async", "use_layerwise", "consumer_is_to_put",
                          "consumer_is_to_load", "discard_partial_chunks", "save_decode_cache"):
                 setattr(cfg, key, _as_bool(key, value))
