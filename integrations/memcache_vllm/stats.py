@@ -41,7 +41,8 @@ class MemCacheConnectorStats(KVConnectorStats):
             self.data.setdefault(name, 0)
 
     def reset(self) -> None:
-        self.data = {name: 0 for name in FIELDS}
+        fresh: dict[str, Any] = dict.fromkeys(FIELDS, 0)
+        self.data = fresh
 
     def add(self, **values: float) -> None:
         for name, value in values.items():
