@@ -36,10 +36,16 @@ logger = logging.getLogger("vllm." + __name__)
 LOOKUP_TIMEOUT_S = 2.0
 
 
+# A request that waits (no free blocks yet) is asked about every step; its answer is reused this
+# long, so a waiting request costs one existence call, not one per step.
+LOOKUP_REUSE_S = 1.0
+
+
 @dataclass
 class _Lookup:
     start_block: int
     hit_blocks: int
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -145,8 +151,12 @@ class MemCacheScheduler:
         end = min((request.num_tokens - 1) // self.block_size, self._num_hashed_blocks(request))
         if end <= start:
             return 0, False
-        hit = self._lookup(request, start, end)
-        self._lookups[request.request_id] = _Lookup(start, hit)
+        prev = self._lookups.get(request.request_id)
+        if prev is not None and prev.start_block == start and time.monotonic() - prev.at < LOOKUP_REUSE_S:
+            hit = prev.hit_blocks
+        else:
+            hit = self._lookup(request, start, end)
+            self._lookups[request.request_id] = _Lookup(start, hit)
         tokens = (start + hit) * self.block_size - num_computed_tokens
         if tokens <= 0:
             return 0, False

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import BLOCK, MAX_TOKENS, PROMPTS, REPO, Engine, Pool
+from vllm_harness import BLOCK, CROWD, CROWD_MAX_TOKENS, MAX_TOKENS, PROMPTS, REPO, Engine, Pool
 
 from memcache_core.testing import running_meta_service
 
@@ -68,6 +68,9 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> dict[
     """What vLLM produces for every prompt without a connector."""
     names = list(PROMPTS)
     spec = {"model": tiny_model, "block_size": BLOCK, "kv_transfer_config": None,
-            "steps": [{"generate": [PROMPTS[n] for n in names], "max_tokens": MAX_TOKENS}]}
+            "steps": [{"generate": [PROMPTS[n] for n in names], "max_tokens": MAX_TOKENS},
+                      {"generate": CROWD, "max_tokens": CROWD_MAX_TOKENS}]}
     res = Engine(spec, tmp_path_factory.mktemp("baseline"), "baseline").result()
-    return dict(zip(names, res["steps"][0], strict=True))
+    out = dict(zip(names, res["steps"][0], strict=True))
+    out.update({f"crowd{i}": r for i, r in enumerate(res["steps"][1])})
+    return out

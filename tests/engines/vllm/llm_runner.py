@@ -3,8 +3,11 @@
     python llm_runner.py SPEC.json OUT.json
 
 SPEC: {"model": DIR, "block_size": 32, "dtype": "bfloat16", "kv_transfer_config": {...} | null,
-       "enable_prefix_caching": bool, "steps": [STEP, ...]}
-STEP: {"generate": [[token ids], ...], "max_tokens": N}  -> one result per prompt
+       "enable_prefix_caching": bool, "max_model_len": N, "num_gpu_blocks_override": N,
+       "steps": [STEP, ...]}
+STEP: {"generate": [[token ids], ...], "max_tokens": N, "batch": false}
+                                                         -> one result per prompt (all prompts
+                                                            submitted at once with "batch")
       {"wait_for_file": PATH}                               -> blocks until PATH exists (the test
                                                                 changes the world meanwhile)
       {"signal_file": PATH}                                 -> creates PATH
@@ -47,6 +50,8 @@ def main() -> None:
         enforce_eager=True, max_model_len=spec.get("max_model_len", 4096), seed=0,
         enable_prefix_caching=spec.get("enable_prefix_caching", False), disable_log_stats=False,
     )
+    if spec.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     if spec.get("kv_transfer_config"):
         from vllm.config import KVTransferConfig
 
@@ -70,16 +75,20 @@ def main() -> None:
         params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=1,
                                 ignore_eos=True)
         outs = []
-        for prompt in step["generate"]:
+        batches = [step["generate"]] if step.get("batch") else [[p] for p in step["generate"]]
+        produced = []
+        for batch in batches:
             t = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            produced.extend((out, time.perf_counter() - t) for out in got)
+        for out, elapsed in produced:
             comp = out.outputs[0]
             outs.append({
                 "token_ids": list(comp.token_ids),
                 "logprobs": [lp[tok].logprob for lp, tok in zip(comp.logprobs, comp.token_ids, strict=False)],
                 "num_cached_tokens": out.num_cached_tokens,
                 "finish_reason": comp.finish_reason,
-                "elapsed_s": time.perf_counter() - t,
+                "elapsed_s": elapsed,
             })
         result["steps"].append(outs)
     result["metrics"] = _metrics(llm)

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 from vllm_harness import (
     BLOCK,
+    CROWD,
+    CROWD_BLOCKS,
+    CROWD_MAX_TOKENS,
     MAX_TOKENS,
     P1,
     P2,
@@ -151,3 +154,21 @@ def test_meta_service_down_is_a_miss(seeded: Pool, engines, baseline, tmp_path: 
     assert_same_output(p1, baseline["P1"], "P1 before the MetaService died")
     assert p4["num_cached_tokens"] == 0
     assert_same_output(p4, baseline["P4"], "P4 with the MetaService down")
+
+
+def test_preemption_with_async_saves(seeded: Pool, engines, baseline) -> None:
+    """Scenario: three requests decode in a KV cache too small for all of them, so vLLM preempts
+    some while their asynchronous saves may still be reading their blocks, and gives the freed
+    blocks to others. The worker finishes a preempted request's saves before the next forward
+    overwrites them; preempted requests come back loading their prefix from the pool. Every
+    output equals the run without the connector and without preemption."""
+    res = engines("crowd", [{"generate": CROWD, "max_tokens": CROWD_MAX_TOKENS, "batch": True}],
+                  seeded.kv_transfer_config(), num_gpu_blocks_override=CROWD_BLOCKS,
+                  max_model_len=1024).result()
+    assert metric(res, "num_preemptions") > 0, "the test needs vLLM to preempt"
+    for i, out in enumerate(res["steps"][0]):
+        assert out["token_ids"] == baseline[f"crowd{i}"]["token_ids"], f"request {i}"
+        # A resumed request recomputes its generated tokens in one prefill instead of one by one,
+        # which may move the last bits of later logprobs; tokens must not change.
+        assert out["logprobs"] == pytest.approx(baseline[f"crowd{i}"]["logprobs"], abs=1e-3), i
+    assert metric(res, "memcache_load_blocks") > 0, "resumed requests load their prefix"

@@ -52,6 +52,11 @@ P3 = tokens(260, 3)
 P4 = tokens(230, 4)
 P5 = P1 + tokens(150, 5)       # shares P1's blocks, not P2's
 PROMPTS = {"P1": P1, "P2": P2, "P3": P3, "P4": P4, "P5": P5}
+# Three requests (10 blocks each at admission) that grow to 15 blocks each while decoding, in a
+# 36-block KV cache: vLLM must preempt.
+CROWD = [tokens(300, 10 + i) for i in range(3)]
+CROWD_MAX_TOKENS = 160
+CROWD_BLOCKS = 36
 MAX_TOKENS = 8
 
 
