@@ -159,11 +159,12 @@ def test_meta_service_down_is_a_miss(seeded: Pool, engines, baseline, tmp_path: 
 def test_preemption_with_async_saves(seeded: Pool, engines, baseline) -> None:
     """Scenario: three requests decode in a KV cache too small for all of them, so vLLM preempts
     some while their asynchronous saves may still be reading their blocks, and gives the freed
-    blocks to others. The worker finishes a preempted request's saves before the next forward
-    overwrites them; preempted requests come back loading their prefix from the pool. Every
+    blocks to others (blocks filled by generated tokens are saved too, so saves run all along).
+    The worker finishes a preempted request's saves before the next forward overwrites them;
+    preempted requests come back loading their prompt and generated blocks from the pool. Every
     output equals the run without the connector and without preemption."""
     res = engines("crowd", [{"generate": CROWD, "max_tokens": CROWD_MAX_TOKENS, "batch": True}],
-                  seeded.kv_transfer_config(), num_gpu_blocks_override=CROWD_BLOCKS,
+                  seeded.kv_transfer_config(save_decode_cache=True), num_gpu_blocks_override=CROWD_BLOCKS,
                   max_model_len=1024).result()
     assert metric(res, "num_preemptions") > 0, "the test needs vLLM to preempt"
     for i, out in enumerate(res["steps"][0]):
@@ -171,4 +172,5 @@ def test_preemption_with_async_saves(seeded: Pool, engines, baseline) -> None:
         # A resumed request recomputes its generated tokens in one prefill instead of one by one,
         # which may move the last bits of later logprobs; tokens must not change.
         assert out["logprobs"] == pytest.approx(baseline[f"crowd{i}"]["logprobs"], abs=1e-3), i
-    assert metric(res, "memcache_load_blocks") > 0, "resumed requests load their prefix"
+    assert metric(res, "memcache_load_blocks") > len(CROWD[0]) // BLOCK, \
+        "a resumed request loads its prompt and generated blocks"
