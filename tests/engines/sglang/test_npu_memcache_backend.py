@@ -32,7 +32,8 @@ EXTRA = {"client_timeout_seconds": 5}
 @pytest.fixture(scope="module")
 def server_a(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[serve_cpu.ServerHandle]:
-    server = start(meta, model, tmp_path_factory.mktemp("logs"), "server_a", extra_config=EXTRA)
+    server = start(meta, model, tmp_path_factory.mktemp("logs"), "server_a", extra_config=EXTRA,
+                   extra_args=["--enable-metrics"])
     try:
         yield server
     finally:
@@ -48,9 +49,24 @@ def write_through(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle, id
     return cold, wait_for_new_keys(meta, before, FULL_PAGES)
 
 
+def storage_pages(server: serve_cpu.ServerHandle) -> tuple[float, float]:
+    """Pages backed up and prefetched, from SGLang's histograms fed by ``get_stats()``."""
+    import requests
+
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    sums = {"backup": 0.0, "prefetch": 0.0}
+    for line in text.splitlines():
+        for kind in sums:
+            if line.startswith(f"sglang:{kind}_pgs_sum"):
+                sums[kind] += float(line.rsplit(" ", 1)[1])
+    return sums["backup"], sums["prefetch"]
+
+
 def test_l3_restore_after_flush(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
-    """Scenario: cold -> device hit -> /flush_cache -> restored from L3 (same text) -> device hit."""
+    """Scenario: cold -> device hit -> /flush_cache -> restored from L3 (same text) -> device hit;
+    the backend's StorageMetrics reach SGLang's /metrics."""
     ids = prompt(1)
+    backup0, prefetch0 = storage_pages(server_a)
     cold, written = write_through(server_a, meta, ids)
     assert all(k.startswith("sgl1.") for k in written), sorted(written)[:3]
 
@@ -68,6 +84,15 @@ def test_l3_restore_after_flush(server_a: serve_cpu.ServerHandle, meta: serve_cp
     again = generate(server_a, ids)
     assert again["device"] >= restored["storage"] and again["storage"] == 0, again
     assert again["text"] == cold["text"]
+
+    deadline = time.monotonic() + 30
+    while True:
+        backup, prefetch = storage_pages(server_a)
+        done = backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1, (backup, prefetch)
 
 
 def test_restore_uses_the_stored_bytes(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
