@@ -29,6 +29,8 @@ PROMPT_TOKENS = 3200
 PAGE = 128
 FULL_PAGES = PROMPT_TOKENS // PAGE
 REQUEST_TIMEOUT_S = 240
+ADMIN_KEY = "memcache-test-admin"  # servers of the main module run with --admin-api-key
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # accepted (and ignored) by servers without one
 BACKUP_TIMEOUT_S = 60
 
 
@@ -54,7 +56,7 @@ def flush(server: serve_cpu.ServerHandle) -> None:
     """Drop device and host caches (L1/L2); L3 is untouched. Retries while requests drain."""
     deadline = time.monotonic() + 30
     while True:
-        r = requests.post(f"{server.url}/flush_cache", timeout=30)
+        r = requests.post(f"{server.url}/flush_cache", timeout=30, headers=ADMIN)
         if r.status_code == 200:
             return
         if time.monotonic() > deadline:

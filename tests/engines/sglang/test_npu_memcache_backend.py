@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import serve_cpu
 from conftest import (
+    ADMIN,
+    ADMIN_KEY,
     FULL_PAGES,
     flush,
     generate,
@@ -33,7 +35,7 @@ EXTRA = {"client_timeout_seconds": 5}
 def server_a(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[serve_cpu.ServerHandle]:
     server = start(meta, model, tmp_path_factory.mktemp("logs"), "server_a", extra_config=EXTRA,
-                   extra_args=["--enable-metrics"])
+                   extra_args=["--enable-metrics", "--admin-api-key", ADMIN_KEY])
     try:
         yield server
     finally:
@@ -147,7 +149,7 @@ def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
         assert client.put(foreign, b"x" * 4096) == 0
         ids = prompt(3)
         cold, _ = write_through(server_a, meta, ids)
-        r = requests.post(f"{server_a.url}/hicache/storage-backend/clear", timeout=60)
+        r = requests.post(f"{server_a.url}/hicache/storage-backend/clear", timeout=60, headers=ADMIN)
         assert r.status_code == 200, r.text
         left = pool_keys(meta)
         assert left == {foreign}, sorted(left)[:5]
@@ -173,6 +175,33 @@ def test_two_servers_share_one_pool(server_a: serve_cpu.ServerHandle, meta: serv
         assert got["text"] == cold["text"]
     finally:
         server_b.stop()
+
+
+def test_detach_and_reattach(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+    """Scenario: DELETE /hicache/storage-backend closes the store (its LocalService leaves the pool,
+    taking its objects); serving goes on without L3; PUT attaches a new instance that restores again."""
+    import json
+
+    import requests
+
+    assert any(k.startswith("sgl1.") for k in pool_keys(meta)), "nothing stored before the detach"
+    r = requests.delete(f"{server_a.url}/hicache/storage-backend", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    assert not any(k.startswith("sgl1.") for k in pool_keys(meta)), "close() left objects in the pool"
+    plain = generate(server_a, prompt(8))
+    assert plain["storage"] == 0 and plain["backend"] is None, plain
+
+    r = requests.put(f"{server_a.url}/hicache/storage-backend", headers=ADMIN, timeout=120, json={
+        "hicache_storage_backend": "npu_memcache",
+        "hicache_storage_backend_extra_config_json": json.dumps(server_a.extra_config)})
+    assert r.status_code == 200, r.text
+    ids = prompt(9)
+    cold, _ = write_through(server_a, meta, ids)
+    flush(server_a)
+    restored = generate(server_a, ids)
+    assert restored["device"] == 0 and restored["host"] == 0, restored
+    assert restored["storage"] >= (FULL_PAGES - 1) * 128, restored
+    assert restored["text"] == cold["text"]
 
 
 def test_meta_service_killed_while_serving(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
