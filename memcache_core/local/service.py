@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from .. import errors
 from .. import protocol as p
 from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
-from ..errors import InvalidParameter, MemCacheError, MetaServiceUnavailable, check_key
+from ..errors import InvalidParameter, MemCacheError, MetaServiceUnavailable, check_key, check_keys
 from ..rpc import RpcClient, expect
 from ..transfer import CopyOp, TransferEngine
 from ..transfer.memfabric import require_memfabric
@@ -357,8 +357,7 @@ class LocalService:
     # ---- exist / remove ----------------------------------------------------------------------------
 
     def exist(self, keys: Sequence[str]) -> list[bool]:
-        for k in keys:
-            check_key(k)
+        check_keys(list(keys))
         return expect(self.rpc.call(p.Exist(list(keys)), idempotent=True), p.Flags).flags
 
     def remove(self, keys: Sequence[str]) -> list[int]:

@@ -26,7 +26,6 @@ OP_READ, OP_WRITE = 1, 2
 _HEAD = struct.Struct("<4sBI")
 _RANGE = struct.Struct("<QQ")
 _ANSWER = struct.Struct("<iQ")
-_BUF = 4 << 20
 
 Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, size), ...])
 
