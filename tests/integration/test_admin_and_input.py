@@ -17,6 +17,26 @@ from memcache_core import DistributedObjectStore, LocalConfig
 pytestmark = pytest.mark.integration
 
 
+def stop_once_healthy(proc: subprocess.Popen, port: int) -> None:
+    """Wait for a MetaService process to answer /health, then SIGTERM it: it must exit 0."""
+    import urllib.request
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    assert json.load(r)["success"]
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_bad_input_gets_clear_codes_and_the_store_keeps_working(meta):
     s = DistributedObjectStore()
     assert s.setup(meta.local_config()) == 0 and s.init(0, True) == 0
@@ -105,22 +125,8 @@ def test_cli_rejects_bad_config_and_stops_on_sigterm(tmp_path):
                                 "metrics_url": f"http://127.0.0.1:{port}", "colour": "blue"}))
     proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "meta-service", "--config_path", str(good)],
                             stderr=subprocess.PIPE, text=True)
-    try:
-        import urllib.request
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 0
-        assert "colour" in proc.stderr.read()        # unknown key: a warning, not fatal
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    stop_once_healthy(proc, port)
+    assert "colour" in proc.stderr.read()        # unknown key: a warning, not fatal
 
 
 def test_env_config_path_for_meta_and_local(tmp_path, meta):
@@ -155,8 +161,6 @@ def test_core_never_imports_integrations_or_engines():
 @pytest.mark.parametrize("form", ["setup", "env"])
 def test_python_form_of_the_meta_service(tmp_path, form):
     """MetaService.setup(MetaConfig); MetaService.main(), or main() alone with MMC_META_CONFIG_PATH."""
-    import urllib.request
-
     from memcache_core.testing import free_port
     port = free_port()
     conf = {"meta_service_url": f"tcp://127.0.0.1:{free_port()}",
@@ -170,19 +174,4 @@ def test_python_form_of_the_meta_service(tmp_path, form):
         path.write_text(json.dumps(conf))
         env["MMC_META_CONFIG_PATH"] = str(path)
         code = "from memcache_core import MetaService\nraise SystemExit(MetaService.main())"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    assert json.load(r)["success"]
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    stop_once_healthy(subprocess.Popen([sys.executable, "-c", code], env=env), port)
