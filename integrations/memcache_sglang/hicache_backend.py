@@ -234,46 +234,45 @@ class NpuMemcacheStore(HiCacheStorage):
         per_page = len(codes) // pages if pages else 1
         return [all(int(c) == 0 for c in codes[i * per_page:(i + 1) * per_page]) for i in range(pages)]
 
+    def _page_io(self, keys: list[str], host_indices: torch.Tensor,
+                 move: str) -> tuple[list[bool], float | None]:
+        """One batched layered call (``batch_get_into_layers`` or ``batch_put_from_layers``) for the
+        pages; per-page results and the call's time, or all False and None when the store is gone or
+        the call fails (a miss)."""
+        store = self.store
+        if store is None or self.keys is None:
+            return [False] * len(keys), None
+        try:
+            obj_keys, ptrs, sizes = self._objects(keys, host_indices)
+            start = time.perf_counter()
+            codes = getattr(store, move)(obj_keys, ptrs, sizes)
+            elapsed = time.perf_counter() - start
+        except Exception:
+            logger.exception("npu_memcache %s of %d pages failed; reporting misses", move, len(keys))
+            return [False] * len(keys), None
+        results = self._page_results(codes, len(keys))
+        if move == "batch_put_from_layers" and not all(results):
+            logger.warning("npu_memcache: %d of %d pages not written (codes %s)", results.count(False),
+                           len(keys), sorted({int(c) for c in codes if int(c) != 0}))
+        return results, elapsed
+
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if not keys:
             return []
-        store = self.store
-        if store is None or self.keys is None:
-            return [False] * len(keys)
-        try:
-            obj_keys, ptrs, sizes = self._objects(keys, host_indices)
-            start = time.perf_counter()
-            codes = store.batch_get_into_layers(obj_keys, ptrs, sizes)
-            elapsed = time.perf_counter() - start
-        except Exception:
-            logger.exception("npu_memcache batch_get_v1 of %d pages failed; reporting misses", len(keys))
-            return [False] * len(keys)
-        results = self._page_results(codes, len(keys))
-        self._record("prefetch", sum(results), elapsed)
+        results, elapsed = self._page_io(keys, host_indices, "batch_get_into_layers")
+        if elapsed is not None:
+            self._record("prefetch", sum(results), elapsed)
         return results
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if not keys:
             return []
-        store = self.store
-        if store is None or self.keys is None:
-            return [False] * len(keys)
-        try:
-            obj_keys, ptrs, sizes = self._objects(keys, host_indices)
-            start = time.perf_counter()
-            # Content-addressed: putting an object that already exists is a successful no-op.
-            codes = store.batch_put_from_layers(obj_keys, ptrs, sizes)
-            elapsed = time.perf_counter() - start
-        except Exception:
-            logger.exception("npu_memcache batch_set_v1 of %d pages failed", len(keys))
-            return [False] * len(keys)
-        results = self._page_results(codes, len(keys))
-        if not all(results):
-            logger.warning("npu_memcache: %d of %d pages not written (codes %s)", results.count(False),
-                           len(keys), sorted({int(c) for c in codes if int(c) != 0}))
-        self._record("backup", sum(results), elapsed)
+        # Content-addressed: putting an object that already exists is a successful no-op.
+        results, elapsed = self._page_io(keys, host_indices, "batch_put_from_layers")
+        if elapsed is not None:
+            self._record("backup", sum(results), elapsed)
         return results
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
