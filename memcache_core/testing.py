@@ -78,8 +78,16 @@ class MetaServiceProcess:
         except OSError:
             return False
 
+    def admin_headers(self) -> dict[str, str]:
+        """The Authorization header of the pool's admin token (none when auth is off)."""
+        if self.config.get("auth_enable", True) is False:
+            return {}
+        from .auth import admin_token, load_secret
+        return {"Authorization": f"Bearer {admin_token(load_secret(self.config.get('auth_secret_path', '')))}"}
+
     def http(self, path: str) -> Any:
-        with urllib.request.urlopen(self.metrics_url + path, timeout=5) as r:
+        req = urllib.request.Request(self.metrics_url + path, headers=self.admin_headers())
+        with urllib.request.urlopen(req, timeout=5) as r:
             body = r.read()
         return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
 

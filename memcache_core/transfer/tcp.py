@@ -1,5 +1,10 @@
 """Cross-host transfers: each LocalService serves its segment over TCP; peers read and write ranges.
 
+Every connection first passes the pool's HMAC handshake (``auth.py``): a peer without the secret
+cannot read or write a byte, and the server allocates nothing for it. Bounded: at most
+``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
+against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
+
 Wire format (little endian). Request: ``b"MCD1"``, op (1 read, 2 write), range count, then
 ``(offset, length)`` per range; a write is followed by the ranges' bytes back to back. Answer:
 ``(status, length)``; a successful read is followed by the bytes. The server sends from and receives
@@ -15,6 +20,7 @@ import struct
 import threading
 from collections import defaultdict
 
+from ..auth import AuthFailed, client_handshake, server_handshake
 from ..errors import PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
 
@@ -27,6 +33,10 @@ _RANGE = struct.Struct("<QQ")
 _ANSWER = struct.Struct("<iQ")
 
 Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, size), ...])
+
+MAX_CONNECTIONS = 256
+MAX_RANGES = 1 << 16
+IDLE_TIMEOUT_S = 300.0
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -45,8 +55,9 @@ def _tune(sock: socket.socket) -> None:
 class DataServer:
     """Serves one segment to peers; one thread per connection."""
 
-    def __init__(self, mapping: Mapping, host: str, port: int) -> None:
+    def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None) -> None:
         self.mapping = mapping
+        self.secret = secret
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -67,18 +78,24 @@ class DataServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            _tune(conn)
             with self._lock:
+                if self._stop or len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
                 self._conns.add(conn)
+            _tune(conn)
             threading.Thread(target=self._serve, args=(conn,), name="memcache-data", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(_HEAD.size)
         try:
+            if not server_handshake(conn, self.secret):
+                return
+            conn.settimeout(IDLE_TIMEOUT_S)
             while True:
                 _recv_exact(conn, memoryview(head))
                 magic, op, n = _HEAD.unpack(head)
-                if magic != MAGIC or op not in (OP_READ, OP_WRITE) or n > 1 << 20:
+                if magic != MAGIC or op not in (OP_READ, OP_WRITE) or not 0 < n <= MAX_RANGES:
                     return
                 raw = bytearray(n * _RANGE.size)
                 _recv_exact(conn, memoryview(raw))
@@ -104,6 +121,10 @@ class DataServer:
 
     def close(self) -> None:
         self._stop = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)   # wakes the accept thread; the port is released
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
@@ -118,8 +139,9 @@ class DataServer:
 class TcpClient:
     """Connection pools to peers' data servers."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, secret: bytes | None = None) -> None:
         self.timeout_s = timeout_s
+        self.secret = secret
         self._idle: dict[str, list[socket.socket]] = defaultdict(list)
         self._lock = threading.Lock()
 
@@ -132,6 +154,11 @@ class TcpClient:
             s = socket.create_connection((host, int(port)), timeout=min(self.timeout_s, 5.0))
         except OSError as e:
             raise PeerUnavailable(f"cannot connect to data server {addr}: {e}") from e
+        try:
+            client_handshake(s, self.secret, min(self.timeout_s, 5.0))
+        except (OSError, AuthFailed) as e:
+            s.close()
+            raise PeerUnavailable(f"data server {addr} refused authentication: {e}") from e
         s.settimeout(self.timeout_s)
         _tune(s)
         return s

@@ -15,6 +15,7 @@ import pytest
 
 from memcache_core import LocalConfig
 from memcache_core import protocol as p
+from memcache_core.auth import load_secret
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.local.service import LocalService, Session
 from memcache_core.rpc import RpcClient, expect
@@ -34,7 +35,7 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
 
 
 def rpc(meta) -> RpcClient:
-    return RpcClient(meta.meta_service_url, 5.0, 0)
+    return RpcClient(meta.meta_service_url, 5.0, 0, load_secret(""))
 
 
 def locate(meta, key: str) -> tuple[str, int, int]:
@@ -145,7 +146,7 @@ def test_second_writer_of_a_pending_key_waits_and_never_reports_a_false_success(
     client = rpc(meta)
     try:
         j = expect(client.call(p.Join(0, "test-host", os.getpid(), None, [])), p.Joined)
-        r = expect(client.call(p.Alloc(j.client_id, ["contended"], [sum(LAYOUT)])), p.AllocReply).results[0]
+        r = expect(client.call(p.Alloc(j.client_id, j.token, ["contended"], [sum(LAYOUT)])), p.AllocReply).results[0]
         assert r.code == 0
         import threading
         out: dict = {}
@@ -153,7 +154,7 @@ def test_second_writer_of_a_pending_key_waits_and_never_reports_a_false_success(
         t.start()
         time.sleep(0.3)
         assert t.is_alive(), "the second writer returned while the first write was pending"
-        client.call(p.Abort(j.client_id, ["contended"], [r.generation]))
+        client.call(p.Abort(j.client_id, j.token, ["contended"], [r.generation]))
         t.join(10)
         assert out["codes"] == [0]
         got = stores(init_bm=False)("get", keys=["contended"], layout=LAYOUT)
