@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 1024
 SOCKET_TIMEOUT_S = 10.0
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import resource
 import secrets
 import signal
 import threading
@@ -244,6 +245,7 @@ class MetaServiceCore:
 
 def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     """Run the MetaService until SIGTERM/SIGINT (or ``stop`` is set)."""
+    _raise_fd_limit()
     core = MetaServiceCore(config)
     stop = stop or threading.Event()
     secret = load_secret(config.auth_secret_path, create=True) if config.auth_enable else None
@@ -274,6 +276,16 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
         admin.stop()
         server.close()
         logger.info("MetaService stopped")
+
+
+def _raise_fd_limit() -> None:
+    """Every connection is a file descriptor: take the hard limit, not the (often 1,024) soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit from %d: %s", soft, e)
 
 
 def _answer(core: MetaServiceCore, payload: bytes) -> bytes:

@@ -34,7 +34,7 @@ _ANSWER = struct.Struct("<iQ")
 
 Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, size), ...])
 
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = 2048
 MAX_RANGES = 1 << 16
 IDLE_TIMEOUT_S = 300.0
 
