@@ -9,8 +9,8 @@ existence probe has to stay well under 60 µs.)
 
 A MetaService that is down costs a clear error quickly, never a hang: every call waits at most
 ``timeout_s``; once a call or the heartbeat has seen the MetaService fail, later calls fail at once
-with ``MetaServiceUnavailable`` until a heartbeat gets through again, and calls already waiting are
-woken by that too. Only idempotent calls (lookup, exist) are retried, within ``retry_ms``.
+with ``MetaServiceUnavailable`` (one call in ``RETRY_DOWN_S`` tries the MetaService again) until an
+exchange gets through again, and calls already waiting are woken by that too. Only idempotent calls (lookup, exist) are retried, within ``retry_ms``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ MAX_FRAME = 256 << 20             # a Join of a segment with ~1M objects; only a
 MAX_CLIENT_CONNECTIONS = 8
 MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
 PREAUTH_TIMEOUT_S = 5.0
+RETRY_DOWN_S = 0.2                # a MetaService seen down: calls fail at once, but one tries every 0.2 s
 _SLICE_S = 0.05
 
 
@@ -88,6 +89,7 @@ class RpcClient:
         self._open = 0
         self._cond = threading.Condition()
         self._down = False
+        self._down_at = 0.0
         self._closed = False
 
     @property
@@ -100,6 +102,7 @@ class RpcClient:
             logger.warning("MetaService at %s is unreachable (%s); calls fail fast until it answers",
                            self.url, why)
         self._down = True
+        self._down_at = time.monotonic()
 
     def call(self, req: p.Request, *, timeout_s: float | None = None, probe: bool = False,
              idempotent: bool = False) -> p.Reply:
@@ -164,7 +167,10 @@ class RpcClient:
 
     def _call_once(self, req: p.Request, timeout_s: float, probe: bool) -> p.Reply:
         if self._down and not probe:
-            raise MetaServiceUnavailable(f"MetaService at {self.url} is unreachable")
+            if time.monotonic() - self._down_at < RETRY_DOWN_S:
+                raise MetaServiceUnavailable(f"MetaService at {self.url} is unreachable")
+            probe = True   # try again now and then, without waiting for a heartbeat to get through
+            self._down_at = time.monotonic()
         deadline = time.monotonic() + timeout_s
         c = self._conn(timeout_s)
         rid = c.next_id
