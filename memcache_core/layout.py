@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from .errors import MAX_KEY_BYTES
 
@@ -84,6 +86,7 @@ def header_generation(buf: bytes | memoryview) -> int | None:
 
 def candidate_offsets(memory: np.ndarray, start: int, end: int) -> Iterator[int]:
     """Offsets in [start, end) (multiples of ALIGN) whose first 8 bytes are the header magic."""
+    import numpy as np
     start = (start + ALIGN - 1) // ALIGN * ALIGN
     end = end // ALIGN * ALIGN
     if end - start < ALIGN:

@@ -190,7 +190,8 @@ def test_a_put_that_returned_success_survives_a_meta_service_kill(stores):
     (one over shared memory, one over TCP); as soon as both puts return 0 the MetaService is killed
     with SIGKILL and restarted. The owner learns of those objects only from their headers in its
     segment (no heartbeat has told it), re-joins, and reports them. Zero objects lost, zero wrong bytes."""
-    with running_meta_service(heartbeat_timeout_ms=3000, lease_ttl_ms=2000) as ms:
+    # a short lease: a re-joined segment takes new objects after one lease TTL (the rounds wait it out)
+    with running_meta_service(heartbeat_timeout_ms=3000, lease_ttl_ms=300) as ms:
         from tests.integration.conftest import StoreProcess
         procs = [StoreProcess(ms, heartbeat_interval_ms=100, dram_size="128MB")]
         procs += [StoreProcess(ms, init_bm=False, heartbeat_interval_ms=100, protocol=proto)
