@@ -19,6 +19,7 @@ import re
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from . import tls
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,14 @@ class MetaConfig:
     """Largest value the config store accepts."""
     config_store_max_total_bytes: int = 64 << 20
     """Most bytes (keys and values) the config store holds."""
+    tls_enable: bool = False
+    """Encrypt the control, config-store, data and admin planes with TLS (docs/security.md)."""
+    tls_ca_path: str = ""
+    """CA certificate (PEM) that signed every member's certificate."""
+    tls_cert_path: str = ""
+    """This process's certificate (PEM), signed by the pool's CA."""
+    tls_key_path: str = ""
+    """The private key of ``tls_cert_path`` (PEM)."""
     max_connections: int = 4096
     """Connections the control plane keeps open at once; more are refused."""
     idle_timeout_seconds: float = 600
@@ -127,7 +136,7 @@ class MetaConfig:
     def validate(self) -> None:
         parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
-        parse_url(self.metrics_url, "metrics_url", ("http",))
+        parse_url(self.metrics_url, "metrics_url", ("http", "https"))
         if self.ha_enable:
             raise ConfigError("ha_enable: HA (several MetaServices) is not supported yet; set it to false")
         _check_log_level(self.log_level)
@@ -146,6 +155,7 @@ class MetaConfig:
         _check_range("config_store_max_value_bytes", self.config_store_max_value_bytes, 1, 1 << 30)
         _check_range("config_store_max_total_bytes", self.config_store_max_total_bytes, 1, 1 << 34)
         _check_range("max_connections", self.max_connections, 16, 1 << 20)
+        tls.check(self)
         _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
 
 
@@ -204,6 +214,14 @@ class LocalConfig:
     it from peers on this LocalService's data server; must match the MetaService's setting."""
     auth_secret_path: str = ""
     """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH or ~/.config/memcache/pool.secret."""
+    tls_enable: bool = False
+    """Encrypt the control, config-store, data and admin planes with TLS (docs/security.md)."""
+    tls_ca_path: str = ""
+    """CA certificate (PEM) that signed every member's certificate."""
+    tls_cert_path: str = ""
+    """This process's certificate (PEM), signed by the pool's CA."""
+    tls_key_path: str = ""
+    """The private key of ``tls_cert_path`` (PEM)."""
     hcom_advertise_url: str = ""
     """Address peers use to reach this data server when ``hcom_url`` binds a wildcard (0.0.0.0)."""
     checksum_verify_ratio: float = 1.0
@@ -240,6 +258,7 @@ class LocalConfig:
         _check_bool("checksum", self.checksum)
         _check_bool("auth_enable", self.auth_enable)
         _check_str("auth_secret_path", self.auth_secret_path)
+        tls.check(self)
         if self.hcom_advertise_url:
             host, _ = parse_url(self.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
             if host in WILDCARD_HOSTS:

@@ -20,6 +20,7 @@ import errno
 import logging
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -56,10 +57,13 @@ class Backoff:
 
 
 class _Conn:
-    def __init__(self, addr: tuple[str, int], timeout_s: float, secret: bytes | None) -> None:
+    def __init__(self, addr: tuple[str, int], timeout_s: float, secret: bytes | None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.sock = socket.create_connection(addr, timeout=timeout_s)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                self.sock = tls.wrap_socket(self.sock)
             client_handshake(self.sock, secret, min(timeout_s, 5.0))
         except BaseException:
             self.sock.close()
@@ -78,7 +82,8 @@ class _Conn:
 
 class RpcClient:
     def __init__(self, url: str, timeout_s: float, retry_ms: int = 0, secret: bytes | None = None,
-                 max_connections: int = MAX_CLIENT_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CLIENT_CONNECTIONS, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self.url = url
         self.addr = parse_url(url, "meta_service_url", ("tcp",))
         self.timeout_s = timeout_s
@@ -143,7 +148,7 @@ class RpcClient:
                 return self._idle.pop()
             self._open += 1
         try:
-            return _Conn(self.addr, timeout_s, self.secret)
+            return _Conn(self.addr, timeout_s, self.secret, self.tls)
         except (OSError, AuthFailed) as e:
             self._discard(None)
             self.mark_down(str(e))
@@ -260,6 +265,7 @@ class _Peer:
 
     handshake: ServerHandshake | None
     last: float
+    tls_pending: bool = False
     inbuf: bytearray = dataclasses.field(default_factory=bytearray)
     out: bytearray | None = None
 
@@ -275,8 +281,10 @@ class FrameServer:
     """
 
     def __init__(self, binds: list[tuple[str, int]], handler: Callable[[bytes], bytes],
-                 secret: bytes | None = None, max_connections: int = 4096, idle_timeout_s: float = 600.0) -> None:
+                 secret: bytes | None = None, max_connections: int = 4096, idle_timeout_s: float = 600.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.secret = secret
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
@@ -306,6 +314,10 @@ class FrameServer:
             if key.data is None:
                 self._accept(sock)
                 continue
+            peer = self._peers.get(sock)
+            if peer is not None and peer.tls_pending:
+                self._tls_step(sock, peer)
+                continue
             if events & selectors.EVENT_READ:
                 self._read(sock)
             peer = self._peers.get(sock)
@@ -330,11 +342,34 @@ class FrameServer:
             return
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         hs = ServerHandshake(self.secret) if self.secret is not None else None
-        self._peers[conn] = peer = _Peer(hs, time.monotonic())
+        self._peers[conn] = peer = _Peer(hs, time.monotonic(), tls_pending=self.tls is not None)
         self.sel.register(conn, selectors.EVENT_READ, "conn")
-        if hs is not None:
+        if peer.tls_pending:
+            self._tls_step(conn, peer)
+        elif hs is not None:
             self._send(conn, peer, bytearray(hs.hello))
+
+    def _tls_step(self, conn: socket.socket, peer: _Peer) -> None:
+        """Advance a TLS handshake without blocking; once done, start the pool's own handshake."""
+        assert isinstance(conn, ssl.SSLSocket)
+        try:
+            conn.do_handshake()
+        except ssl.SSLWantReadError:
+            self.sel.modify(conn, selectors.EVENT_READ, "conn")
+            return
+        except ssl.SSLWantWriteError:
+            self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
+            return
+        except (ssl.SSLError, OSError):
+            self._close(conn)
+            return
+        peer.tls_pending = False
+        self.sel.modify(conn, selectors.EVENT_READ, "conn")
+        if peer.handshake is not None:
+            self._send(conn, peer, bytearray(peer.handshake.hello))
 
     def _pause_accepting(self, seconds: float) -> None:
         if not self._paused_until:
@@ -348,7 +383,9 @@ class FrameServer:
             return
         try:
             chunk = conn.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+            while isinstance(conn, ssl.SSLSocket) and conn.pending():
+                chunk += conn.recv(conn.pending())   # decrypted bytes the selector does not report
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             chunk = b""
@@ -391,7 +428,7 @@ class FrameServer:
             return
         try:
             n = conn.send(data)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             n = 0
         except OSError:
             self._close(conn)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .. import errors
+from .. import errors, tls
 from .. import protocol as p
 from ..auth import load_secret
 from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
@@ -65,8 +65,9 @@ class LocalService:
         self.config = config
         self.host_id = config.host_id or env_host_id()
         self.secret = load_secret(config.auth_secret_path) if config.auth_enable else None
+        self._tls_client = tls.client_context(config)
         self.rpc = RpcClient(config.meta_service_url, config.client_timeout_seconds,
-                             config.client_retry_milliseconds, self.secret)
+                             config.client_retry_milliseconds, self.secret, tls=self._tls_client)
         self.session = Session(0, 0, 10.0, 120.0, None)
         self.segment: Mapping | None = None
         self._segment_template: p.SegmentInfo | None = None   # our segment, before an id is issued
@@ -96,14 +97,15 @@ class LocalService:
                     raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
                 self.segment = create_segment(size)
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
-                self.data_server = DataServer(self.segment, host, port, self.secret)
+                self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg))
                 self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
                                                        self._advertised(self.data_server.addr),
                                                        cfg.tag or f"device{device_id}")
             threads = max(1, min(os.cpu_count() or 1, 8))
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
-                                         min(cfg.write_thread_pool_size, threads), self.secret)
+                                         min(cfg.write_thread_pool_size, threads), self.secret,
+                                         self._tls_client)
             self._join(recover=False)
         except BaseException:
             self.close()
@@ -114,8 +116,8 @@ class LocalService:
     def _advertised(self, bound: str) -> str:
         """The data address peers should use: ``hcom_advertise_url`` when set, else the bound one."""
         if self.config.hcom_advertise_url:
-            host, _ = parse_url(self.config.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
-            return f"{host}:{bound.rsplit(':', 1)[1]}"
+            host, port = parse_url(self.config.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
+            return f"{host}:{port or bound.rsplit(':', 1)[1]}"
         return bound
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,12 +57,15 @@ class _BoundedServer(ThreadingHTTPServer):
 
 
 class AdminServer:
-    def __init__(self, core: MetaServiceCore, url: str, secret: bytes | None = None) -> None:
-        host, port = parse_url(url, "metrics_url", ("http",))
+    def __init__(self, core: MetaServiceCore, url: str, secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        host, port = parse_url(url, "metrics_url", ("http", "https"))
         self.core = core
         token = admin_token(secret) if secret is not None else None
         handler = type("Handler", (_Handler,), {"core": core, "token": token})
         self.httpd = _BoundedServer((host, port), handler)
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="meta-http", daemon=True)
 

@@ -18,7 +18,7 @@ import time
 
 import msgspec
 
-from .. import errors
+from .. import errors, tls
 from .. import protocol as p
 from ..auth import load_secret
 from ..config import MetaConfig, parse_url
@@ -254,8 +254,8 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     server = FrameServer([parse_url(config.meta_service_url, "meta_service_url", ("tcp",)),
                           parse_url(config.config_store_url, "config_store_url", ("tcp",))],
                          lambda body: _answer(core, body), secret, config.max_connections,
-                         config.idle_timeout_seconds)
-    admin = AdminServer(core, config.metrics_url, secret)
+                         config.idle_timeout_seconds, tls.server_context(config))
+    admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
     admin.start()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

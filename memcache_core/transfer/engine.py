@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import ssl
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,11 +71,12 @@ def checksum_of(pieces: list[tuple[int, int]]) -> int:
 
 class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
-                 read_threads: int, write_threads: int, secret: bytes | None = None) -> None:
+                 read_threads: int, write_threads: int, secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.protocol = protocol
         self.host_id = host_id
         self.shm = ShmTransport(own)
-        self.tcp = TcpClient(timeout_s, secret)
+        self.tcp = TcpClient(timeout_s, secret, tls)
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="memcache-read")
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
         self._threads = {True: read_threads, False: write_threads}

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 from collections import defaultdict
 
-from ..auth import AuthFailed, client_handshake, server_handshake
+from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, client_handshake, server_handshake
 from ..errors import PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
 
@@ -55,9 +56,11 @@ def _tune(sock: socket.socket) -> None:
 class DataServer:
     """Serves one segment to peers; one thread per connection."""
 
-    def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None) -> None:
+    def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.mapping = mapping
         self.secret = secret
+        self.tls = tls
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -89,6 +92,13 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(_HEAD.size)
         try:
+            if self.tls is not None:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                tls_conn = self.tls.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._conns.add(tls_conn)
+                conn = tls_conn
             if not server_handshake(conn, self.secret):
                 return
             conn.settimeout(IDLE_TIMEOUT_S)
@@ -139,9 +149,10 @@ class DataServer:
 class TcpClient:
     """Connection pools to peers' data servers."""
 
-    def __init__(self, timeout_s: float, secret: bytes | None = None) -> None:
+    def __init__(self, timeout_s: float, secret: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.timeout_s = timeout_s
         self.secret = secret
+        self.tls = tls
         self._idle: dict[str, list[socket.socket]] = defaultdict(list)
         self._lock = threading.Lock()
 
@@ -155,6 +166,8 @@ class TcpClient:
         except OSError as e:
             raise PeerUnavailable(f"cannot connect to data server {addr}: {e}") from e
         try:
+            if self.tls is not None:
+                s = self.tls.wrap_socket(s)
             client_handshake(s, self.secret, min(self.timeout_s, 5.0))
         except (OSError, AuthFailed) as e:
             s.close()
