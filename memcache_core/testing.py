@@ -20,7 +20,16 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def make_tls_files(directory: str) -> dict[str, str]:
+def wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    """Poll ``cond()`` until it is true; fail naming ``what`` after ``timeout_s`` (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def make_tls_files(directory: str) -> dict[str, Any]:
     """A throw-away CA and one member certificate signed by it (needs the ``openssl`` command).
 
     Returns the LocalConfig/MetaConfig keys ``tls_enable``, ``tls_ca_path``, ``tls_cert_path``,

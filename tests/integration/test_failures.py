@@ -13,17 +13,9 @@ import pytest
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core import protocol as p
 from memcache_core.rpc import expect
-from memcache_core.testing import running_meta_service
+from memcache_core.testing import running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])

@@ -19,19 +19,11 @@ from memcache_core.auth import load_secret
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.local.service import LocalService, Session
 from memcache_core.rpc import RpcClient, expect
-from memcache_core.testing import running_meta_service
+from memcache_core.testing import running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
 
 LAYOUT = [64 << 10, 16 << 10, 16 << 10]
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def rpc(meta) -> RpcClient:
