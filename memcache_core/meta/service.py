@@ -256,10 +256,10 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
                          lambda body: _answer(core, body), secret, config.max_connections,
                          config.idle_timeout_seconds, tls.server_context(config))
     admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
-    admin.start()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
+    if threading.current_thread() is threading.main_thread():   # before /health answers: a SIGTERM
+        for sig in (signal.SIGTERM, signal.SIGINT):               # right after it must stop cleanly
             signal.signal(sig, lambda *_: stop.set())
+    admin.start()
     logger.info("MetaService (pid %d, epoch %d) serving %s, config store %s, admin %s",
                 os.getpid(), core.epoch, config.meta_service_url, config.config_store_url,
                 config.metrics_url)
