@@ -6,7 +6,7 @@ a holder is killed with SIGKILL (and replaced) and the MetaService is killed and
 successful get is checked byte for byte by its reader (``chaos_worker.py``), and the test checks that
 each payload read was put under that key by some writer. The only passing result is zero wrong bytes.
 
-``MEMCACHE_CHAOS_SECONDS`` sets the run's length (default 30 s; longer runs belong to soak testing).
+``MEMCACHE_CHAOS_SECONDS`` sets the run's length (default 40 s; longer runs belong to soak testing).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from memcache_core.testing import MetaServiceProcess, running_meta_service
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WORKER = os.path.join(os.path.dirname(__file__), "chaos_worker.py")
-SECONDS = float(os.environ.get("MEMCACHE_CHAOS_SECONDS", "30"))
+SECONDS = float(os.environ.get("MEMCACHE_CHAOS_SECONDS", "40"))
 
 
 class Fleet:
