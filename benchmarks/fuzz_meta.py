@@ -243,12 +243,16 @@ def main() -> int:
         stop.set()
         for t in [*fuzzers, honest]:
             t.join(10)
+        settled = 0
+        if survived:   # what stays once every fuzzing connection is gone: leaked, not merely buffered
+            time.sleep(3)
+            settled = rss_kib(ms.pid)[0]
         healthy = survived and ms.healthy()
         frames = sum(f.frames for f in fuzzers)
         reconnects = sum(f.reconnects for f in fuzzers)
         print(f"MetaService survived: {survived}, healthy at the end: {healthy}")
         print(f"RSS at start {start_rss / 1024:.1f} MiB, at the end {cur / 1024:.1f} MiB, "
-              f"peak {peak / 1024:.1f} MiB")
+              f"peak {peak / 1024:.1f} MiB, 3 s after the fuzzers disconnected {settled / 1024:.1f} MiB")
         print(f"fuzz frames {frames}, connections made {reconnects}")
         print(f"honest member: {honest.ops} put/lookup cycles, {honest.wrong} wrong answers, "
               f"{honest.failed} failed calls{'; last: ' + honest.last_error if honest.last_error else ''}")
