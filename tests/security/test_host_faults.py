@@ -47,13 +47,13 @@ def test_a_full_segment_directory_fails_init_with_a_clear_code(meta, tmp_path, m
     try:
         monkeypatch.setenv("MEMCACHE_SHM_DIR", str(d))
         s = DistributedObjectStore()
-        assert s.setup(meta.local_config(dram_size="64MB")) == 0
+        assert s.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="64MB")) == 0
         with caplog.at_level(logging.ERROR, logger="memcache_core"):
             assert s.init(0, True) == errors.MALLOC_FAILED
         assert "dram_size" in caplog.text
         assert os.listdir(d) == []
         ok = DistributedObjectStore()
-        assert ok.setup(meta.local_config(dram_size="4MB")) == 0 and ok.init(0, True) == 0
+        assert ok.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="4MB")) == 0 and ok.init(0, True) == 0
         assert ok.put("fits", b"f" * 100_000) == 0 and ok.get("fits") == b"f" * 100_000
         assert ok.close() == 0
         assert os.listdir(d) == []
@@ -72,7 +72,7 @@ def test_a_failed_init_leaves_no_segment_file_and_close_stops_the_data_server(me
     assert bad.init(0, True) == errors.META_NOT_CONNECTED
     assert os.listdir(shm_dir) == []
     s = DistributedObjectStore()
-    assert s.setup(meta.local_config(protocol="host_tcp", dram_size="8MB")) == 0 and s.init(0, True) == 0
+    assert s.setup(meta.local_config(heartbeat_interval_ms=200, protocol="host_tcp", dram_size="8MB")) == 0 and s.init(0, True) == 0
     host, port = s._service().data_server.addr.rsplit(":", 1)
     socket.create_connection((host, int(port)), timeout=2).close()     # listening while it lives
     assert len(os.listdir(shm_dir)) == 1
@@ -146,14 +146,14 @@ def test_wildcard_hcom_url_needs_an_advertised_address(meta, stores, caplog):
     advertised to peers as the data address). With ``hcom_advertise_url`` it starts, peers get the
     advertised host with the bound port, and a TCP peer reads through it byte-exact."""
     with pytest.raises(ConfigError, match="hcom_url"):
-        meta.local_config(protocol="host_tcp", hcom_url="tcp://0.0.0.0:0")
-    cfg = meta.local_config(protocol="host_tcp")
+        meta.local_config(heartbeat_interval_ms=200, protocol="host_tcp", hcom_url="tcp://0.0.0.0:0")
+    cfg = meta.local_config(heartbeat_interval_ms=200, protocol="host_tcp")
     cfg.hcom_url = "tcp://0.0.0.0:0"
     with caplog.at_level(logging.ERROR, logger="memcache_core"):
         assert DistributedObjectStore().setup(cfg) == errors.INVALID_PARAM
     assert "hcom_url" in caplog.text
     s = DistributedObjectStore()
-    assert s.setup(meta.local_config(protocol="host_tcp", dram_size="8MB", hcom_url="tcp://0.0.0.0:0",
+    assert s.setup(meta.local_config(heartbeat_interval_ms=200, protocol="host_tcp", dram_size="8MB", hcom_url="tcp://0.0.0.0:0",
                                      hcom_advertise_url="tcp://127.0.0.1:0")) == 0
     assert s.init(0, True) == 0
     try:

@@ -55,7 +55,7 @@ def test_symlinked_segment_file_is_never_mapped_by_peers(meta, stores, tmp_path)
     os.symlink(victim, link)
     honest = DistributedObjectStore()
     try:
-        assert honest.setup(meta.local_config(dram_size="16MB")) == 0 and honest.init(0, True) == 0
+        assert honest.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="16MB")) == 0 and honest.init(0, True) == 0
         s = authed(addr_of(meta.meta_service_url))
         joined = expect(ask(s, p.Join(0, honest._service().host_id, os.getpid(), _segment(link, len(original),
                                                                                           honest._service().host_id))),
@@ -138,7 +138,7 @@ def test_leave_commit_abort_as_another_member_without_its_token_are_refused(meta
     (empty, or a guess). Each is refused; the victim's pending put commits normally afterwards and
     its committed objects stay, byte-exact; the victim stays a member."""
     victim = DistributedObjectStore()
-    assert victim.setup(meta.local_config(dram_size="16MB")) == 0 and victim.init(0, True) == 0
+    assert victim.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="16MB")) == 0 and victim.init(0, True) == 0
     try:
         svc = victim._service()
         cid = svc.client_id

@@ -118,7 +118,7 @@ def test_two_hundred_short_lived_threads_use_at_most_eight_control_connections(m
     """Scenario: 200 threads, each living for a few calls, share one store. The client keeps a small
     pool: never more than 8 connections to the MetaService (before, one per thread until close())."""
     store = DistributedObjectStore()
-    assert store.setup(meta.local_config(dram_size="16MB")) == 0 and store.init(0, True) == 0
+    assert store.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="16MB")) == 0 and store.init(0, True) == 0
     port = addr_of(meta.meta_service_url)[1]
     peak = 0
     errors: list[str] = []
@@ -127,8 +127,9 @@ def test_two_hundred_short_lived_threads_use_at_most_eight_control_connections(m
 
         def work(i: int) -> None:
             for _ in range(3):
-                if store.is_exist("shared") != 1 or store.get("shared") != b"s" * 4096:
-                    errors.append(f"thread {i}")
+                exist, got = store.is_exist("shared"), store.get("shared")
+                if exist != 1 or got != b"s" * 4096:
+                    errors.append(f"thread {i}: is_exist {exist}, get {len(got)} bytes")
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(200)]
         for t in threads:
