@@ -4,13 +4,14 @@ handshake (and read /health). Each test checks the honest clients' data is intac
 from __future__ import annotations
 
 import socket
+import struct
 import urllib.error
 import urllib.request
 
 import pytest
 
 from memcache_core import protocol as p
-from memcache_core.auth import MAGIC, NONCE, AuthFailed
+from memcache_core.auth import MAGIC, NONCE, AuthFailed, client_handshake
 from memcache_core.rpc import expect
 
 from .conftest import LAYOUT, addr_of, frame, recv_all, rpc
@@ -46,7 +47,6 @@ def test_control_frames_without_the_handshake_do_nothing(meta, stores, port):
     assert got[:4] == MAGIC and len(got) == HELLO    # the hello, then the door closes
     with socket.create_connection(addr) as s:        # a handshake with the wrong secret
         with pytest.raises(AuthFailed):
-            from memcache_core.auth import client_handshake
             client_handshake(s, b"not-the-pool-secret-at-all")
         try:
             s.sendall(frame(p.RemoveAll()))
@@ -66,7 +66,6 @@ def test_data_port_reads_and_writes_without_the_secret_are_refused(meta, stores)
     keys = [f"d-{i}" for i in range(4)]
     assert owner("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 4
     addr = _data_addr(meta, owner)
-    import struct
     read_req = b"MCD1" + struct.pack("<BI", 1, 1) + struct.pack("<QQ", 0, 1 << 20)
     write_req = b"MCD1" + struct.pack("<BI", 2, 1) + struct.pack("<QQ", 0, 1 << 20) + b"\xAA" * (1 << 20)
     for req in (read_req, write_req):
@@ -78,7 +77,6 @@ def test_data_port_reads_and_writes_without_the_secret_are_refused(meta, stores)
             got = recv_all(s, 8)
         assert len(got) <= HELLO and not got[HELLO:]  # never a status, never a byte of the segment
     with socket.create_connection(addr) as s:
-        from memcache_core.auth import client_handshake
         with pytest.raises(AuthFailed):
             client_handshake(s, b"not-the-pool-secret-at-all")
     got = reader("get", keys=keys, layout=LAYOUT)
