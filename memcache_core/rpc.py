@@ -407,11 +407,20 @@ class FrameServer:
         buf = peer.inbuf
         buf += chunk
         out = bytearray()
+        waiting = len(peer.out) if peer.out is not None else 0
         try:
             while (frame := _take_frame(buf)) is not None:
                 rid, body = frame
                 reply = self.handler(body)
-                out += _HEAD.pack(len(reply), rid) + reply
+                out += _HEAD.pack(len(reply), rid)
+                out += reply
+                if waiting + len(out) > MAX_PENDING_REPLY:
+                    # one 64 KiB read can hold thousands of small requests for big replies: stop here,
+                    # not after building all of them
+                    logger.warning("closing a connection that does not read its replies (%d bytes waiting)",
+                                   waiting + len(out))
+                    self._close(conn)
+                    return
         except ValueError:
             self._close(conn)
             return
@@ -434,7 +443,8 @@ class FrameServer:
             self._close(conn)
             return
         if n < len(data):
-            peer.out = bytearray(data[n:])
+            del data[:n]          # keep the rest in place: no second copy of a large reply
+            peer.out = data
             self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
 
     def _flush(self, conn: socket.socket, peer: _Peer) -> None:

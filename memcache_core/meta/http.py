@@ -38,6 +38,8 @@ SOCKET_TIMEOUT_S = 10.0
 
 class _BoundedServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024   # the listen backlog (socketserver's default is 5: a burst of idle
+                                # connections made honest ones wait for SYN retransmits)
 
     def __init__(self, addr: tuple[str, int], handler: type) -> None:
         super().__init__(addr, handler)

@@ -67,7 +67,7 @@ class DataServer:
             self._sock.bind((host, port))
         except OSError:
             self._sock.bind((host, 0))   # another LocalService on this host has the configured port
-        self._sock.listen(64)
+        self._sock.listen(1024)
         host_, port_ = self._sock.getsockname()[:2]
         self.addr = f"{host_}:{port_}"
         self._stop = False
