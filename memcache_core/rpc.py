@@ -40,6 +40,7 @@ _HEAD = struct.Struct("<IQ")
 MAX_FRAME = 256 << 20             # a Join of a segment with ~1M objects; only after authentication
 MAX_CLIENT_CONNECTIONS = 8
 MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
+MAX_BUFFERED_INPUT = 512 << 20   # bytes of unfinished frames a server holds for all connections together
 PREAUTH_TIMEOUT_S = 5.0
 RETRY_DOWN_S = 0.2                # a MetaService seen down: calls fail at once, but one tries every 0.2 s
 _SLICE_S = 0.05
@@ -276,7 +277,9 @@ class FrameServer:
     Bounded: a connection must finish the pool handshake within ``PREAUTH_TIMEOUT_S`` (nothing it
     sends before is decoded, and it can make the server hold 64 bytes); at most ``max_connections``
     are open (more are refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
-    read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it; running out of
+    read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it; unfinished frames
+    of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
+    over is disconnected: a Join report of a million objects still fits); running out of
     file descriptors pauses accepting instead of spinning.
     """
 
@@ -299,6 +302,8 @@ class FrameServer:
             self.sel.register(s, selectors.EVENT_READ, None)
             self.listeners.append(s)
         self._peers: dict[socket.socket, _Peer] = {}
+        self._buffered = 0   # bytes of unfinished frames held for all connections together
+        self.max_buffered_input = MAX_BUFFERED_INPUT
         self._paused_until = 0.0
         self._next_sweep = time.monotonic() + 1.0
         self.refused = 0
@@ -404,7 +409,13 @@ class FrameServer:
             self._send(conn, peer, bytearray(proof))
             if conn not in self._peers:
                 return
+        if self._buffered + len(chunk) > self.max_buffered_input:
+            logger.warning("closing a connection: %d bytes of unfinished frames would be buffered server-wide "
+                           "(limit %d)", self._buffered + len(chunk), self.max_buffered_input)
+            self._close(conn)
+            return
         buf = peer.inbuf
+        before = len(buf)
         buf += chunk
         out = bytearray()
         waiting = len(peer.out) if peer.out is not None else 0
@@ -424,6 +435,9 @@ class FrameServer:
         except ValueError:
             self._close(conn)
             return
+        finally:
+            if conn in self._peers:
+                self._buffered += len(buf) - before
         if out:
             self._send(conn, peer, out)
 
@@ -465,12 +479,18 @@ class FrameServer:
     def connections(self) -> int:
         return len(self._peers)
 
+    @property
+    def buffered_input(self) -> int:
+        return self._buffered
+
     def _close(self, conn: socket.socket) -> None:
         try:
             self.sel.unregister(conn)
         except (KeyError, ValueError):
             pass
-        self._peers.pop(conn, None)
+        peer = self._peers.pop(conn, None)
+        if peer is not None:
+            self._buffered -= len(peer.inbuf)
         conn.close()
 
     def close(self) -> None:
