@@ -364,6 +364,10 @@ class LocalService:
             return results, found
         todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
         corrupt = self._read(keys, pieces, found, todo, results)
+        failed = [e for e in (results[i] for i in todo) if e is not None]
+        if failed:   # a miss the engine will recompute: say why, once per batch
+            logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),
+                           type(failed[0]).__name__, failed[0])
         if time.monotonic() - t0 > reply.lease_ttl_ms / 1000.0 * LEASE_SAFETY:
             self._confirm(keys, found, results)
         if corrupt:
