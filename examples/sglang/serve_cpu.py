@@ -166,6 +166,14 @@ def start_meta(run_dir: str | Path, python: str = sys.executable, launcher: str 
     return meta.start()
 
 
+def log_tail(path: str | Path, lines: int = 40) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
 @dataclass
 class ServerHandle:
     port: int
@@ -173,13 +181,40 @@ class ServerHandle:
     log_path: str
     model: str
     extra_config: dict[str, Any] = field(default_factory=dict)
+    returncode: int | None = None  # set once the process is seen to have exited
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def exit_status(self) -> int | None:
+        """None while the server process runs; its exit status (or -signal) once it has exited."""
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # not our child (started by another process): probe it
+            try:
+                os.kill(self.pid, 0)
+                return None
+            except ProcessLookupError:
+                self.returncode = -1
+                return self.returncode
+        if pid == 0:
+            return None
+        self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def describe(self, lines: int = 40) -> str:
+        """Alive or dead (with its exit status), and the tail of its log: what a failure report needs."""
+        status = self.exit_status()
+        state = "running" if status is None else f"EXITED with status {status}"
+        return (f"SGLang server on port {self.port} (pid {self.pid}): {state}; last {lines} lines of "
+                f"{self.log_path}:\n{log_tail(self.log_path, lines)}")
+
     def stop(self) -> None:
-        terminate(self.pid)
+        self.exit_status()  # record how it ended before it is reaped
+        terminate(self.pid)  # the whole process group: scheduler children may outlive the main process
         deadline = time.monotonic() + 30
         while not port_is_free(self.port) and time.monotonic() < deadline:
             time.sleep(0.2)  # SGLang's socket lingers a few seconds after exit
@@ -214,12 +249,13 @@ def start_server(port: int, meta: MetaHandle, *, python: str = sys.executable, m
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"SGLang exited with {proc.returncode}; see {log_path}")
+            server.returncode = proc.returncode
+            raise RuntimeError(f"SGLang exited during start-up. {server.describe()}")
         if http_ok(f"{server.url}/health", timeout=5):
             return server
         time.sleep(0.5)
     server.stop()
-    raise RuntimeError(f"SGLang not ready within {timeout_s:.0f}s; see {log_path}")
+    raise RuntimeError(f"SGLang not ready within {timeout_s:.0f}s. {server.describe()}")
 
 
 # ---------------------------------------------------------------------- command line
