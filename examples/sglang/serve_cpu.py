@@ -61,26 +61,31 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def terminate(pid: int | None, timeout_s: float = 30.0) -> None:
-    """SIGTERM the process group we started (``start_new_session``), then SIGKILL after a deadline."""
+def terminate(pid: int | None, timeout_s: float = 30.0) -> int | None:
+    """SIGTERM the process group we started (``start_new_session``), then SIGKILL after a deadline.
+
+    Returns the leader's exit status when this process reaped it (it is our child), else None.
+    """
     if not pid:
-        return
+        return None
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
-            return
+            return None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return
+                reaped, status = os.waitpid(pid, os.WNOHANG)
+                if reaped == pid:
+                    return os.waitstatus_to_exitcode(status)
             except ChildProcessError:  # not our child: poll for its exit
                 try:
                     os.kill(pid, 0)
                 except ProcessLookupError:
-                    return
+                    return None
             time.sleep(0.1)
+    return None
 
 
 def venv_python() -> str:
@@ -182,6 +187,7 @@ class ServerHandle:
     model: str
     extra_config: dict[str, Any] = field(default_factory=dict)
     returncode: int | None = None  # set once the process is seen to have exited
+    stopped: bool = False  # stopped through stop(), not died on its own
 
     @property
     def url(self) -> str:
@@ -208,13 +214,20 @@ class ServerHandle:
     def describe(self, lines: int = 40) -> str:
         """Alive or dead (with its exit status), and the tail of its log: what a failure report needs."""
         status = self.exit_status()
-        state = "running" if status is None else f"EXITED with status {status}"
+        if self.stopped:
+            state = f"stopped by the caller (exit status {status})"
+        else:
+            state = "running" if status is None else f"EXITED with status {status}"
         return (f"SGLang server on port {self.port} (pid {self.pid}): {state}; last {lines} lines of "
                 f"{self.log_path}:\n{log_tail(self.log_path, lines)}")
 
     def stop(self) -> None:
-        self.exit_status()  # record how it ended before it is reaped
-        terminate(self.pid)  # the whole process group: scheduler children may outlive the main process
+        if self.exit_status() is None:  # else: it died on its own; keep that status
+            self.stopped = True
+        # The whole process group: scheduler children may outlive the main process.
+        status = terminate(self.pid)
+        if self.returncode is None:
+            self.returncode = status
         deadline = time.monotonic() + 30
         while not port_is_free(self.port) and time.monotonic() < deadline:
             time.sleep(0.2)  # SGLang's socket lingers a few seconds after exit

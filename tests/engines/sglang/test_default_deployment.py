@@ -12,13 +12,15 @@ page 128, bf16):
 | gqa_p64_bf16 | GQA | 64 | bfloat16 |
 | mha_p64_fp16 | MHA (4 heads) | 64 | float16 |
 
-Writer and reader of a case start together, to keep the suite's time down.
+Writer and reader of a case start together, to keep the suite's time down; the reader joins the
+pool once the writer's store has joined.
 """
 
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,22 @@ CASES = {
 }
 
 
+STORE_READY = "MemCache store ready"
+
+
+def wait_for_log(path: Path, text: str, starting: Future, timeout_s: float = 300) -> None:
+    """Wait until a starting server's log shows ``text`` (or its start fails: re-raise that)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        if starting.done():
+            starting.result()  # raises if the start failed
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} within {timeout_s:.0f}s")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_reader_restores_what_the_writer_holds(name: str, meta: serve_cpu.MetaHandle, tmp_path: Path) -> None:
     """Scenario: writer serves a prompt (pages written into its own segment) and stays up; a
@@ -53,7 +71,11 @@ def test_reader_restores_what_the_writer_holds(name: str, meta: serve_cpu.MetaHa
     args = ["--page-size", str(case.page), "--dtype", case.dtype]
     full_pages = PROMPT_TOKENS // case.page
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start, meta, model, tmp_path, role, extra_args=args) for role in ("writer", "reader")]
+        futures = [pool.submit(start, meta, model, tmp_path, "writer", extra_args=args)]
+        # The reader joins the pool after the writer: with ids drawn from a seeded generator it is
+        # the reader that collides (and then read its own empty segment where the writer's was).
+        wait_for_log(tmp_path / "writer.log", STORE_READY, futures[0])
+        futures.append(pool.submit(start, meta, model, tmp_path, "reader", extra_args=args))
         servers = []
         for f in futures:
             try:

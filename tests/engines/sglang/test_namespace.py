@@ -9,13 +9,18 @@ not hit those pages, each under the same served name:
 * the writer itself after ``/update_weights_from_disk`` to the other checkpoint (with a
   ``weight_version``), then after an update that names no version.
 
+The rope server is then killed to check that the harness reports a dead server as such.
+
 Each of them restores its own pages from L3 with the output it computed itself.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +30,7 @@ from conftest import (
     ADMIN,
     ADMIN_KEY,
     FULL_PAGES,
+    ServerDied,
     flush,
     generate,
     pool_keys,
@@ -96,8 +102,20 @@ def test_rope_override(writer: tuple, meta: serve_cpu.MetaHandle, model: str, tm
                                                               json.dumps(ROPE)])
     try:
         assert_separate_then_restores(server, meta)
+        assert_harness_tells_a_dead_server(server)
     finally:
         server.stop()
+
+
+def assert_harness_tells_a_dead_server(server: serve_cpu.ServerHandle) -> None:
+    """The harness's side: a request to a server that died fails as ServerDied, with its exit
+    status and log tail, rather than as a connection error (or a retried keep-alive race)."""
+    os.kill(server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.exit_status() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(ServerDied, match=r"EXITED with status -9(.|\n)*last 40 lines"):
+        flush(server)
 
 
 def update_weights(server: serve_cpu.ServerHandle, body: dict) -> None:
