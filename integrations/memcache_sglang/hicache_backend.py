@@ -310,9 +310,14 @@ class NpuMemcacheStore(HiCacheStorage):
             logger.exception("npu_memcache %s of %d pages failed; reporting misses", move, len(keys))
             return [False] * len(keys), None
         results = self._page_results(codes, len(keys))
-        if move == "batch_put_from_layers" and not all(results):
-            logger.warning("npu_memcache: %d of %d pages not written (codes %s)", results.count(False),
-                           len(keys), sorted({int(c) for c in codes if int(c) != 0}))
+        if not all(results):
+            failed = sorted({int(c) for c in codes if int(c) != 0})
+            if move == "batch_put_from_layers":
+                logger.warning("npu_memcache: %d of %d pages not written (codes %s)", results.count(False),
+                               len(keys), failed)
+            else:  # a miss (evicted or gone since batch_exists, or a failed check): recomputed
+                logger.info("npu_memcache: %d of %d pages not read (codes %s)", results.count(False),
+                            len(keys), failed)
         return results, elapsed
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,

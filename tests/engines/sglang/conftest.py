@@ -136,7 +136,10 @@ def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[serve_cpu.MetaHan
 def start(meta: serve_cpu.MetaHandle, model: str, log_dir: Path, name: str, **kw: Any) -> serve_cpu.ServerHandle:
     port = serve_cpu.free_port()
     # Every server seeds Python's random the same way, as engines do: identities drawn from it collide.
-    kw["extra_args"] = ["--random-seed", str(RANDOM_SEED), *kw.get("extra_args", [])]
+    # Admission waits for a prefetch to complete: the default "timeout" policy (1 s plus 0.25 s per
+    # 1k tokens) drops restores on this loaded 2-core machine, and the tests assert full restores.
+    kw["extra_args"] = ["--random-seed", str(RANDOM_SEED), "--hicache-storage-prefetch-policy", "wait_complete",
+                        *kw.get("extra_args", [])]
     server = serve_cpu.start_server(port, meta, model=model, log_path=log_dir / f"{name}.log", **kw)
     _live_servers.append(server)
     stop = server.stop
