@@ -53,6 +53,26 @@ def port_is_free(port: int) -> bool:
             return False
 
 
+class PortTaken(RuntimeError):
+    """Another process took the port between ``free_port()`` and the server's bind."""
+
+
+def listens_on(pgid: int, port: int) -> bool | None:
+    """Whether a process of group ``pgid`` (a server we started) listens on ``port``; None when
+    psutil is missing. A /health answer alone can come from whoever else holds the port."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                return os.getpgid(conn.pid) == pgid
+            except ProcessLookupError:
+                return False
+    return False
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -264,7 +284,11 @@ def start_server(port: int, meta: MetaHandle, *, python: str = sys.executable, m
         if proc.poll() is not None:
             server.returncode = proc.returncode
             raise RuntimeError(f"SGLang exited during start-up. {server.describe()}")
-        if http_ok(f"{server.url}/health", timeout=5):
+        if "address already in use" in log_tail(log_path, 20):
+            server.stop()
+            raise PortTaken(f"port {port} was taken before SGLang bound it. {server.describe()}")
+        # Ready only when *our* server answers: the port may be held by another process.
+        if http_ok(f"{server.url}/health", timeout=5) and listens_on(proc.pid, port) is not False:
             return server
         time.sleep(0.5)
     server.stop()

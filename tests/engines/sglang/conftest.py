@@ -33,6 +33,7 @@ ADMIN_KEY = "memcache-test-admin"  # servers of the main module run with --admin
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # accepted (and ignored) by servers without one
 BACKUP_TIMEOUT_S = 60
 RANDOM_SEED = 0
+PORT_ATTEMPTS = 3
 
 
 def prompt(seed: int) -> list[int]:
@@ -134,13 +135,19 @@ def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[serve_cpu.MetaHan
 
 
 def start(meta: serve_cpu.MetaHandle, model: str, log_dir: Path, name: str, **kw: Any) -> serve_cpu.ServerHandle:
-    port = serve_cpu.free_port()
     # Every server seeds Python's random the same way, as engines do: identities drawn from it collide.
     # Admission waits for a prefetch to complete: the default "timeout" policy (1 s plus 0.25 s per
     # 1k tokens) drops restores on this loaded 2-core machine, and the tests assert full restores.
     kw["extra_args"] = ["--random-seed", str(RANDOM_SEED), "--hicache-storage-prefetch-policy", "wait_complete",
                         *kw.get("extra_args", [])]
-    server = serve_cpu.start_server(port, meta, model=model, log_path=log_dir / f"{name}.log", **kw)
+    for attempt in range(PORT_ATTEMPTS):
+        log_path = log_dir / (f"{name}.log" if attempt == 0 else f"{name}.{attempt}.log")
+        try:
+            server = serve_cpu.start_server(serve_cpu.free_port(), meta, model=model, log_path=log_path, **kw)
+            break
+        except serve_cpu.PortTaken:  # other test runs on this machine pick free ports too
+            if attempt == PORT_ATTEMPTS - 1:
+                raise
     _live_servers.append(server)
     stop = server.stop
 
