@@ -157,6 +157,15 @@ class MetaHandle:
         self.stop()
         raise RuntimeError(f"MetaService not healthy within {timeout_s:.0f}s; see {self.log_path}")
 
+    def admin(self, path: str) -> Any:
+        """GET an admin route of the MetaService with the pool's admin token."""
+        from memcache_core.auth import admin_token, load_secret
+        secret_path = json.loads(Path(self.config_path).read_text()).get("auth_secret_path", "")
+        req = urllib.request.Request(self.metrics_url + path,
+                                     headers={"Authorization": f"Bearer {admin_token(load_secret(secret_path))}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.load(r)
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.pid is None:
             return

@@ -7,11 +7,9 @@ Run with the SGLang environment's python (``.ci/sglang_env.sh`` prints it):
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,8 +100,7 @@ def flush(server: serve_cpu.ServerHandle) -> None:
 
 
 def pool_keys(meta: serve_cpu.MetaHandle) -> set[str]:
-    with urllib.request.urlopen(meta.metrics_url + "/get_all_keys", timeout=10) as r:
-        return set(json.load(r)["keys"])
+    return set(meta.admin("/get_all_keys")["keys"])
 
 
 def wait_for_new_keys(meta: serve_cpu.MetaHandle, before: set[str], count: int,
