@@ -165,10 +165,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _segment(self, sid: int) -> dict[str, Any]:
         s = self.core.table.segments[sid]
         owner = next((m for m in self.core.members.values() if m.segment_id == sid), None)
+        wait = max(0.0, s.alloc_after - time.monotonic())
         return {"segment_id": sid, "host_id": s.info.host_id, "tag": s.info.tag, "data_addr": s.info.data_addr,
                 "pid": owner.pid if owner else None, "capacity_bytes": s.allocator.size,
                 "used_bytes": s.allocator.used, "objects": len(s.lru),
-                "largest_free_bytes": s.allocator.largest_free}
+                "largest_free_bytes": s.allocator.largest_free,
+                "accepts_new_objects": wait == 0.0, "accepts_new_objects_in_s": round(wait, 3)}
 
     def _send(self, status: int, body: bytes, ctype: str) -> None:
         self.send_response(status)

@@ -225,9 +225,13 @@ def test_meta_service_killed_while_serving(server_a: serve_cpu.ServerHandle, met
     finally:
         meta.start()
 
-    # The server's LocalService re-joins on its next heartbeat and reports what it holds.
+    # The server's LocalService re-joins on its next heartbeat and reports what it holds; its segment
+    # takes new objects once a lease TTL has passed (reads leased before the crash may still run).
     deadline = time.monotonic() + 30
     while not pool_keys(meta) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    while not all(s["accepts_new_objects"] for s in meta.admin("/get_all_segments")["segments"]):
+        assert time.monotonic() < deadline + 30, "the recovered segment never took new objects again"
         time.sleep(0.5)
     ids7 = prompt(7)
     cold, _ = write_through(server_a, meta, ids7)
