@@ -29,9 +29,9 @@ class MemCacheConnector(_Real):
 
     @staticmethod
     def _drop(worker, job: LoadJob, frac: float) -> None:  # type: ignore[no-untyped-def]
-        first = int(len(job.block_hashes) * frac)
-        keys = [worker.prefix + h for h in job.block_hashes[first:]]
+        first = int(len(job.names) * frac)
+        keys = worker.keys(job.names[first:])
         if keys and worker._store is not None:
             codes = worker._store.remove_batch(keys)
             logger.warning("faulty_connector: removed %d of %d blocks of %s before loading: %s",
-                           len(keys), len(job.block_hashes), job.req_id, codes)
+                           len(keys), len(job.names), job.req_id, codes)
