@@ -35,6 +35,9 @@ if [[ ! -f "$VENV/.complete" ]]; then
     touch "$VENV/.complete"
 fi
 
+# The core's own (small) dependencies: the checkout below is installed without its dependencies.
+pipq install -q msgspec numpy xxhash
+
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 # CPU scaffolding (torchvision stand-in, sgl_kernel stub, CPU host-pool plugin).
 echo "$REQ_DIR/cpu_support" > "$SITE/memcache_sglang_cpu_support.pth"

@@ -34,7 +34,7 @@ else
 fi
 
 # The core's own dependencies (small) and the current checkout.
-"$VENV/bin/python" -m pip install -q msgspec numpy >&2
+"$VENV/bin/python" -m pip install -q msgspec numpy xxhash >&2
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 if "$VENV/bin/python" -m pip install -q --no-deps -e "$REPO" >&2; then
     rm -f "$SITE/memcache_repo_src.pth"

@@ -130,6 +130,7 @@ class CoreClient:
         cfg.dram_size = SEGMENT
         cfg.log_level = "warning"
         cfg.hcom_url = "tcp://127.0.0.1:0"
+        cfg.checksum = spec.get("checksum", True)
         self._rc = ReplicateConfig
         self.store = DistributedObjectStore()
         if self.store.setup(cfg) != 0 or self.store.init(0, init_bm=True) != 0:
@@ -422,7 +423,7 @@ class MooncakeMaster:
 
 def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list[dict[str, Any]]) -> None:
     spec: dict[str, Any] = {"engine": engine, "protocol": protocol, "max_batch": max(args.batches),
-                            "lease_ms": args.lease_ms}
+                            "lease_ms": args.lease_ms, "checksum": args.checksum_now}
     if engine == "mooncake":
         master = MooncakeMaster()
         spec.update(master.spec)
@@ -538,6 +539,22 @@ def _print_row(row: dict[str, Any]) -> None:
               flush=True)
 
 
+def print_checksum_cost(rows: list[dict[str, Any]]) -> None:
+    """Per figure: bandwidth (or latency) with checksums against without, from the same run."""
+    print("checksum cost (with / without, same run; < 1 means slower with checksums):")
+    by = {(r["protocol"], r.get("layout"), r.get("batch"), r["op"], r["checksum"]): r for r in rows
+          if "failed" not in r}
+    for (proto, layout, batch, op, on), r in by.items():
+        off = by.get((proto, layout, batch, op, False))
+        if not on or off is None:
+            continue
+        if "gbps" in r:
+            print(f"  {proto:8} {layout:10} {batch:>3} {op:9} {r['gbps']:7.2f} / {off['gbps']:7.2f} GB/s"
+                  f"  = x{r['gbps'] / off['gbps']:.2f}", flush=True)
+        else:
+            print(f"  {proto:8} {op:21} p50 {r['p50_us']:8.1f} / {off['p50_us']:8.1f} us", flush=True)
+
+
 def print_table(paths: list[str]) -> None:
     """Side by side: one column per (engine, protocol) found in the JSON files of earlier runs."""
     cols: list[tuple[str, str]] = []
@@ -580,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-pool", action="store_true",
                     help="skip the pool warm-up: measure fresh segments (first-touch page faults)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
+    ap.add_argument("--checksum", choices=("on", "off", "both"), default="on",
+                    help="payload checksums (computed by writers, verified by readers); 'both' runs every "
+                         "figure without and with them and prints what they cost")
     ap.add_argument("--table", nargs="+", metavar="JSON",
                     help="print a side-by-side table of earlier --json results (e.g. memcache and mooncake) and exit")
     args = ap.parse_args(argv)
@@ -608,9 +628,19 @@ def main(argv: list[str] | None = None) -> int:
           f"the op in the same process", flush=True)
     out: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.checksum]
     try:
         for protocol in protocols:
-            run_protocol(args.engine, protocol, args, out)
+            for mode in modes:
+                args.checksum_now = mode
+                if args.engine == "memcache":
+                    print(f"-- {protocol}, checksums {'on' if mode else 'off'}", flush=True)
+                first = len(out)
+                run_protocol(args.engine, protocol, args, out)
+                for row in out[first:]:
+                    row["checksum"] = mode
+        if len(modes) == 2:
+            print_checksum_cost(out)
     except BenchError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1

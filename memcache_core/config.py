@@ -176,6 +176,12 @@ class LocalConfig:
     """How often this LocalService tells the MetaService it is alive."""
     host_id: str = ""
     """Identity of this host for choosing shared memory over TCP; empty = derived from the machine."""
+    checksum: bool = True
+    """Writers compute each object's payload checksum (XXH3-64) while they copy and commit it with the
+    object; readers verify it. Off: objects carry no checksum and reads are not verified."""
+    checksum_verify_ratio: float = 1.0
+    """Fraction of reads whose bytes are verified against the checksum, in [0, 1]; a mismatch is a
+    miss, counted and logged, and the object is dropped from the pool."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -204,6 +210,9 @@ class LocalConfig:
         _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
         _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
         _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
+        if not isinstance(self.checksum, bool):
+            raise ConfigError(f"checksum: expected true or false, got {self.checksum!r}")
+        _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
 

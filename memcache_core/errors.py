@@ -24,6 +24,8 @@ META_NOT_CONNECTED = -3017
 LOCAL_NOT_CONNECTED = -3018
 CLIENT_NOT_INITIALIZED = -3019
 STATE_MISMATCH = -3101
+WRITE_IN_PROGRESS = -3102      # project code: another writer's put of the key is not committed yet
+CHECKSUM_MISMATCH = -3110      # project code: the bytes read do not match the object's checksum
 LEASE_NOT_EXPIRED = -3104
 
 MAX_KEY_BYTES = 256
@@ -74,11 +76,27 @@ class LeaseExpired(MemCacheError):
     code = STATE_MISMATCH
 
 
-class MetaServiceUnavailable(MemCacheError):
+class WriteInProgress(MemCacheError):
+    """Another writer's put of the key is still pending; ours did not store anything (not a success)."""
+
+    code = WRITE_IN_PROGRESS
+
+
+class ChecksumMismatch(MemCacheError):
+    """The bytes read are not the bytes the writer committed: a miss, never a hit."""
+
+    code = CHECKSUM_MISMATCH
+
+
+class Unavailable(MemCacheError):
+    """A process the call needs cannot be reached."""
+
+
+class MetaServiceUnavailable(Unavailable):
     code = META_NOT_CONNECTED
 
 
-class PeerUnavailable(MemCacheError):
+class PeerUnavailable(Unavailable):
     """The LocalService that owns a segment cannot be reached (dead or unreachable)."""
 
     code = LOCAL_NOT_CONNECTED
@@ -109,6 +127,8 @@ _BY_CODE: dict[int, type[MemCacheError]] = {
     OUT_OF_MEMORY: OutOfSpace,
     OVER_CAPACITY: OverCapacity,
     STATE_MISMATCH: StateMismatch,
+    WRITE_IN_PROGRESS: WriteInProgress,
+    CHECKSUM_MISMATCH: ChecksumMismatch,
     META_NOT_CONNECTED: MetaServiceUnavailable,
     LOCAL_NOT_CONNECTED: PeerUnavailable,
     NOT_INITIALIZED: NotInitialized,

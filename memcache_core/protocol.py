@@ -26,12 +26,17 @@ class Location(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ObjectReport(msgspec.Struct, array_like=True, frozen=True):
-    """One committed object held in a segment; the owner keeps these for MetaService recovery."""
+    """One committed object held in a segment, as its header describes it (MetaService recovery).
+
+    ``offset`` is where the object's header starts; the payload follows it (``layout.py``).
+    ``checksum`` is the payload's XXH3-64, 0 when the writer computed none.
+    """
 
     key: str
     offset: int
     size: int
     generation: int
+    checksum: int = 0
 
 
 class JournalEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -45,6 +50,12 @@ class JournalEntry(msgspec.Struct, array_like=True, frozen=True):
 # ---- requests ---------------------------------------------------------------------------------
 
 class Join(msgspec.Struct, tag=True):
+    """Join the pool. ``client_id`` 0 asks for a new id; a re-joining member proposes the id it had.
+
+    Ids are issued by the MetaService (never drawn from an engine-seeded ``random``); the segment's
+    ``segment_id`` is replaced by the issued id.
+    """
+
     client_id: int
     host_id: str
     pid: int
@@ -73,6 +84,7 @@ class Commit(msgspec.Struct, tag=True):
     client_id: int
     keys: list[str]
     generations: list[int]
+    checksums: list[int] = []      # payload XXH3-64 per key (0: none computed); empty: none at all
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -103,6 +115,20 @@ class RemoveAll(msgspec.Struct, tag=True):
     pass
 
 
+class RemovePrefix(msgspec.Struct, tag=True):
+    """Remove every committed object whose key starts with ``prefix`` (one tenant's namespace)."""
+
+    prefix: str
+
+
+class Corrupt(msgspec.Struct, tag=True):
+    """A reader found these objects' bytes do not match their checksums: count them, drop them."""
+
+    client_id: int
+    keys: list[str]
+    generations: list[int]
+
+
 class GetSegments(msgspec.Struct, tag=True):
     segment_ids: list[int] = []
 
@@ -117,7 +143,7 @@ class ConfigGet(msgspec.Struct, tag=True):
 
 
 Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
-           | RemoveAll | GetSegments | ConfigPut | ConfigGet)
+           | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet)
 
 
 # ---- replies ----------------------------------------------------------------------------------
@@ -132,7 +158,7 @@ class Ok(msgspec.Struct, tag=True):
 
 
 class Joined(msgspec.Struct, tag=True):
-    client_id: int
+    client_id: int                 # issued by the MetaService; also the id of the member's segment
     meta_epoch: int
     lease_ttl_ms: int
     pending_timeout_ms: int
@@ -158,6 +184,7 @@ class Found(msgspec.Struct, array_like=True):
     size: int
     generation: int
     locations: list[Location]
+    checksum: int = 0
 
 
 class LookupReply(msgspec.Struct, tag=True):

@@ -7,13 +7,15 @@ call is refused with INVALID_PARAM before anything is dereferenced.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import threading
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidParameter
+from ..memory import buffer_address, view_at
+
+__all__ = ["BufferRegistry", "buffer_address", "view_at"]
 
 
 class BufferRegistry:
@@ -60,14 +62,3 @@ class BufferRegistry:
 def _check_int(name: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise InvalidParameter(f"{name} must be an int, got {type(v).__name__}")
-
-
-def buffer_address(buf: Any) -> tuple[int, int, Any]:
-    """(address, length, keepalive) of any contiguous bytes-like object, read-only ones included."""
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    return arr.ctypes.data, arr.nbytes, arr
-
-
-def view_at(ptr: int, size: int) -> memoryview:
-    """A writable memoryview over raw memory (the caller has checked the range)."""
-    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")

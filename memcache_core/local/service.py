@@ -1,16 +1,22 @@
 """LocalService: joins the pool, contributes a segment, and does batched put / get / exist.
 
 Everything here raises ``MemCacheError`` or reports per-key errors; integer codes exist only in
-``store.py``. One instance is shared by many threads: the only lock guards the small table of this
-segment's objects; payload copies never hold a lock.
+``store.py``. One instance is shared by many threads; payload copies never hold a lock.
 
-Put is two-phase: ``Alloc`` (objects PENDING), copy, ``Commit`` (visible), or ``Abort`` on failure.
-Get leases: ``Lookup`` leases the objects for ``lease_ttl``; a read that finishes later than that is
-confirmed with ``Validate`` (same generation = the space was not reused) before it counts as a hit.
+Identity: the MetaService issues this member's id at ``Join`` (ids are never drawn from ``random``,
+which engines seed identically in every process). Everything that depends on the id lives in one
+immutable ``Session``, swapped whole on a re-join and read once per call.
+
+Put is two-phase: ``Alloc`` (objects PENDING), copy payload and header, ``Commit`` (visible, with the
+payload checksum), or ``Abort`` on failure. A key another writer has pending is waited for, never
+reported as stored. Get leases: ``Lookup`` leases the objects for ``lease_ttl``; a read that finishes
+later than that is confirmed with ``Validate`` before it counts; a read whose bytes fail their
+checksum is a miss, reported to the MetaService, which drops the object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -22,17 +28,30 @@ from .. import errors
 from .. import protocol as p
 from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
 from ..errors import InvalidParameter, MemCacheError, MetaServiceUnavailable, check_key, check_keys
-from ..rpc import RpcClient, expect
+from ..memory import Mapping
+from ..rpc import Backoff, RpcClient, expect
 from ..transfer import CopyOp, TransferEngine
 from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
-from .segment import Mapping, create_segment
+from . import recovery
+from .segment import create_segment
 
 logger = logging.getLogger(__name__)
 
 LEASE_SAFETY = 0.8          # trust a read without Validate only if it ended within 80% of the lease
 
 Pieces = list[tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Session:
+    """What one Join established; replaced as a whole on a re-join."""
+
+    client_id: int
+    epoch: int
+    lease_ttl_s: float
+    pending_timeout_s: float
+    segment: p.SegmentInfo | None
 
 
 class LocalService:
@@ -44,43 +63,43 @@ class LocalService:
         self.host_id = config.host_id or env_host_id()
         self.rpc = RpcClient(config.meta_service_url, config.client_timeout_seconds,
                              config.client_retry_milliseconds)
-        self.client_id = random.randrange(1, 1 << 31)
+        self.session = Session(0, 0, 10.0, 120.0, None)
         self.segment: Mapping | None = None
-        self.segment_info: p.SegmentInfo | None = None
+        self._segment_template: p.SegmentInfo | None = None   # our segment, before an id is issued
         self.data_server: DataServer | None = None
         self.engine: TransferEngine | None = None
-        self.epoch = 0
-        self.lease_ttl_s = 10.0
-        self.pending_timeout_s = 120.0
         self._segments: dict[int, p.SegmentInfo] = {}
-        self._objects: dict[str, p.ObjectReport] = {}   # committed objects in our segment (recovery)
         self._journal_ack = 0
+        self._sample = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.integrity_failures = 0
+
+    @property
+    def client_id(self) -> int:
+        return self.session.client_id
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def start(self, device_id: int, with_segment: bool) -> None:
         cfg = self.config
-        if with_segment:
-            size = cfg.dram_bytes
-            if size <= 0:
-                raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
-            self.segment = create_segment(self.client_id, size)
-            host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
-            self.data_server = DataServer(self.segment, host, port)
-            self.segment_info = p.SegmentInfo(self.client_id, self.segment.size, self.host_id,
-                                              self.segment.path, self.data_server.addr,
-                                              cfg.tag or f"device{device_id}")
-        threads = max(1, min(os.cpu_count() or 1, 8))
-        self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment,
-                                     self.client_id if with_segment else None, cfg.client_timeout_seconds,
-                                     min(cfg.read_thread_pool_size, threads),
-                                     min(cfg.write_thread_pool_size, threads))
         try:
+            if with_segment:
+                size = cfg.dram_bytes
+                if size <= 0:
+                    raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
+                self.segment = create_segment(size)
+                host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
+                self.data_server = DataServer(self.segment, host, port)
+                self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
+                                                       self.data_server.addr, cfg.tag or f"device{device_id}")
+            threads = max(1, min(os.cpu_count() or 1, 8))
+            self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
+                                         min(cfg.read_thread_pool_size, threads),
+                                         min(cfg.write_thread_pool_size, threads))
             self._join(recover=False)
-        except MemCacheError:
+        except BaseException:
             self.close()
             raise
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
@@ -106,39 +125,32 @@ class LocalService:
             self.segment.close()
 
     def _join(self, recover: bool) -> None:
-        with self._lock:
-            objects = list(self._objects.values()) if recover else []
-        for _ in range(8):
-            try:
-                reply = self.rpc.call(p.Join(self.client_id, self.host_id, os.getpid(), self.segment_info,
-                                             objects), probe=True)
-                break
-            except errors.ObjectExists:   # our random id is taken: draw another (only before data exists)
-                if self.segment_info is not None and objects:
-                    raise
-                self.client_id = random.randrange(1, 1 << 31)
-                if self.segment_info is not None:
-                    self.segment_info = p.SegmentInfo(self.client_id, *_fields(self.segment_info)[1:])
-        else:
-            raise MemCacheError("could not obtain a client id")
+        """Join (or re-join) and install the new session in one step."""
+        objects = recovery.scan(self.segment) if recover and self.segment is not None else []
+        reply = self.rpc.call(p.Join(self.session.client_id, self.host_id, os.getpid(), self._segment_template,
+                                     objects), probe=True)
         j = expect(reply, p.Joined)
-        self.epoch = j.meta_epoch
-        self.lease_ttl_s = j.lease_ttl_ms / 1000.0
-        self.pending_timeout_s = j.pending_timeout_ms / 1000.0
-        self._journal_ack = 0
+        seg = None
+        if self._segment_template is not None:
+            seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
         with self._lock:
             self._segments.clear()
+            self._journal_ack = 0
+            self.session = Session(j.client_id, j.meta_epoch, j.lease_ttl_ms / 1000.0,
+                                   j.pending_timeout_ms / 1000.0, seg)
         if recover:
-            logger.info("re-joined MetaService (epoch %d) with %d objects", self.epoch, len(objects))
+            logger.info("re-joined MetaService (epoch %d) as %d with %d objects", j.meta_epoch, j.client_id,
+                        len(objects))
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_ms / 1000.0
         timeout = min(self.config.client_timeout_seconds, max(1.0, 3 * interval))
         while not self._stop.wait(interval):
             try:
-                r = expect(self.rpc.call(p.Heartbeat(self.client_id, self._journal_ack), timeout_s=timeout,
+                s = self.session
+                r = expect(self.rpc.call(p.Heartbeat(s.client_id, self._journal_ack), timeout_s=timeout,
                                          probe=True), p.HeartbeatReply)
-                if not r.known or r.meta_epoch != self.epoch:
+                if not r.known or r.meta_epoch != s.epoch:
                     self._join(recover=True)
                     continue
                 self._apply_journal(r.journal)
@@ -150,19 +162,13 @@ class LocalService:
                 logger.exception("heartbeat loop error")
 
     def _apply_journal(self, journal: list[p.JournalEntry]) -> None:
-        if not journal:
-            return
-        with self._lock:
-            for e in journal:
-                if e.seq <= self._journal_ack:
-                    continue
-                if e.added:
-                    self._objects[e.obj.key] = e.obj
-                else:
-                    cur = self._objects.get(e.obj.key)
-                    if cur is not None and cur.generation == e.obj.generation:
-                        del self._objects[e.obj.key]
-                self._journal_ack = e.seq
+        """Objects of our segment that left the pool: clear their headers, so a scan skips them."""
+        for e in journal:
+            if e.seq <= self._journal_ack:
+                continue
+            if not e.added and self.segment is not None:
+                recovery.clear_header(self.segment, e.obj)
+            self._journal_ack = e.seq
 
     # ---- segments ------------------------------------------------------------------------------------
 
@@ -181,81 +187,104 @@ class LocalService:
                 raise errors.PeerUnavailable(f"segment {sid} is not in the pool")
         return seg
 
-    # ---- put -------------------------------------------------------------------------------------
+    # ---- put: validate -> allocate -> copy -> commit / abort ---------------------------------------------
 
     def put(self, keys: Sequence[str], pieces: Sequence[Pieces], replicas: int = 1,
             preferred: Sequence[int] = ()) -> list[MemCacheError | None]:
         """Store each key's pieces (laid end to end) as one object. Per-key error or None."""
-        n = len(keys)
-        results: list[MemCacheError | None] = [None] * n
-        todo: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            try:
-                check_key(key)
-            except InvalidParameter as e:
-                results[i] = e
-                continue
-            if key in todo:
-                continue   # the same key twice in one batch: the first put stands, the second is a no-op
-            todo[key] = i
+        results: list[MemCacheError | None] = [None] * len(keys)
+        todo = _unique_valid(keys, results)   # key -> index; the same key twice: the first put stands
         if not todo:
             return results
-        idx = list(todo.values())
-        sizes = [sum(s for _, s in pieces[i]) for i in idx]
-        try:
-            reply = expect(self.rpc.call(p.Alloc(self.client_id, list(todo), sizes, replicas, list(preferred))),
-                           p.AllocReply)
-        except MemCacheError as e:
-            for i in idx:
-                results[i] = e
-            return results
+        s = self.session
+        sizes = {k: sum(n for _, n in pieces[i]) for k, i in todo.items()}
+        allocated = self._alloc(s, sizes, replicas, preferred, results, todo)
         t_alloc = time.monotonic()
+        ops = self._write_ops(allocated, pieces, results, todo)
+        if ops and time.monotonic() - t_alloc >= s.pending_timeout_s / 2:
+            for op in ops:   # too late to start: the MetaService may reclaim the space while we copy
+                op.error = errors.TransferFailed("put took longer than half the pending timeout")
+        elif ops:
+            assert self.engine is not None
+            self.engine.write(ops)
+        for op in ops:
+            i = todo[op.key]
+            if op.error is not None and results[i] is None:
+                results[i] = op.error
+        self._finish_put(s, allocated, ops, results, todo)
+        return results
+
+    def _alloc(self, s: Session, sizes: dict[str, int], replicas: int, preferred: Sequence[int],
+               results: list[MemCacheError | None], todo: dict[str, int]) -> dict[str, p.AllocResult]:
+        """Allocate space; wait out other writers' pending puts of the same keys (bounded)."""
+        allocated: dict[str, p.AllocResult] = {}
+        want = list(sizes)
+        deadline = time.monotonic() + min(s.pending_timeout_s / 2, self.config.client_timeout_seconds)
+        backoff = Backoff(0.002, 0.05)
+        while want:
+            try:
+                reply = expect(self.rpc.call(p.Alloc(s.client_id, want, [sizes[k] for k in want], replicas,
+                                                     list(preferred))), p.AllocReply)
+            except MemCacheError as e:
+                for k in want:
+                    results[todo[k]] = e
+                return allocated
+            busy = []
+            for k, res in zip(want, reply.results, strict=True):
+                if res.code == errors.SUCCESS:
+                    allocated[k] = res
+                elif res.code == errors.WRITE_IN_PROGRESS:
+                    busy.append(k)
+                elif res.code != errors.OBJECT_ALREADY_EXISTS:   # existing: these bytes are stored
+                    results[todo[k]] = errors.error_from_code(res.code, f"cannot put {k!r} ({sizes[k]} bytes)")
+            if busy and time.monotonic() >= deadline:
+                for k in busy:
+                    results[todo[k]] = errors.WriteInProgress(f"another writer's put of {k!r} is still pending")
+                break
+            if busy:
+                time.sleep(backoff.next())
+            want = busy
+        return allocated
+
+    def _write_ops(self, allocated: dict[str, p.AllocResult], pieces: Sequence[Pieces],
+                   results: list[MemCacheError | None], todo: dict[str, int]) -> list[CopyOp]:
         ops: list[CopyOp] = []
-        owners: list[int] = []
-        allocated: list[tuple[int, str, int]] = []
-        for i, key, size, res in zip(idx, todo, sizes, reply.results, strict=True):
-            if res.code == errors.OBJECT_ALREADY_EXISTS:
-                continue   # content-addressed: an existing key already holds these bytes
-            if res.code != errors.SUCCESS:
-                results[i] = errors.error_from_code(res.code, f"cannot put {key!r} ({size} bytes)")
-                continue
-            allocated.append((i, key, res.generation))
+        for key, res in allocated.items():
+            i = todo[key]
+            size = sum(n for _, n in pieces[i])
             for loc in res.locations:
                 try:
                     seg = self._segment(loc.segment_id)
                 except MemCacheError as e:
                     results[i] = e
                     break
-                ops.append(CopyOp(seg, loc.offset, list(pieces[i]), size))
-                owners.append(i)
-        if ops and time.monotonic() - t_alloc < self.pending_timeout_s / 2:
-            assert self.engine is not None
-            self.engine.write(ops)
-        elif ops:
-            for i in set(owners):
-                results[i] = errors.TransferFailed("put took longer than half the pending timeout")
-        for i, op in zip(owners, ops, strict=True):
-            if op.error is not None and results[i] is None:
-                results[i] = op.error
-        commit = [(i, k, g) for i, k, g in allocated if results[i] is None]
-        abort = [(i, k, g) for i, k, g in allocated if results[i] is not None]
+                ops.append(CopyOp(seg, loc.offset, list(pieces[i]), size, key, res.generation,
+                                  hash=self.config.checksum))
+        return ops
+
+    def _finish_put(self, s: Session, allocated: dict[str, p.AllocResult], ops: list[CopyOp],
+                    results: list[MemCacheError | None], todo: dict[str, int]) -> None:
+        checksum = {op.key: op.checksum for op in ops}
+        commit = [k for k in allocated if results[todo[k]] is None]
+        abort = [k for k in allocated if results[todo[k]] is not None]
         if abort:
             try:
-                self.rpc.call(p.Abort(self.client_id, [k for _, k, _ in abort], [g for _, _, g in abort]))
+                self.rpc.call(p.Abort(s.client_id, abort, [allocated[k].generation for k in abort]))
             except MemCacheError as e:
-                logger.warning("abort of %d failed puts not delivered (%s); the MetaService reclaims them", len(abort), e)
-        if commit:
-            try:
-                codes = expect(self.rpc.call(p.Commit(self.client_id, [k for _, k, _ in commit],
-                                                      [g for _, _, g in commit])), p.Codes).codes
-            except MemCacheError as e:
-                codes = [e.code] * len(commit)
-            for (i, k, _), code in zip(commit, codes, strict=True):
-                if code != errors.SUCCESS:
-                    results[i] = errors.error_from_code(code, f"commit of {k!r} refused")
-        return results
+                logger.warning("abort of %d failed puts not delivered (%s); the MetaService reclaims them",
+                               len(abort), e)
+        if not commit:
+            return
+        try:
+            codes = expect(self.rpc.call(p.Commit(s.client_id, commit, [allocated[k].generation for k in commit],
+                                                  [checksum[k] for k in commit])), p.Codes).codes
+        except MemCacheError as e:
+            codes = [e.code] * len(commit)
+        for k, code in zip(commit, codes, strict=True):
+            if code != errors.SUCCESS:
+                results[todo[k]] = errors.error_from_code(code, f"commit of {k!r} refused")
 
-    # ---- get -------------------------------------------------------------------------------------
+    # ---- get: lookup -> check sizes -> read with replica fallback -> confirm ---------------------------
 
     def lookup_sizes(self, keys: Sequence[str]) -> list[p.Found | None]:
         return expect(self.rpc.call(p.Lookup(list(keys), lease=False), idempotent=True), p.LookupReply).results
@@ -265,19 +294,12 @@ class LocalService:
         """Read each key into its pieces. ``pieces`` None: only lease and return the locations.
 
         Per-key error or None; a key that is absent gets KeyNotFound. Never a partial success:
-        a key whose bytes could not all be read, or whose lease ran out while the space was
-        reused, is an error.
+        a key whose bytes could not all be read, failed their checksum, or whose lease ran out
+        while the space was reused, is an error.
         """
-        n = len(keys)
-        results: list[MemCacheError | None] = [None] * n
-        valid = []
-        for i, key in enumerate(keys):
-            try:
-                check_key(key)
-                valid.append(i)
-            except InvalidParameter as e:
-                results[i] = e
-        found: list[p.Found | None] = [None] * n
+        results: list[MemCacheError | None] = [None] * len(keys)
+        found: list[p.Found | None] = [None] * len(keys)
+        valid = [i for i in range(len(keys)) if _valid_key(keys[i], results, i)]
         if not valid:
             return results, found
         t0 = time.monotonic()
@@ -288,47 +310,60 @@ class LocalService:
             for i in valid:
                 results[i] = e
             return results, found
-        ttl = reply.lease_ttl_ms / 1000.0
         for i, f in zip(valid, reply.results, strict=True):
             found[i] = f
             if f is None:
                 results[i] = errors.KeyNotFound(f"key {keys[i]!r} does not exist")
         if pieces is None:
             return results, found
-        pending = [i for i in valid if results[i] is None]
-        for i in pending:
-            want = sum(s for _, s in pieces[i])
-            f = found[i]
-            assert f is not None
-            if (want != f.size) if exact else (want < f.size):
-                results[i] = InvalidParameter(f"buffer of {want} bytes for {keys[i]!r} of {f.size} bytes")
-        todo = [i for i in pending if results[i] is None]
-        # try replicas in turn: local ones first
+        todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
+        corrupt = self._read(keys, pieces, found, todo, results)
+        if time.monotonic() - t0 > reply.lease_ttl_ms / 1000.0 * LEASE_SAFETY:
+            self._confirm(keys, found, results)
+        if corrupt:
+            self._report_corrupt(corrupt)
+        return results, found
+
+    def _read(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
+              todo: list[int], results: list[MemCacheError | None]) -> list[tuple[str, int]]:
+        """Read each key from its replicas in turn (local ones first). Returns the corrupt (key, gen)."""
+        assert self.engine is not None
+        ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
         attempt = {i: self._replica_order(found[i]) for i in todo}  # type: ignore[arg-type]
+        corrupt: list[tuple[str, int]] = []
         while todo:
             ops, owners = [], []
             for i in todo:
+                f = found[i]
+                assert f is not None
                 loc = attempt[i].pop(0)
                 try:
                     seg = self._segment(loc.segment_id)
                 except MemCacheError as e:
                     results[i] = e
                     continue
-                f = found[i]
-                assert f is not None
-                ops.append(CopyOp(seg, loc.offset, _clip(pieces[i], f.size), f.size))
+                verify = ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
+                ops.append(CopyOp(seg, loc.offset, _clip(pieces[i], f.size), f.size, keys[i], f.generation,
+                                  f.checksum, hash=verify))
                 owners.append(i)
-            assert self.engine is not None
             self.engine.read(ops)
             retry = []
             for i, op in zip(owners, ops, strict=True):
                 results[i] = op.error
+                if isinstance(op.error, errors.ChecksumMismatch):
+                    self.integrity_failures += 1
+                    logger.error("integrity failure: %s", op.error)
+                    corrupt.append((op.key, op.generation))
                 if op.error is not None and attempt[i]:
                     retry.append(i)
             todo = retry
-        if time.monotonic() - t0 > ttl * LEASE_SAFETY:
-            self._confirm(keys, found, results)
-        return results, found
+        return corrupt
+
+    def _report_corrupt(self, corrupt: list[tuple[str, int]]) -> None:
+        try:
+            self.rpc.call(p.Corrupt(self.client_id, [k for k, _ in corrupt], [g for _, g in corrupt]))
+        except MemCacheError as e:
+            logger.warning("could not report %d corrupt objects: %s", len(corrupt), e)
 
     def _replica_order(self, f: p.Found) -> list[p.Location]:
         locs = list(f.locations)
@@ -365,8 +400,41 @@ class LocalService:
             check_key(k)
         return expect(self.rpc.call(p.Remove(list(keys))), p.Codes).codes
 
+    def remove_prefix(self, prefix: str) -> int:
+        if not isinstance(prefix, str) or not prefix:
+            raise InvalidParameter("remove_by_prefix: the prefix must be a non-empty string")
+        check_key(prefix)
+        return expect(self.rpc.call(p.RemovePrefix(prefix)), p.Codes).codes[0]
+
     def remove_all(self) -> int:
         return expect(self.rpc.call(p.RemoveAll()), p.Codes).codes[0]
+
+
+def _valid_key(key: str, results: list[MemCacheError | None], i: int) -> bool:
+    try:
+        check_key(key)
+        return True
+    except InvalidParameter as e:
+        results[i] = e
+        return False
+
+
+def _unique_valid(keys: Sequence[str], results: list[MemCacheError | None]) -> dict[str, int]:
+    todo: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if _valid_key(key, results, i) and key not in todo:
+            todo[key] = i
+    return todo
+
+
+def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool, results: list[MemCacheError | None],
+          i: int) -> bool:
+    assert f is not None
+    want = sum(s for _, s in pieces)
+    if (want != f.size) if exact else (want < f.size):
+        results[i] = InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
+        return False
+    return True
 
 
 def _clip(pieces: Pieces, size: int) -> Pieces:

@@ -284,6 +284,11 @@ class DistributedObjectStore:
     def remove(self, key: str) -> int:
         return self.remove_batch([key])[0]
 
+    def remove_by_prefix(self, prefix: str) -> int:
+        """Remove every committed object whose key starts with ``prefix`` (a tenant's namespace) in one
+        call. Returns how many were removed, or a negative code. Not in memcache_hybrid's API."""
+        return _code(lambda: self._service().remove_prefix(prefix))
+
     def remove_all(self) -> int:
         def run() -> int:
             self._service().remove_all()

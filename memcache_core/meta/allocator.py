@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-ALIGN = 64
+from ..layout import ALIGN
 
 
 def aligned(n: int) -> int:

@@ -72,7 +72,9 @@ class Metrics:
                 ("evictions_total", c.evictions, "Objects evicted by LRU."),
                 ("evicted_bytes_total", c.evicted_bytes, "Bytes evicted by LRU."),
                 ("put_failures_total", c.alloc_failures, "Puts refused for lack of space."),
-                ("pending_reclaimed_total", c.pending_reclaimed, "Uncommitted puts aborted.")):
+                ("pending_reclaimed_total", c.pending_reclaimed, "Uncommitted puts aborted."),
+                ("integrity_failures_total", c.integrity_failures,
+                 "Reads whose bytes failed the checksum (reported by readers; each object is dropped).")):
             metric(name, "counter", help_, [("", value)])
         reqs = sorted(self.requests.items())
         out.append("# HELP memcache_request_seconds Time the MetaService spent on a request.")

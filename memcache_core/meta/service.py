@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
+
+import msgspec
 
 from .. import errors
 from .. import protocol as p
@@ -64,7 +67,7 @@ class MetaServiceCore:
                 results = []
                 for k in keys:
                     o = t.lookup(k, now, lease)
-                    results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations)))
+                    results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations), o.checksum))
                 return p.LookupReply(results, self.config.lease_ttl_ms)
             case p.Alloc(client_id=cid, keys=keys, sizes=sizes, replicas=replicas, preferred=preferred):
                 if len(keys) != len(sizes):
@@ -78,10 +81,19 @@ class MetaServiceCore:
                 return p.AllocReply(out)
             case p.Commit(client_id=cid, keys=keys, generations=gens):
                 self._touch(cid, now)
-                return p.Codes([t.commit(cid, k, g, now) for k, g in zip(keys, gens, strict=True)])
+                sums = req.checksums or [0] * len(keys)
+                if not len(keys) == len(gens) == len(sums):
+                    return p.Error(errors.INVALID_PARAM, "keys, generations and checksums differ in length")
+                return p.Codes([t.commit(cid, k, g, now, c) for k, g, c in zip(keys, gens, sums, strict=True)])
             case p.Abort(client_id=cid, keys=keys, generations=gens):
                 for k, g in zip(keys, gens, strict=True):
-                    t.abort(k, g)
+                    t.abort(cid, k, g)
+                return p.Ok()
+            case p.Corrupt(client_id=cid, keys=keys, generations=gens):
+                for k, g in zip(keys, gens, strict=True):
+                    dropped = t.corrupt(k, g, now)
+                    logger.error("client %d read %r (generation %d) with a wrong checksum; %s", cid, k, g,
+                                 "removed it from the pool" if dropped else "it was already gone")
                 return p.Ok()
             case p.Validate(keys=keys, generations=gens):
                 return p.Flags([t.validate(k, g) for k, g in zip(keys, gens, strict=True)])
@@ -89,6 +101,10 @@ class MetaServiceCore:
                 return p.Codes([t.remove(k, now) for k in keys])
             case p.RemoveAll():
                 return p.Codes([t.remove_all(now)])
+            case p.RemovePrefix(prefix=prefix):
+                if not prefix:
+                    return p.Error(errors.INVALID_PARAM, "remove_by_prefix: the prefix is empty")
+                return p.Codes([t.remove_prefix(prefix, now)])
             case p.Heartbeat(client_id=cid, journal_ack=ack):
                 return self._heartbeat(cid, ack, now)
             case p.Join():
@@ -109,24 +125,36 @@ class MetaServiceCore:
 
     # ---- membership -------------------------------------------------------------------------------
 
-    def _join(self, req: p.Join, now: float) -> p.Reply:
+    def _issue_id(self, req: p.Join) -> int:
+        """The id a joining member gets: the one it proposes when it is re-joining (so its segment id
+        stays stable for peers that cached it), else a fresh one from the OS's random source. Ids
+        are never drawn from ``random``: engines seed it the same way in every process."""
         cid = req.client_id
         old = self.members.get(cid)
-        if old is not None and (old.host_id, old.pid) != (req.host_id, req.pid):
-            return p.Error(errors.OBJECT_ALREADY_EXISTS, f"client id {cid} is taken")
-        if old is not None:
+        if old is not None and (old.host_id, old.pid) == (req.host_id, req.pid):
+            return cid   # the same process re-joining
+        if 0 < cid < 1 << 62 and old is None and cid not in self.table.segments:
+            return cid   # a member of a previous MetaService (epoch) re-joining with its id
+        while True:
+            cid = secrets.randbits(62) or 1
+            if cid not in self.members and cid not in self.table.segments:
+                return cid
+
+    def _join(self, req: p.Join, now: float) -> p.Reply:
+        cid = self._issue_id(req)
+        if cid in self.members:
             self._drop_member(cid, "re-joined")
         seg_id = None
         if req.segment is not None:
-            seg_id = req.segment.segment_id
+            seg_id = cid
+            info = msgspec.structs.replace(req.segment, segment_id=cid)
             grace = now + RECOVERY_GRACE_S if req.objects else 0.0
-            refused = self.table.add_segment(req.segment, req.objects, alloc_after=grace)
+            refused = self.table.add_segment(info, req.objects, alloc_after=grace)
             seg = self.table.segments[seg_id]
             for r in refused:   # tell the owner to forget objects that now mean something else
-                seg.journal_seq += 1
-                seg.journal.append(p.JournalEntry(seg.journal_seq, False, r))
+                seg.record_removed(r)
             logger.info("LocalService %d joined from %s pid %d: segment of %d bytes, %d objects recovered",
-                        cid, req.host_id, req.pid, req.segment.size, len(req.objects) - len(refused))
+                        cid, req.host_id, req.pid, info.size, len(req.objects) - len(refused))
         else:
             logger.info("client %d joined from %s pid %d (no segment)", cid, req.host_id, req.pid)
         self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now)

@@ -7,6 +7,9 @@ Invariants (docs/design.md explains each):
 * Exist does not lease and does not touch LRU order.
 * Eviction frees least-recently-used committed, unleased objects of a segment above its high-water
   mark until it is at its low-water mark.
+* A key whose put is PENDING is neither free nor present: a second writer is told so
+  (WRITE_IN_PROGRESS), never that its put succeeded.
+* Space holds the object's header and payload (``layout.footprint``); sizes here are payload sizes.
 Time is passed in (``now``, monotonic seconds) so the logic is testable without sleeping.
 """
 
@@ -18,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from .. import errors
+from ..layout import footprint
 from ..protocol import JournalEntry, Location, ObjectReport, SegmentInfo
 from .allocator import Allocator, aligned
 
@@ -33,6 +37,7 @@ class Obj:
     generation: int
     locations: list[Location]
     owner: int                      # client that allocated it
+    checksum: int = 0               # payload XXH3-64 from the writer (0: none)
     committed: bool = False
     pending_deadline: float = 0.0
     lease_until: float = 0.0
@@ -47,10 +52,10 @@ class Segment:
         self.journal_seq = 0
         self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
 
-    def record(self, added: bool, obj: Obj, loc: Location) -> None:
+    def record_removed(self, report: ObjectReport) -> None:
+        """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header."""
         self.journal_seq += 1
-        self.journal.append(JournalEntry(self.journal_seq, added,
-                                         ObjectReport(obj.key, loc.offset, obj.size, obj.generation)))
+        self.journal.append(JournalEntry(self.journal_seq, False, report))
         if len(self.journal) > MAX_JOURNAL:
             del self.journal[: len(self.journal) - MAX_JOURNAL]
 
@@ -73,6 +78,7 @@ class Counters:
     evicted_bytes: int = 0
     alloc_failures: int = 0
     pending_reclaimed: int = 0
+    integrity_failures: int = 0
 
 
 class ObjectTable:
@@ -104,7 +110,7 @@ class ObjectTable:
             else:
                 refused.append(r)
         try:
-            alloc = Allocator.from_used(info.size, [(r.offset, r.size) for r, _ in accepted])
+            alloc = Allocator.from_used(info.size, [(r.offset, footprint(r.size)) for r, _ in accepted])
         except ValueError as e:
             logger.error("segment %d reported inconsistent objects (%s); starting it empty",
                          info.segment_id, e)
@@ -114,7 +120,7 @@ class ObjectTable:
         for r, cur in accepted:
             loc = Location(info.segment_id, r.offset)
             if cur is None:
-                cur = Obj(r.key, r.size, r.generation, [], owner=0, committed=True)
+                cur = Obj(r.key, r.size, r.generation, [], owner=0, checksum=r.checksum, committed=True)
                 self.objects[r.key] = cur
                 self._next_gen = max(self._next_gen, r.generation + 1)
             cur.locations.append(loc)
@@ -142,16 +148,18 @@ class ObjectTable:
               now: float) -> tuple[int, int, list[Location]]:
         """Reserve space for a new object. Returns (code, generation, locations)."""
         self.counters.allocs += 1
-        if key in self.objects:
-            return errors.OBJECT_ALREADY_EXISTS, 0, []
+        cur = self.objects.get(key)
+        if cur is not None:
+            return (errors.OBJECT_ALREADY_EXISTS if cur.committed else errors.WRITE_IN_PROGRESS), 0, []
         if size <= 0:
             return errors.INVALID_PARAM, 0, []
+        size_in_segment = footprint(size)
         candidates = [self.segments[s] for s in order if s in self.segments
                       and self.segments[s].alloc_after <= now]
         if not candidates:
             self.counters.alloc_failures += 1
             return errors.OUT_OF_MEMORY, 0, []
-        if all(aligned(size) > s.allocator.size for s in candidates):
+        if all(aligned(size_in_segment) > s.allocator.size for s in candidates):
             self.counters.alloc_failures += 1
             return errors.OVER_CAPACITY, 0, []
         chosen: list[tuple[Segment, int]] = []
@@ -161,7 +169,7 @@ class ObjectTable:
                     break
                 if any(seg is c for c, _ in chosen):
                     continue
-                off = self._alloc_in(seg, size, now, evict)
+                off = self._alloc_in(seg, size_in_segment, now, evict)
                 if off is not None:
                     chosen.append((seg, off))
         if not chosen:
@@ -186,24 +194,23 @@ class ObjectTable:
             off = a.alloc(size)
         return off
 
-    def commit(self, client_id: int, key: str, generation: int, now: float) -> int:
+    def commit(self, client_id: int, key: str, generation: int, now: float, checksum: int = 0) -> int:
         obj = self.objects.get(key)
-        if obj is None or obj.generation != generation:
-            return errors.STATE_MISMATCH  # aborted (timed out, writer declared dead) or replaced
+        if obj is None or obj.generation != generation or obj.owner not in (client_id, 0):
+            return errors.STATE_MISMATCH  # aborted (timed out, writer declared dead), replaced, not ours
         if obj.committed:
             return errors.SUCCESS
         obj.committed = True
+        obj.checksum = checksum
         obj.pending_deadline = 0.0
         for loc in obj.locations:
-            seg = self.segments[loc.segment_id]
-            seg.lru[key] = obj
-            seg.record(True, obj, loc)
+            self.segments[loc.segment_id].lru[key] = obj
         self.counters.commits += 1
         return errors.SUCCESS
 
-    def abort(self, key: str, generation: int) -> None:
+    def abort(self, client_id: int, key: str, generation: int) -> None:
         obj = self.objects.get(key)
-        if obj is not None and obj.generation == generation and not obj.committed:
+        if obj is not None and obj.generation == generation and not obj.committed and obj.owner == client_id:
             self._unlink(obj)
 
     def reclaim(self, now: float, dead_clients: set[int] = frozenset()) -> int:  # type: ignore[assignment]
@@ -254,6 +261,22 @@ class ObjectTable:
         self._unlink(obj, now)
         return errors.SUCCESS
 
+    def remove_prefix(self, prefix: str, now: float) -> int:
+        keys = [k for k, o in self.objects.items() if o.committed and k.startswith(prefix)]
+        for k in keys:
+            self._unlink(self.objects[k], now)
+        self.counters.removes += len(keys)
+        return len(keys)
+
+    def corrupt(self, key: str, generation: int, now: float) -> bool:
+        """A reader saw this object's bytes fail their checksum: count it and drop the object."""
+        self.counters.integrity_failures += 1
+        obj = self.objects.get(key)
+        if obj is None or not obj.committed or obj.generation != generation:
+            return False
+        self._unlink(obj, now)
+        return True
+
     def remove_all(self, now: float) -> int:
         keys = [k for k, o in self.objects.items() if o.committed]
         for k in keys:
@@ -293,9 +316,11 @@ class ObjectTable:
             del self.objects[obj.key]
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)
-            if seg is not None and seg.lru.get(obj.key) is obj:
+            if seg is None:
+                continue
+            if seg.lru.get(obj.key) is obj:
                 del seg.lru[obj.key]
-                seg.record(False, obj, loc)
+            seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
         if obj.committed and obj.lease_until > now:
             self.doomed.append(obj)
         else:
@@ -305,4 +330,4 @@ class ObjectTable:
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)
             if seg is not None:
-                seg.allocator.free_range(loc.offset, obj.size)
+                seg.allocator.free_range(loc.offset, footprint(obj.size))

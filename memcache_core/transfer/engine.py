@@ -1,9 +1,14 @@
-"""Chooses the path for each copy and runs a batch of copies on a small thread pool.
+"""Chooses the path for each copy, runs a batch of copies on a small thread pool, and proves the bytes.
 
 Path per segment: the caller's own segment and, with ``host_shm``, every segment on the same host are
 copied through shared memory; other segments (and all peers with ``host_tcp``) go over TCP to the
 owner's data server. Copies release the GIL, so a batch is split over a few threads; small batches
 run inline, where thread hand-off would cost more than the copy.
+
+Integrity: a write hashes each piece (XXH3-64) right before copying it, while it is hot in cache,
+then writes the object's header (``layout.py``) after the payload; a verified read hashes each piece
+right after copying it and compares with the checksum the writer committed. A mismatch is a
+``ChecksumMismatch`` for that op: a miss, never a hit.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ import logging
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import MemCacheError, TransferFailed
-from ..local.segment import Mapping
+import xxhash
+
+from ..errors import ChecksumMismatch, MemCacheError, TransferFailed
+from ..layout import pack_header, payload_offset
+from ..memory import Mapping, buffer_address, view_at
 from ..protocol import SegmentInfo
-from .shm import ShmTransport
+from .shm import ShmTransport, memmove
 from .tcp import TcpClient
 
 logger = logging.getLogger(__name__)
@@ -26,29 +34,53 @@ INLINE_BYTES = 1 << 20    # batches smaller than this are copied on the calling 
 
 @dataclasses.dataclass(slots=True)
 class CopyOp:
-    """Copy between one object replica (segment, offset) and local pieces laid end to end in it."""
+    """Copy between one object replica and local pieces laid end to end in its payload.
+
+    ``offset`` is where the object's header starts; the payload starts ``HEADER_BYTES`` later.
+    Writes: ``key``/``generation`` go into the header; ``checksum`` is computed when ``hash`` is set.
+    Reads: ``checksum`` is the committed one; the bytes are verified when ``hash`` is set and it is
+    non-zero.
+    """
 
     segment: SegmentInfo
     offset: int
     pieces: list[tuple[int, int]]
     nbytes: int
+    key: str = ""
+    generation: int = 0
+    checksum: int = 0
+    hash: bool = False
     error: MemCacheError | None = None
+
+    @property
+    def payload_offset(self) -> int:
+        return payload_offset(self.offset)
+
+    def header(self) -> bytes:
+        return pack_header(self.key, self.generation, self.nbytes, self.checksum)
+
+
+def checksum_of(pieces: list[tuple[int, int]]) -> int:
+    """XXH3-64 of the pieces laid end to end (the same value however the bytes are split)."""
+    h = xxhash.xxh3_64()
+    for ptr, size in pieces:
+        h.update(view_at(ptr, size))
+    return h.intdigest()
 
 
 class TransferEngine:
-    def __init__(self, protocol: str, host_id: str, own: Mapping | None, own_id: int | None,
-                 timeout_s: float, read_threads: int, write_threads: int) -> None:
+    def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
+                 read_threads: int, write_threads: int) -> None:
         self.protocol = protocol
         self.host_id = host_id
-        self.own_id = own_id
-        self.shm = ShmTransport(own, own_id)
+        self.shm = ShmTransport(own)
         self.tcp = TcpClient(timeout_s)
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="memcache-read")
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
         self._threads = {True: read_threads, False: write_threads}
 
     def local(self, seg: SegmentInfo) -> bool:
-        if seg.segment_id == self.own_id:
+        if self.shm.is_own(seg):
             return True
         return self.protocol == "host_shm" and seg.host_id == self.host_id
 
@@ -66,12 +98,11 @@ class TransferEngine:
             if not self.local(op.segment):
                 by_peer[op.segment.data_addr].append(op)
         jobs: list[tuple[str | None, list[CopyOp]]] = []
-        nthreads = self._threads[reading]
-        total = sum(op.nbytes for op in ops)
+        nthreads = self._threads[reading] if sum(op.nbytes for op in ops) >= INLINE_BYTES else 1
         if shm_ops:
-            jobs.extend((None, chunk) for chunk in _split(shm_ops, nthreads if total >= INLINE_BYTES else 1))
+            jobs.extend((None, chunk) for chunk in _split(shm_ops, nthreads))
         for addr, peer_ops in by_peer.items():
-            jobs.extend((addr, chunk) for chunk in _split(peer_ops, nthreads if total >= INLINE_BYTES else 1))
+            jobs.extend((addr, chunk) for chunk in _split(peer_ops, nthreads))
         if len(jobs) == 1:
             self._job(jobs[0], reading)
             return
@@ -81,32 +112,77 @@ class TransferEngine:
 
     def _job(self, job: tuple[str | None, list[CopyOp]], reading: bool) -> None:
         addr, ops = job
-        if addr is None:
-            for op in ops:
-                try:
-                    if reading:
-                        self.shm.read(op.segment, op.offset, op.pieces)
-                    else:
-                        self.shm.write(op.segment, op.offset, op.pieces)
-                except MemCacheError as e:
-                    op.error = e
-            return
         try:
-            wire = [(op.offset, op.pieces) for op in ops]
-            if reading:
-                self.tcp.read(addr, wire)
+            if addr is None:
+                for op in ops:
+                    try:
+                        (self._shm_read if reading else self._shm_write)(op)
+                    except MemCacheError as e:
+                        op.error = e
+            elif reading:
+                self._tcp_read(addr, ops)
             else:
-                self.tcp.write(addr, wire)
+                self._tcp_write(addr, ops)
         except MemCacheError as e:
             for op in ops:
-                op.error = e
+                op.error = op.error or e
         except Exception as e:  # noqa: BLE001 - a transfer bug must turn into a per-key failure
-            logger.exception("transfer with %s failed", addr)
+            logger.exception("transfer with %s failed", addr or "shared memory")
             for op in ops:
-                op.error = TransferFailed(str(e))
+                op.error = op.error or TransferFailed(str(e))
+
+    # ---- shared memory: hash each piece next to its copy, while it is in cache ------------------------
+
+    def _shm_write(self, op: CopyOp) -> None:
+        base = self.shm.base(op.segment)
+        pos = base + op.payload_offset
+        h = xxhash.xxh3_64() if op.hash else None
+        for ptr, size in op.pieces:
+            if h is not None:
+                h.update(view_at(ptr, size))
+            memmove(pos, ptr, size)
+            pos += size
+        if h is not None:
+            op.checksum = h.intdigest()
+        header = op.header()
+        memmove(base + op.offset, header, len(header))   # last: a valid header means a whole payload
+
+    def _shm_read(self, op: CopyOp) -> None:
+        pos = self.shm.base(op.segment) + op.payload_offset
+        h = xxhash.xxh3_64() if op.hash and op.checksum else None
+        for ptr, size in op.pieces:
+            memmove(ptr, pos, size)
+            if h is not None:
+                h.update(view_at(ptr, size))
+            pos += size
+        if h is not None:
+            _verify(op, h.intdigest())
+
+    # ---- TCP: hash the sources before sending, the destinations after receiving ------------------------
+
+    def _tcp_write(self, addr: str, ops: list[CopyOp]) -> None:
+        wire: list[tuple[int, list[tuple[int, int]]]] = []
+        keep = []
+        for op in ops:
+            if op.hash:
+                op.checksum = checksum_of(op.pieces)
+            ptr, n, anchor = buffer_address(op.header())
+            keep.append(anchor)
+            wire.append((op.payload_offset, op.pieces))
+            wire.append((op.offset, [(ptr, n)]))      # the server writes ranges in order: header last
+        self.tcp.write(addr, wire)
+
+    def _tcp_read(self, addr: str, ops: list[CopyOp]) -> None:
+        self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops])
+        for op in ops:
+            if op.hash and op.checksum:
+                try:
+                    _verify(op, checksum_of(op.pieces))
+                except ChecksumMismatch as e:
+                    op.error = e
 
     def forget(self, seg: SegmentInfo) -> None:
-        self.shm.forget(seg.segment_id)
+        self.shm.forget(seg)
         self.tcp.forget(seg.data_addr)
 
     def close(self) -> None:
@@ -114,6 +190,13 @@ class TransferEngine:
         self._write_pool.shutdown(wait=True)
         self.shm.close()
         self.tcp.close()
+
+
+def _verify(op: CopyOp, got: int) -> None:
+    if got != op.checksum:
+        raise ChecksumMismatch(f"{op.key!r} (generation {op.generation}) read from segment "
+                               f"{op.segment.segment_id} offset {op.offset}: checksum {got:#018x}, "
+                               f"committed {op.checksum:#018x}")
 
 
 def _split(ops: list[CopyOp], n: int) -> list[list[CopyOp]]:

@@ -1,4 +1,8 @@
-"""Same-host transfers: map the owner's shared-memory segment and memmove (releases the GIL)."""
+"""Same-host transfers: map the owner's shared-memory segment and memmove (releases the GIL).
+
+Mappings are keyed by the segment file's path, never by a segment id: ids are issued by the
+MetaService and can change when a member re-joins, a path names one file for its whole life.
+"""
 
 from __future__ import annotations
 
@@ -6,57 +10,50 @@ import ctypes
 import threading
 
 from ..errors import PeerUnavailable
-from ..local.segment import Mapping
+from ..memory import Mapping
 from ..protocol import SegmentInfo
 
 memmove = ctypes.memmove
 
 
 class ShmTransport:
-    def __init__(self, own: Mapping | None, own_id: int | None) -> None:
-        self._maps: dict[int, Mapping] = {}
-        if own is not None and own_id is not None:
-            self._maps[own_id] = own
-        self._own_id = own_id
+    def __init__(self, own: Mapping | None) -> None:
+        self._own = own
+        self._maps: dict[str, Mapping] = {}
+        if own is not None:
+            self._maps[own.path] = own
         self._lock = threading.Lock()
 
+    def is_own(self, seg: SegmentInfo) -> bool:
+        return self._own is not None and seg.shm_path == self._own.path
+
     def base(self, seg: SegmentInfo) -> int:
-        m = self._maps.get(seg.segment_id)
+        m = self._maps.get(seg.shm_path)
         if m is None:
             with self._lock:
-                m = self._maps.get(seg.segment_id)
+                m = self._maps.get(seg.shm_path)
                 if m is None:
                     try:
                         m = Mapping(seg.shm_path, seg.size, create=False)
                     except OSError as e:
                         raise PeerUnavailable(f"cannot map segment {seg.segment_id} ({seg.shm_path}): {e}") from e
-                    self._maps[seg.segment_id] = m
+                    self._maps[seg.shm_path] = m
+        if m.size < seg.size:
+            raise PeerUnavailable(f"segment {seg.segment_id} ({seg.shm_path}) is mapped smaller than announced")
         return m.addr
 
-    def write(self, seg: SegmentInfo, offset: int, pieces: list[tuple[int, int]]) -> None:
-        pos = self.base(seg) + offset
-        for ptr, size in pieces:
-            memmove(pos, ptr, size)
-            pos += size
-
-    def read(self, seg: SegmentInfo, offset: int, pieces: list[tuple[int, int]]) -> None:
-        pos = self.base(seg) + offset
-        for ptr, size in pieces:
-            memmove(ptr, pos, size)
-            pos += size
-
-    def forget(self, segment_id: int) -> None:
+    def forget(self, seg: SegmentInfo) -> None:
         """Unmap a peer's segment (the peer left or died)."""
-        if segment_id == self._own_id:
+        if self.is_own(seg):
             return
         with self._lock:
-            m = self._maps.pop(segment_id, None)
+            m = self._maps.pop(seg.shm_path, None)
         if m is not None:
             m.close()
 
     def close(self) -> None:
         with self._lock:
             maps, self._maps = self._maps, {}
-        for sid, m in maps.items():
-            if sid != self._own_id:
+        for m in maps.values():
+            if m is not self._own:
                 m.close()

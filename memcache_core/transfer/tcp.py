@@ -16,8 +16,7 @@ import threading
 from collections import defaultdict
 
 from ..errors import PeerUnavailable, TransferFailed
-from ..local.buffers import view_at
-from ..local.segment import Mapping
+from ..memory import Mapping, view_at
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import sys
 import time
 
@@ -90,6 +91,9 @@ class Worker:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     init_bm = cfg.pop("init_bm", True)
+    seed = cfg.pop("seed_random", None)
+    if seed is not None:
+        random.seed(seed)      # as vLLM and SGLang do in every worker process
     w = Worker(cfg, init_bm)
     print(json.dumps({"ready": w.rc == 0, "rc": w.rc}), flush=True)
     if w.rc != 0:

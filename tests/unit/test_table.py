@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from memcache_core import errors
+from memcache_core.layout import HEADER_BYTES
 from memcache_core.meta.table import ObjectTable
 from memcache_core.protocol import ObjectReport, SegmentInfo
 
 MB = 1 << 20
+OBJ = MB - HEADER_BYTES     # an object of OBJ payload bytes takes exactly 1 MB with its header
 
 
 def make(n_segments: int = 1, size: int = 10 * MB, high: float = 90, low: float = 50,
@@ -19,7 +21,7 @@ def make(n_segments: int = 1, size: int = 10 * MB, high: float = 90, low: float 
     return t
 
 
-def put(t: ObjectTable, key: str, size: int = MB, now: float = 0.0, order: list[int] | None = None) -> int:
+def put(t: ObjectTable, key: str, size: int = OBJ, now: float = 0.0, order: list[int] | None = None) -> int:
     code, gen, _ = t.alloc(1, key, size, 1, order or list(t.segments), now)
     if code == 0:
         assert t.commit(1, key, gen, now) == 0
@@ -31,7 +33,8 @@ def test_pending_objects_are_invisible_until_commit():
     code, gen, locs = t.alloc(1, "k", 100, 1, [1], 0.0)
     assert code == 0 and len(locs) == 1
     assert not t.exists("k") and t.lookup("k", 0.0, True) is None
-    assert t.alloc(1, "k", 100, 1, [1], 0.0)[0] == errors.OBJECT_ALREADY_EXISTS
+    # Scenario: a second writer of a pending key is told the write is in progress, not "stored".
+    assert t.alloc(2, "k", 100, 1, [1], 0.0)[0] == errors.WRITE_IN_PROGRESS
     assert t.commit(1, "k", gen + 1, 0.0) == errors.STATE_MISMATCH
     assert t.commit(1, "k", gen, 0.0) == 0
     assert t.exists("k") and t.lookup("k", 0.0, True) is not None
@@ -39,10 +42,12 @@ def test_pending_objects_are_invisible_until_commit():
 
 def test_abort_and_pending_deadline_give_the_space_back():
     t = make()
-    _, gen, _ = t.alloc(1, "a", MB, 1, [1], 0.0)
-    t.alloc(2, "b", MB, 1, [1], 0.0)
-    t.alloc(3, "c", MB, 1, [1], 0.0)
-    t.abort("a", gen)
+    _, gen, _ = t.alloc(1, "a", OBJ, 1, [1], 0.0)
+    t.alloc(2, "b", OBJ, 1, [1], 0.0)
+    t.alloc(3, "c", OBJ, 1, [1], 0.0)
+    t.abort(2, "a", gen)                     # not the writer's: ignored
+    assert t.segments[1].allocator.used == 3 * MB
+    t.abort(1, "a", gen)
     assert t.segments[1].allocator.used == 2 * MB
     assert t.reclaim(1.0, {2}) == 1          # writer 2 died
     assert t.reclaim(5.0) == 1               # c passed its deadline
@@ -94,21 +99,21 @@ def test_put_that_cannot_fit_fails_with_out_of_space_never_blocks():
         put(t, f"k{i}", now=0.0)
     for i in range(3):
         t.lookup(f"k{i}", 1.0, lease=True)     # everything is leased
-    assert put(t, "more", 2 * MB, now=2.0) == errors.OUT_OF_MEMORY
+    assert put(t, "more", 2 * OBJ, now=2.0) == errors.OUT_OF_MEMORY
     assert put(t, "huge", 5 * MB, now=2.0) == errors.OVER_CAPACITY
     assert t.counters.alloc_failures == 2
 
 
 def test_placement_order_and_replicas():
     t = make(n_segments=3)
-    code, _, locs = t.alloc(1, "r", MB, 2, [2, 1, 3], 0.0)
+    code, _, locs = t.alloc(1, "r", OBJ, 2, [2, 1, 3], 0.0)
     assert code == 0 and [loc.segment_id for loc in locs] == [2, 1]
 
 
 def test_dead_segment_drops_its_objects_but_keeps_other_replicas():
     t = make(n_segments=2)
     put(t, "only-on-1", order=[1])
-    code, gen, _ = t.alloc(1, "both", MB, 2, [1, 2], 0.0)
+    code, gen, _ = t.alloc(1, "both", OBJ, 2, [1, 2], 0.0)
     t.commit(1, "both", gen, 0.0)
     assert t.drop_segment(1) == 1
     assert not t.exists("only-on-1")
@@ -118,23 +123,55 @@ def test_dead_segment_drops_its_objects_but_keeps_other_replicas():
 def test_recovery_from_reports_and_generations_stay_unique():
     t = make(n_segments=0)
     refused = t.add_segment(SegmentInfo(1, 10 * MB, "h", "/x", "a:1"),
-                            [ObjectReport("a", 0, MB, (7 << 32) + 5), ObjectReport("b", MB, MB, (7 << 32) + 9)])
+                            [ObjectReport("a", 0, OBJ, (7 << 32) + 5), ObjectReport("b", MB, OBJ, (7 << 32) + 9)])
     assert refused == [] and t.exists("a") and t.exists("b")
     assert t.segments[1].allocator.used == 2 * MB
-    code, gen, locs = t.alloc(1, "c", MB, 1, [1], 0.0)
+    code, gen, locs = t.alloc(1, "c", OBJ, 1, [1], 0.0)
     assert gen > (7 << 32) + 9 and locs[0].offset == 2 * MB
     # a second segment reporting a different object under an existing key is refused
-    refused = t.add_segment(SegmentInfo(2, 10 * MB, "h", "/y", "b:1"), [ObjectReport("a", 0, MB, 1)])
+    refused = t.add_segment(SegmentInfo(2, 10 * MB, "h", "/y", "b:1"), [ObjectReport("a", 0, OBJ, 1)])
     assert [r.key for r in refused] == ["a"]
 
 
 @pytest.mark.parametrize("n", [1, 50])
-def test_journal_records_commits_and_frees_for_the_owner(n):
+def test_journal_tells_the_owner_what_left_its_segment(n):
+    """Scenario: commits need no journal (the headers in the segment describe them); every object that
+    leaves (removed, evicted, aborted) is journaled so the owner clears its header."""
     t = make()
     for i in range(n):
         put(t, f"k{i}", size=100_000)
-    j = t.segments[1].journal_since(0)
-    assert [e.added for e in j] == [True] * n
+    assert t.segments[1].journal_since(0) == []
     t.remove("k0", 10.0)
-    j2 = t.segments[1].journal_since(j[-1].seq)
-    assert len(j2) == 1 and not j2[0].added and j2[0].obj.key == "k0"
+    _, gen, _ = t.alloc(1, "pending", 100, 1, [1], 10.0)
+    t.abort(1, "pending", gen)
+    j = t.segments[1].journal_since(0)
+    assert [(e.added, e.obj.key) for e in j] == [(False, "k0"), (False, "pending")]
+    assert t.segments[1].journal_since(j[-1].seq) == []
+
+
+def test_second_writer_commit_and_foreign_commit_are_refused():
+    """Scenario: only the writer that allocated a pending object may commit or abort it."""
+    t = make()
+    _, gen, _ = t.alloc(1, "k", 100, 1, [1], 0.0)
+    assert t.commit(2, "k", gen, 0.0) == errors.STATE_MISMATCH
+    assert t.commit(1, "k", gen, 0.0, checksum=1234) == 0
+    assert t.objects["k"].checksum == 1234
+
+
+def test_remove_prefix_takes_one_namespace_only():
+    t = make()
+    for k in ("ns1.a", "ns1.b", "ns2.a", "ns10.a"):
+        put(t, k, size=1000)
+    _, gen, _ = t.alloc(1, "ns1.pending", 100, 1, [1], 0.0)
+    assert t.remove_prefix("ns1.", 1.0) == 2
+    assert sorted(k for k, o in t.objects.items() if o.committed) == ["ns10.a", "ns2.a"]
+    assert "ns1.pending" in t.objects        # a pending put is not removed under its writer
+
+
+def test_corrupt_report_drops_that_generation_only():
+    t = make()
+    put(t, "k", size=1000)
+    gen = t.objects["k"].generation
+    assert not t.corrupt("k", gen + 1, 1.0) and t.exists("k")
+    assert t.corrupt("k", gen, 1.0) and not t.exists("k")
+    assert t.counters.integrity_failures == 2

@@ -1,0 +1,94 @@
+"""Finding a segment's objects again from their headers, after the MetaService lost its table.
+
+Every object's header (``layout.py``) is written after its payload and before its commit, so the
+segment describes itself: a put that returned success is in it, whoever wrote it, even if the
+MetaService crashed before telling the owner. ``scan`` finds the valid headers in the segment's data
+extents, resolves overlaps (a newer generation proves the older object's space was freed and reused)
+and checks every payload against its checksum, so what the owner reports is what it holds.
+
+Headers of objects that left the pool are cleared by the owner when the MetaService's journal tells
+it (``clear_header``, compare-and-clear on the generation); one that was not cleared yet is either
+still intact (its checksum holds: reporting it again serves the right bytes) or overwritten (it
+fails validation and is skipped).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import xxhash
+
+from ..layout import (
+    HEADER_BYTES,
+    candidate_offsets,
+    footprint,
+    header_generation,
+    payload_offset,
+    unpack_header,
+)
+from ..memory import Mapping, view_at
+from ..protocol import ObjectReport
+
+logger = logging.getLogger(__name__)
+
+
+def scan(segment: Mapping) -> list[ObjectReport]:
+    """The objects a segment holds, verified; overlapping or corrupt candidates are left out."""
+    t0 = time.monotonic()
+    memory = segment.array()
+    found: list[ObjectReport] = []
+    for start, end in segment.data_extents():
+        for off in candidate_offsets(memory, start, end):
+            if off + HEADER_BYTES > segment.size:
+                continue
+            h = unpack_header(memory[off:off + HEADER_BYTES].tobytes())
+            if h is None:
+                continue
+            key, gen, size, checksum = h
+            if size <= 0 or off + footprint(size) > segment.size:
+                continue
+            found.append(ObjectReport(key, off, size, gen, checksum))
+    kept = _newest_without_overlap(found)
+    good = [r for r in kept if _payload_ok(segment, r)]
+    logger.info("segment %s: %d headers found, %d kept, %d verified in %.3fs", segment.path, len(found),
+                len(kept), len(good), time.monotonic() - t0)
+    return good
+
+
+def _newest_without_overlap(reports: list[ObjectReport]) -> list[ObjectReport]:
+    """Keep, per key and per byte range, the newest generation."""
+    by_key: dict[str, ObjectReport] = {}
+    for r in reports:
+        cur = by_key.get(r.key)
+        if cur is None or r.generation > cur.generation:
+            by_key[r.key] = r
+    ranges = sorted(by_key.values(), key=lambda r: r.offset)
+    if all(a.offset + footprint(a.size) <= b.offset for a, b in zip(ranges, ranges[1:], strict=False)):
+        return ranges
+    kept: list[ObjectReport] = []
+    for r in sorted(ranges, key=lambda r: -r.generation):
+        end = r.offset + footprint(r.size)
+        if all(end <= k.offset or k.offset + footprint(k.size) <= r.offset for k in kept):
+            kept.append(r)
+    return sorted(kept, key=lambda r: r.offset)
+
+
+def _payload_ok(segment: Mapping, r: ObjectReport) -> bool:
+    if not r.checksum:
+        return True
+    got = xxhash.xxh3_64_intdigest(view_at(segment.addr + payload_offset(r.offset), r.size))
+    if got != r.checksum:
+        logger.warning("segment %s: %r at offset %d fails its checksum; not reported", segment.path, r.key,
+                       r.offset)
+        return False
+    return True
+
+
+def clear_header(segment: Mapping, r: ObjectReport) -> None:
+    """Invalidate the header of an object that left the pool, unless a newer object wrote over it."""
+    if r.offset < 0 or r.offset + HEADER_BYTES > segment.size:
+        return
+    view = view_at(segment.addr + r.offset, HEADER_BYTES)
+    if header_generation(view) == r.generation:
+        view[:8] = bytes(8)

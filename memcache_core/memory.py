@@ -1,0 +1,97 @@
+"""Raw memory: mapped segment files, views and addresses. A leaf: ``local/`` and ``transfer/`` both use it.
+
+A segment is a file (POSIX shared memory, /dev/shm) mapped read-write; ``Mapping.addr`` is the address
+of its first byte in this process. Payload copies work on addresses (``ctypes.memmove`` releases the
+GIL); ``view_at`` and ``array_at`` give Python views over such addresses for sockets and hashing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class Mapping:
+    """A mapped segment file: ``addr`` is the address of its first byte in this process."""
+
+    def __init__(self, path: str, size: int, create: bool) -> None:
+        self.path = path
+        self.size = size
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise OSError(f"segment file {path} is smaller than {size} bytes")
+            self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._anchor: ctypes.Array | None = (ctypes.c_char * size).from_buffer(self._mm)
+        self.addr = ctypes.addressof(self._anchor)
+        self.owner = create
+
+    def view(self, offset: int, length: int) -> memoryview:
+        assert self._mm is not None
+        return memoryview(self._mm)[offset:offset + length]
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        self._anchor = None
+        try:
+            self._mm.close()
+        except BufferError:
+            logger.debug("segment %s still has views; leaving the mapping to the GC", self.path)
+        self._mm = None
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def data_extents(self) -> Iterator[tuple[int, int]]:
+        """(start, end) of the file's ranges that hold data (never-written holes are skipped)."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            pos = 0
+            while pos < self.size:
+                try:
+                    start = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError:
+                    return   # no data after pos (ENXIO)
+                end = min(os.lseek(fd, start, os.SEEK_HOLE), self.size)
+                if start >= self.size:
+                    return
+                yield start, end
+                pos = end
+        finally:
+            os.close(fd)
+
+    def array(self) -> np.ndarray:
+        """The whole mapping as a uint8 array (no copy)."""
+        return array_at(self.addr, self.size)
+
+
+def buffer_address(buf: Any) -> tuple[int, int, Any]:
+    """(address, length, keepalive) of any contiguous bytes-like object, read-only ones included."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    return arr.ctypes.data, arr.nbytes, arr
+
+
+def view_at(ptr: int, size: int) -> memoryview:
+    """A writable memoryview over raw memory (the caller has checked the range)."""
+    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def array_at(ptr: int, size: int) -> np.ndarray:
+    """A writable uint8 array over raw memory (no copy; the caller has checked the range)."""
+    return np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(ptr))
