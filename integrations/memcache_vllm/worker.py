@@ -119,6 +119,7 @@ class _Mover:
         """Save blocks; returns how many failed."""
         t0 = time.perf_counter()
         failed = 0
+        bad_codes: set[int] = set()
         for part in self._chunks(len(block_ids)):
             ids = [block_ids[i] for i in part]
             keys = [all_keys[i] for i in part]
@@ -133,12 +134,13 @@ class _Mover:
                 logger.warning("MemCacheConnector: save of %d blocks failed: %s", len(keys), exc)
                 codes = [-1] * len(keys)
             failed += sum(1 for c in codes if c != 0)
+            bad_codes.update(c for c in codes if c != 0)
         n_ok = len(block_ids) - failed
         self.stats.add(save_blocks=n_ok, save_bytes=n_ok * self.layout.block_bytes,
                        save_failed_blocks=failed, save_time_s=time.perf_counter() - t0)
         if failed:
-            logger.info("MemCacheConnector: %d of %d blocks not saved (pool full or down)",
-                        failed, len(block_ids))
+            logger.info("MemCacheConnector: %d of %d blocks not saved (codes %s)",
+                        failed, len(block_ids), sorted(bad_codes))
         return failed
 
 
@@ -174,6 +176,7 @@ class MemCacheWorker:
         self._load_done: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
         self._invalid_blocks: set[int] = set()
         self._fence = LoadFailureFence()
+        self._begun: MemCacheConnectorMetadata | None = None
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -248,7 +251,13 @@ class MemCacheWorker:
 
     def begin_step(self, meta: MemCacheConnectorMetadata) -> None:
         """Adopt the step's epoch, lift acknowledged fences, remove poisoned keys, and finish
-        in-flight saves of preempted requests before their blocks can be reused."""
+        in-flight saves of preempted requests before their blocks can be reused.
+
+        vLLM calls both ``handle_preemptions`` and ``bind_connector_metadata`` with the step's
+        metadata; the first call does the work."""
+        if meta is self._begun:
+            return
+        self._begun = meta
         if meta.epoch != self.epoch:
             logger.info("MemCacheConnector worker tp%d pp%d: namespace epoch %s -> %s",
                         self.tp_rank, self.pp_rank, self.epoch, meta.epoch)
