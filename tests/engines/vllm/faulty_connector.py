@@ -4,6 +4,10 @@ LocalService would between the scheduler's lookup and the load).
 
 Selected with ``"kv_connector_module_path": "faulty_connector"``; the blocks removed are every
 block from the middle of each load job on (``MEMCACHE_TEST_DROP_FROM`` = fraction, default 0.5).
+
+With ``"test_unfenced": true`` in the extra config the worker's load-failure fence never fences:
+it then saves what it computed over the failed blocks, as another tensor-parallel rank that did
+not see the failure would, and only the scheduler's removal of those keys keeps the pool clean.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ logger = logging.getLogger("vllm." + __name__)
 
 
 class MemCacheConnector(_Real):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        if self._worker is not None and extra.get("test_unfenced"):
+            logger.warning("faulty_connector: load-failure fence disabled")
+            self._worker._fence.fenced = lambda block_ids: False  # type: ignore[method-assign]
+
     def start_load_kv(self, forward_context, **kwargs):  # type: ignore[no-untyped-def]
         worker = self._worker
         assert worker is not None
