@@ -4,6 +4,9 @@ LocalService would between the scheduler's lookup and the load).
 
 Selected with ``"kv_connector_module_path": "faulty_connector"``; the blocks removed are every
 block from the middle of each load job on (``MEMCACHE_TEST_DROP_FROM`` = fraction, default 0.5).
+Their destination blocks in the KV cache are filled with a constant first, as a load that failed
+half-way leaves them: whatever reads them before vLLM recomputes them reads wrong bytes (and not,
+by chance, the same prompt's KV left there by an earlier request).
 
 With ``"test_unfenced": true`` in the extra config the worker's load-failure fence never fences:
 it then saves what it computed over the failed blocks, as another tensor-parallel rank that did
@@ -12,6 +15,7 @@ not see the failure would, and only the scheduler's removal of those keys keeps 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -42,6 +46,11 @@ class MemCacheConnector(_Real):
     def _drop(worker, job: LoadJob, frac: float) -> None:  # type: ignore[no-untyped-def]
         first = int(len(job.names) * frac)
         keys = worker.keys(job.names[first:])
+        mover = worker._mover
+        if keys and mover is not None and mover.layout.on_host:
+            for block_id in job.block_ids[first:]:
+                for ptr, size in zip(*mover.layout.pieces(block_id), strict=True):
+                    ctypes.memset(ptr, 0x3C, size)
         if keys and worker._store is not None:
             codes = worker._store.remove_batch(keys)
             logger.warning("faulty_connector: removed %d of %d blocks of %s before loading: %s",
