@@ -283,9 +283,11 @@ class MemCacheScheduler:
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
+        # Admitted: the cached lookup answered a waiting request; once preempted and waiting again,
+        # the request must be asked anew (its blocks may have been saved since).
+        lookup = self._lookups.pop(rid, None)
         if num_external_tokens <= 0:
             return
-        lookup = self._lookups.pop(rid, None)
         n = num_external_tokens // self.block_size
         if lookup is None or num_external_tokens % self.block_size or n > lookup.hit_blocks:
             # vLLM would treat blocks as loaded that nobody loads: refuse rather than serve garbage.
