@@ -45,7 +45,7 @@ def ttft(server: serve_cpu.ServerHandle, ids: list[int]) -> tuple[float, str, di
 def wait_written(meta: serve_cpu.MetaHandle, before: int, pages: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        count = requests.get(meta.metrics_url + "/get_all_keys", timeout=10).json()["count"]
+        count = meta.admin("/get_all_keys")["count"]
         if count - before >= pages:
             return
         time.sleep(0.2)
@@ -53,7 +53,7 @@ def wait_written(meta: serve_cpu.MetaHandle, before: int, pages: int, timeout_s:
 
 
 def key_count(meta: serve_cpu.MetaHandle) -> int:
-    return requests.get(meta.metrics_url + "/get_all_keys", timeout=10).json()["count"]
+    return meta.admin("/get_all_keys")["count"]
 
 
 def memcpy_seconds(nbytes: int) -> float:

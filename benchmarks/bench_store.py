@@ -141,6 +141,11 @@ class CoreClient:
         if self.store.register_buffer(ptr, size) != 0:
             raise BenchError("register_buffer failed")
 
+    def set_checksum(self, on: bool) -> None:
+        """Checksums on or off for this process's next puts (computed) and gets (verified)."""
+        cfg = self.store._service().config
+        cfg.checksum, cfg.checksum_verify_ratio = on, 1.0 if on else 0.0
+
     def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any) -> list[int]:
         rc = None
         if peer is not None:
@@ -304,6 +309,30 @@ class Worker:
     def remove(self, layout: str, batch: int, prefix: str) -> dict[str, Any]:
         self.client.remove(self._batch(layout, batch, prefix)[0])
         return {}
+
+    def paired(self, op: str, layout: str, batch: int, prefix: str, reps: int) -> dict[str, Any]:
+        """Time ``op`` with checksums and without, alternately, on the same objects: per repetition
+        the pair ran seconds apart under the same load, so their ratio is a fair cost."""
+        keys, pieces = self._batch(layout, batch, prefix)
+        on, off = [], []
+        for rep in range(reps):
+            for flag in ((True, False) if rep % 2 else (False, True)):
+                self.client.set_checksum(flag)
+                if op == "put":
+                    k = [f"{key}/{rep}/{int(flag)}" for key in keys]
+                    t = time.perf_counter()
+                    codes = self.client.put(k, pieces, None)
+                    dt = time.perf_counter() - t
+                    self.client.remove(k)
+                else:
+                    t = time.perf_counter()
+                    codes = self.client.get(keys, pieces)
+                    dt = time.perf_counter() - t
+                if any(c != 0 for c in codes):
+                    return {"error": f"paired {op} {prefix}: codes {sorted(set(codes))}"}
+                (on if flag else off).append(dt)
+        self.client.set_checksum(True)
+        return {"on": on, "off": off}
 
     def small_ops(self, op: str, prefix: str, n: int) -> dict[str, Any]:
         lat, c = [], self.client
@@ -477,6 +506,8 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
                         row["cold_get_gbps"] = round(batch * OBJ_BYTES / cold / 1e9, 3)
                     out.append(row)
                     _print_row(row)
+        if args.checksum == "both" and engine == "memcache":
+            checksum_cost(protocol, args, writer, reader, out)
         small = f"{engine}/{protocol}/small"
         res = {"put": writer.call("small_ops", op="put", prefix=small, n=max(args.small_n, 1000)),
                "get": reader.call("small_ops", op="get", prefix=small, n=args.small_n),
@@ -539,20 +570,26 @@ def _print_row(row: dict[str, Any]) -> None:
               flush=True)
 
 
-def print_checksum_cost(rows: list[dict[str, Any]]) -> None:
-    """Per figure: bandwidth (or latency) with checksums against without, from the same run."""
-    print("checksum cost (with / without, same run; < 1 means slower with checksums):")
-    by = {(r["protocol"], r.get("layout"), r.get("batch"), r["op"], r["checksum"]): r for r in rows
-          if "failed" not in r}
-    for (proto, layout, batch, op, on), r in by.items():
-        off = by.get((proto, layout, batch, op, False))
-        if not on or off is None:
-            continue
-        if "gbps" in r:
-            print(f"  {proto:8} {layout:10} {batch:>3} {op:9} {r['gbps']:7.2f} / {off['gbps']:7.2f} GB/s"
-                  f"  = x{r['gbps'] / off['gbps']:.2f}", flush=True)
-        else:
-            print(f"  {proto:8} {op:21} p50 {r['p50_us']:8.1f} / {off['p50_us']:8.1f} us", flush=True)
+def checksum_cost(protocol: str, args: argparse.Namespace, writer: Proc, reader: Proc,
+                  out: list[dict[str, Any]]) -> None:
+    """What checksums cost: each op timed with and without them, alternately, on the same objects."""
+    for layout in args.layouts:
+        for batch in args.batches:
+            prefix = f"memcache/{protocol}/{layout}/b{batch}/checksum"
+            writer.call("put", layout=layout, batch=batch, rep=0, prefix=prefix, peer=None)
+            for op, proc in (("get", reader), ("put", writer)):
+                r = proc.call("paired", op=op, layout=layout, batch=batch, prefix=prefix, reps=2 * args.reps)
+                ratios = [b / a for a, b in zip(r["on"], r["off"], strict=True)]
+                nbytes = batch * OBJ_BYTES
+                row = {"engine": "memcache", "protocol": protocol, "layout": layout, "batch": batch,
+                       "op": f"{op} checksum", "gbps_on": round(nbytes / statistics.median(r["on"]) / 1e9, 3),
+                       "gbps_off": round(nbytes / statistics.median(r["off"]) / 1e9, 3),
+                       "with_over_without": round(statistics.median(ratios), 3)}
+                out.append(row)
+                print(f"memcache {protocol:8} {layout:10} {batch:>3} {op + ' cksum':9} "
+                      f"{row['gbps_on']:7.2f} GB/s with, {row['gbps_off']:7.2f} GB/s without:"
+                      f" x{row['with_over_without']:.2f} (median of paired ratios)", flush=True)
+            writer.call("remove", layout=layout, batch=batch, prefix=prefix)
 
 
 def print_table(paths: list[str]) -> None:
@@ -598,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the pool warm-up: measure fresh segments (first-touch page faults)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
     ap.add_argument("--checksum", choices=("on", "off", "both"), default="on",
-                    help="payload checksums (computed by writers, verified by readers); 'both' runs every "
-                         "figure without and with them and prints what they cost")
+                    help="payload checksums (computed by writers, verified by readers); 'both': figures with "
+                         "them, plus each op timed with and without them alternately (their cost)")
     ap.add_argument("--table", nargs="+", metavar="JSON",
                     help="print a side-by-side table of earlier --json results (e.g. memcache and mooncake) and exit")
     args = ap.parse_args(argv)
@@ -628,19 +665,10 @@ def main(argv: list[str] | None = None) -> int:
           f"the op in the same process", flush=True)
     out: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.checksum]
+    args.checksum_now = args.checksum != "off"
     try:
         for protocol in protocols:
-            for mode in modes:
-                args.checksum_now = mode
-                if args.engine == "memcache":
-                    print(f"-- {protocol}, checksums {'on' if mode else 'off'}", flush=True)
-                first = len(out)
-                run_protocol(args.engine, protocol, args, out)
-                for row in out[first:]:
-                    row["checksum"] = mode
-        if len(modes) == 2:
-            print_checksum_cost(out)
+            run_protocol(args.engine, protocol, args, out)
     except BenchError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1

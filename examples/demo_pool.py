@@ -55,7 +55,7 @@ def rank_main(rank: int, protocol: str, meta_url: str, conn) -> None:  # runs in
             t = time.perf_counter()
             codes = store.batch_get_into_layers(keys, ptrs, sizes)
             dt = time.perf_counter() - t
-            bad = sum(1 for i, (k, c) in enumerate(zip(keys, codes)) if c == 0
+            bad = sum(1 for i, (k, c) in enumerate(zip(keys, codes, strict=True)) if c == 0
                       and not np.array_equal(buf[i * BLOCK:(i + 1) * BLOCK], block_bytes(k)))
             conn.send((codes, dt, bad))
         elif op == "exist":

@@ -19,6 +19,7 @@ import re
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from . import tls
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class MetaConfig:
     """Settings of the MetaService process."""
 
     meta_service_url: str = "tcp://127.0.0.1:5000"
-    """Control-plane address LocalServices talk to (ZeroMQ over TCP)."""
+    """Control-plane address LocalServices talk to (length-prefixed msgspec frames over TCP)."""
     config_store_url: str = "tcp://127.0.0.1:6000"
     """Small key-value store for rendezvous data (transfer-engine addresses)."""
     metrics_url: str = "http://127.0.0.1:8000"
@@ -106,6 +107,28 @@ class MetaConfig:
     """A LocalService silent this long is declared dead and its objects leave the table."""
     pending_timeout_ms: int = 120000
     """A put allocated but not committed this long is aborted and its space reclaimed."""
+    auth_enable: bool = True
+    """Every connection proves it holds the pool secret (HMAC challenge-response) before anything
+    else; false only for a single trusted host (docs/security.md)."""
+    auth_secret_path: str = ""
+    """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH or ~/.config/memcache/pool.secret
+    (a MetaService creates that default file, 0600, when it is missing)."""
+    config_store_max_value_bytes: int = 1 << 20
+    """Largest value the config store accepts."""
+    config_store_max_total_bytes: int = 64 << 20
+    """Most bytes (keys and values) the config store holds."""
+    tls_enable: bool = False
+    """Encrypt the control, config-store, data and admin planes with TLS (docs/security.md)."""
+    tls_ca_path: str = ""
+    """CA certificate (PEM) that signed every member's certificate."""
+    tls_cert_path: str = ""
+    """This process's certificate (PEM), signed by the pool's CA."""
+    tls_key_path: str = ""
+    """The private key of ``tls_cert_path`` (PEM)."""
+    max_connections: int = 4096
+    """Connections the control plane keeps open at once; more are refused."""
+    idle_timeout_seconds: float = 600
+    """A control-plane connection silent this long is closed (a client reconnects on its next call)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,7 +136,7 @@ class MetaConfig:
     def validate(self) -> None:
         parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
-        parse_url(self.metrics_url, "metrics_url", ("http",))
+        parse_url(self.metrics_url, "metrics_url", ("http", "https"))
         if self.ha_enable:
             raise ConfigError("ha_enable: HA (several MetaServices) is not supported yet; set it to false")
         _check_log_level(self.log_level)
@@ -127,6 +150,13 @@ class MetaConfig:
         _check_range("lease_ttl_ms", self.lease_ttl_ms, 10, 3_600_000)
         _check_range("heartbeat_timeout_ms", self.heartbeat_timeout_ms, 100, 3_600_000)
         _check_range("pending_timeout_ms", self.pending_timeout_ms, 100, 86_400_000)
+        _check_bool("auth_enable", self.auth_enable)
+        _check_str("auth_secret_path", self.auth_secret_path)
+        _check_range("config_store_max_value_bytes", self.config_store_max_value_bytes, 1, 1 << 30)
+        _check_range("config_store_max_total_bytes", self.config_store_max_total_bytes, 1, 1 << 34)
+        _check_range("max_connections", self.max_connections, 16, 1 << 20)
+        tls.check(self)
+        _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
 
 
 @dataclasses.dataclass
@@ -179,6 +209,21 @@ class LocalConfig:
     checksum: bool = True
     """Writers compute each object's payload checksum (XXH3-64) while they copy and commit it with the
     object; readers verify it. Off: objects carry no checksum and reads are not verified."""
+    auth_enable: bool = True
+    """Authenticate to the MetaService and to peers' data servers with the pool secret, and require
+    it from peers on this LocalService's data server; must match the MetaService's setting."""
+    auth_secret_path: str = ""
+    """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH or ~/.config/memcache/pool.secret."""
+    tls_enable: bool = False
+    """Encrypt the control, config-store, data and admin planes with TLS (docs/security.md)."""
+    tls_ca_path: str = ""
+    """CA certificate (PEM) that signed every member's certificate."""
+    tls_cert_path: str = ""
+    """This process's certificate (PEM), signed by the pool's CA."""
+    tls_key_path: str = ""
+    """The private key of ``tls_cert_path`` (PEM)."""
+    hcom_advertise_url: str = ""
+    """Address peers use to reach this data server when ``hcom_url`` binds a wildcard (0.0.0.0)."""
     checksum_verify_ratio: float = 1.0
     """Fraction of reads whose bytes are verified against the checksum, in [0, 1]; a mismatch is a
     miss, counted and logged, and the object is dropped from the pool."""
@@ -210,8 +255,17 @@ class LocalConfig:
         _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
         _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
         _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
-        if not isinstance(self.checksum, bool):
-            raise ConfigError(f"checksum: expected true or false, got {self.checksum!r}")
+        _check_bool("checksum", self.checksum)
+        _check_bool("auth_enable", self.auth_enable)
+        _check_str("auth_secret_path", self.auth_secret_path)
+        tls.check(self)
+        if self.hcom_advertise_url:
+            host, _ = parse_url(self.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
+            if host in WILDCARD_HOSTS:
+                raise ConfigError("hcom_advertise_url: must name an address peers can reach, not a wildcard")
+        elif parse_url(self.hcom_url, "hcom_url", ("tcp",))[0] in WILDCARD_HOSTS:
+            raise ConfigError(f"hcom_url: {self.hcom_url} binds every interface; set hcom_advertise_url to the "
+                              f"address peers should use")
         _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
@@ -233,6 +287,19 @@ class ReplicateConfig:
         ids = list(self.preferredLocalServiceIDs)
         if len(set(ids)) != len(ids) or len(ids) > self.replicaNum:
             raise ConfigError("preferredLocalServiceIDs: ids must be unique and at most replicaNum")
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _check_str(key: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
 
 
 def _check_log_level(level: str) -> None:

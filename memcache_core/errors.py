@@ -88,6 +88,12 @@ class ChecksumMismatch(MemCacheError):
     code = CHECKSUM_MISMATCH
 
 
+class NotAMember(MemCacheError):
+    """The request acts as a member the MetaService does not know (restarted, or a wrong token)."""
+
+    code = CLIENT_NOT_INITIALIZED
+
+
 class Unavailable(MemCacheError):
     """A process the call needs cannot be reached."""
 
@@ -128,6 +134,7 @@ _BY_CODE: dict[int, type[MemCacheError]] = {
     OVER_CAPACITY: OverCapacity,
     STATE_MISMATCH: StateMismatch,
     WRITE_IN_PROGRESS: WriteInProgress,
+    CLIENT_NOT_INITIALIZED: NotAMember,
     CHECKSUM_MISMATCH: ChecksumMismatch,
     META_NOT_CONNECTED: MetaServiceUnavailable,
     LOCAL_NOT_CONNECTED: PeerUnavailable,

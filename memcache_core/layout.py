@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from .errors import MAX_KEY_BYTES
 
@@ -82,12 +84,11 @@ def header_generation(buf: bytes | memoryview) -> int | None:
     return gen if magic == MAGIC else None
 
 
-def candidate_offsets(memory: np.ndarray, start: int, end: int) -> Iterator[int]:
-    """Offsets in [start, end) (multiples of ALIGN) whose first 8 bytes are the header magic."""
-    start = (start + ALIGN - 1) // ALIGN * ALIGN
-    end = end // ALIGN * ALIGN
-    if end - start < ALIGN:
-        return
-    words = memory[start:end].view(np.uint64)[:: ALIGN // 8]
+def candidate_offsets(memory: np.ndarray, base: int) -> Iterator[int]:
+    """Offsets (``base`` + multiples of ALIGN) where ``memory`` holds the header magic: one word is
+    read per 64 bytes. ``base`` must be a multiple of ALIGN."""
+    import numpy as np
+    n = len(memory) // ALIGN * ALIGN
+    words = memory[:n].view(np.uint64)[:: ALIGN // 8]
     for i in np.flatnonzero(words == MAGIC):
-        yield start + int(i) * ALIGN
+        yield base + int(i) * ALIGN

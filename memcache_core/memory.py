@@ -7,10 +7,13 @@ GIL); ``view_at`` and ``array_at`` give Python views over such addresses for soc
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
+import stat
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,26 +21,59 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+_LIVE: set[Mapping] = set()   # segments this process owns: their files are removed at exit
+
+
+@atexit.register
+def _remove_owned_segments() -> None:
+    for m in list(_LIVE):
+        try:
+            os.unlink(m.path)
+        except OSError:
+            pass
+
 
 class Mapping:
     """A mapped segment file: ``addr`` is the address of its first byte in this process."""
 
     def __init__(self, path: str, size: int, create: bool) -> None:
+        """``create``: make the file (its space reserved with fallocate, so a full /dev/shm fails here
+        and not as a SIGBUS in a later copy) and hold a shared flock on it for the mapping's life,
+        which tells other processes the owner is alive. Otherwise map a peer's existing file, refusing
+        links, non-regular files, files of another user and files smaller than announced."""
         self.path = path
         self.size = size
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.owner = create
+        self._lock_fd: int | None = None
+        self.refs = 0
+        self.retired = False
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise OSError(f"segment file {path} is smaller than {size} bytes")
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    os.unlink(path)
+                    raise OSError(e.errno, f"dram_size: cannot reserve {size} bytes in {os.path.dirname(path)} "
+                                           f"({e.strerror}); give it more room (e.g. docker --shm-size) or "
+                                           f"lower dram_size") from e
+            else:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < size:
+                    raise OSError(f"{path} is not a segment file of this user of at least {size} bytes")
             self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if create:
+            self._lock_fd = fd
+            _LIVE.add(self)
+        else:
             os.close(fd)
         self._anchor: ctypes.Array | None = (ctypes.c_char * size).from_buffer(self._mm)
         self.addr = ctypes.addressof(self._anchor)
-        self.owner = create
 
     def view(self, offset: int, length: int) -> memoryview:
         assert self._mm is not None
@@ -53,10 +89,14 @@ class Mapping:
             logger.debug("segment %s still has views; leaving the mapping to the GC", self.path)
         self._mm = None
         if self.owner:
+            _LIVE.discard(self)
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def data_extents(self) -> Iterator[tuple[int, int]]:
         """(start, end) of the file's ranges that hold data (never-written holes are skipped)."""

@@ -61,19 +61,23 @@ class Join(msgspec.Struct, tag=True):
     pid: int
     segment: SegmentInfo | None = None
     objects: list[ObjectReport] = []
+    token: bytes = b""             # the member token of the id proposed, when re-joining a live member
 
 
 class Leave(msgspec.Struct, tag=True):
     client_id: int
+    token: bytes
 
 
 class Heartbeat(msgspec.Struct, tag=True):
     client_id: int
+    token: bytes
     journal_ack: int = 0
 
 
 class Alloc(msgspec.Struct, tag=True):
     client_id: int
+    token: bytes
     keys: list[str]
     sizes: list[int]
     replicas: int = 1
@@ -82,6 +86,7 @@ class Alloc(msgspec.Struct, tag=True):
 
 class Commit(msgspec.Struct, tag=True):
     client_id: int
+    token: bytes
     keys: list[str]
     generations: list[int]
     checksums: list[int] = []      # payload XXH3-64 per key (0: none computed); empty: none at all
@@ -89,6 +94,7 @@ class Commit(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     client_id: int
+    token: bytes
     keys: list[str]
     generations: list[int]
 
@@ -125,6 +131,7 @@ class Corrupt(msgspec.Struct, tag=True):
     """A reader found these objects' bytes do not match their checksums: count them, drop them."""
 
     client_id: int
+    token: bytes
     keys: list[str]
     generations: list[int]
 
@@ -141,6 +148,8 @@ class ConfigPut(msgspec.Struct, tag=True):
 class ConfigGet(msgspec.Struct, tag=True):
     key: str
 
+
+MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt")
 
 Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
            | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet)
@@ -162,6 +171,7 @@ class Joined(msgspec.Struct, tag=True):
     meta_epoch: int
     lease_ttl_ms: int
     pending_timeout_ms: int
+    token: bytes = b""             # the member's token: requests acting as this member must carry it
 
 
 class HeartbeatReply(msgspec.Struct, tag=True):

@@ -1,36 +1,48 @@
-"""Control plane over plain TCP: length-prefixed msgspec frames, one connection per calling thread.
+"""Control plane over plain TCP: length-prefixed msgspec frames over authenticated connections.
 
 Frame: ``u32 length | u64 request id | msgpack payload``. The MetaService answers every request on
-the connection it came from, in order, with the same id. (ZeroMQ was measured first: its I/O thread
+the connection it came from, in order, with the same id. Each connection first passes the pool's
+HMAC handshake (``auth.py``); a client keeps a small pool of connections (at most
+``MAX_CLIENT_CONNECTIONS``), not one per thread forever. (ZeroMQ was measured first: its I/O thread
 hop cost ~110 µs per round trip on a loaded 2-core host against ~20 µs for a plain socket, and an
 existence probe has to stay well under 60 µs.)
 
 A MetaService that is down costs a clear error quickly, never a hang: every call waits at most
 ``timeout_s``; once a call or the heartbeat has seen the MetaService fail, later calls fail at once
-with ``MetaServiceUnavailable`` until a heartbeat gets through again, and calls already waiting are
-woken by that too. Only idempotent calls (lookup, exist) are retried, within ``retry_ms``.
+with ``MetaServiceUnavailable`` (one call in ``RETRY_DOWN_S`` tries the MetaService again) until an
+exchange gets through again, and calls already waiting are woken by that too. Only idempotent calls (lookup, exist) are retried, within ``retry_ms``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import msgspec
+
 from . import protocol as p
+from .auth import AuthFailed, ServerHandshake, client_handshake
 from .config import parse_url
 from .errors import MemCacheError, MetaServiceUnavailable, error_from_code
 
 logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<IQ")
-MAX_FRAME = 256 << 20
+MAX_FRAME = 256 << 20             # a Join of a segment with ~1M objects; only after authentication
+MAX_CLIENT_CONNECTIONS = 8
+MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
+MAX_BUFFERED_INPUT = 512 << 20   # bytes of unfinished frames a server holds for all connections together
+PREAUTH_TIMEOUT_S = 5.0
+RETRY_DOWN_S = 0.2                # a MetaService seen down: calls fail at once, but one tries every 0.2 s
 _SLICE_S = 0.05
 
 
@@ -46,9 +58,17 @@ class Backoff:
 
 
 class _Conn:
-    def __init__(self, addr: tuple[str, int], timeout_s: float) -> None:
+    def __init__(self, addr: tuple[str, int], timeout_s: float, secret: bytes | None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.sock = socket.create_connection(addr, timeout=timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                self.sock = tls.wrap_socket(self.sock)
+            client_handshake(self.sock, secret, min(timeout_s, 5.0))
+        except BaseException:
+            self.sock.close()
+            raise
         self.sock.settimeout(_SLICE_S)
         self.buf = bytearray()
         self.next_id = 1
@@ -62,15 +82,20 @@ class _Conn:
 
 
 class RpcClient:
-    def __init__(self, url: str, timeout_s: float, retry_ms: int = 0) -> None:
+    def __init__(self, url: str, timeout_s: float, retry_ms: int = 0, secret: bytes | None = None,
+                 max_connections: int = MAX_CLIENT_CONNECTIONS, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self.url = url
         self.addr = parse_url(url, "meta_service_url", ("tcp",))
         self.timeout_s = timeout_s
         self.retry_ms = retry_ms
-        self._local = threading.local()
-        self._conns: set[_Conn] = set()
-        self._lock = threading.Lock()
+        self.secret = secret
+        self._max = max_connections
+        self._idle: list[_Conn] = []
+        self._open = 0
+        self._cond = threading.Condition()
         self._down = False
+        self._down_at = 0.0
         self._closed = False
 
     @property
@@ -83,6 +108,7 @@ class RpcClient:
             logger.warning("MetaService at %s is unreachable (%s); calls fail fast until it answers",
                            self.url, why)
         self._down = True
+        self._down_at = time.monotonic()
 
     def call(self, req: p.Request, *, timeout_s: float | None = None, probe: bool = False,
              idempotent: bool = False) -> p.Reply:
@@ -109,36 +135,58 @@ class RpcClient:
             time.sleep(backoff.next())
 
     def _conn(self, timeout_s: float) -> _Conn:
-        c: _Conn | None = getattr(self._local, "conn", None)
-        if c is None:
+        """An idle connection, a new one while fewer than the cap are open, else wait for one."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._idle and self._open >= self._max:
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0 or not self._cond.wait(left):
+                    raise MetaServiceUnavailable(f"no connection to the MetaService at {self.url} free in "
+                                                 f"{timeout_s:g}s")
             if self._closed:
                 raise MetaServiceUnavailable("client is closed")
-            try:
-                c = _Conn(self.addr, timeout_s)
-            except OSError as e:
-                self.mark_down(str(e))
-                raise MetaServiceUnavailable(f"cannot connect to MetaService at {self.url}: {e}") from e
-            self._local.conn = c
-            with self._lock:
-                self._conns.add(c)
-        return c
+            if self._idle:
+                return self._idle.pop()
+            self._open += 1
+        try:
+            return _Conn(self.addr, timeout_s, self.secret, self.tls)
+        except (OSError, AuthFailed) as e:
+            self._discard(None)
+            self.mark_down(str(e))
+            raise MetaServiceUnavailable(f"cannot connect to MetaService at {self.url}: {e}") from e
 
-    def _drop(self, c: _Conn) -> None:
-        self._local.conn = None
-        with self._lock:
-            self._conns.discard(c)
-        c.close()
+    def _give_back(self, c: _Conn) -> None:
+        with self._cond:
+            if self._closed:
+                c.close()
+                self._open -= 1
+            else:
+                self._idle.append(c)
+            self._cond.notify()
+
+    def _discard(self, c: _Conn | None) -> None:
+        with self._cond:
+            self._open -= 1
+            self._cond.notify()
+        if c is not None:
+            c.close()
 
     def _call_once(self, req: p.Request, timeout_s: float, probe: bool) -> p.Reply:
         if self._down and not probe:
-            raise MetaServiceUnavailable(f"MetaService at {self.url} is unreachable")
+            if time.monotonic() - self._down_at < RETRY_DOWN_S:
+                raise MetaServiceUnavailable(f"MetaService at {self.url} is unreachable")
+            probe = True   # try again now and then, without waiting for a heartbeat to get through
+            self._down_at = time.monotonic()
         deadline = time.monotonic() + timeout_s
         c = self._conn(timeout_s)
         rid = c.next_id
         c.next_id += 1
         payload = p.request_encoder.encode(req)
+        ok = False
         try:
+            c.sock.settimeout(max(0.001, deadline - time.monotonic()))   # the whole send, not a slice
             c.sock.sendall(_HEAD.pack(len(payload), rid) + payload)
+            c.sock.settimeout(_SLICE_S)
             while True:
                 frame = _take_frame(c.buf)
                 if frame is not None:
@@ -147,6 +195,7 @@ class RpcClient:
                         continue  # cannot happen on an in-order connection; be safe anyway
                     reply = p.reply_decoder.decode(body)
                     self._down = False
+                    ok = True
                     if isinstance(reply, p.Error):
                         raise error_from_code(reply.code, reply.message)
                     return reply
@@ -161,20 +210,26 @@ class RpcClient:
                 c.buf += chunk
         except MemCacheError:
             raise
-        except (OSError, ValueError) as e:
-            self._drop(c)
-            if c.used and isinstance(e, (ConnectionResetError, BrokenPipeError)) and not c.buf:
+        except (OSError, ValueError, msgspec.DecodeError) as e:
+            stale = c.used and isinstance(e, (ConnectionResetError, BrokenPipeError)) and not c.buf
+            if stale:
                 raise _StaleConnection(str(e)) from e
             self.mark_down(str(e))
             raise MetaServiceUnavailable(f"MetaService at {self.url}: {e}") from e
         finally:
             c.used = True
+            if ok and not c.buf:
+                self._give_back(c)
+            else:
+                self._discard(c)
 
     def close(self) -> None:
-        self._closed = True
-        with self._lock:
-            conns, self._conns = self._conns, set()
-        for c in conns:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            self._cond.notify_all()
+        for c in idle:
             c.close()
 
 
@@ -205,11 +260,37 @@ def expect(reply: p.Reply, kind: type[R]) -> R:
     return reply
 
 
-class FrameServer:
-    """Single-threaded selector loop answering frames with ``handler(payload) -> reply bytes``."""
+@dataclasses.dataclass(slots=True, eq=False)
+class _Peer:
+    """A server-side connection: its handshake (until done), input, unsent output, last activity."""
 
-    def __init__(self, binds: list[tuple[str, int]], handler: Callable[[bytes], bytes]) -> None:
+    handshake: ServerHandshake | None
+    last: float
+    tls_pending: bool = False
+    inbuf: bytearray = dataclasses.field(default_factory=bytearray)
+    out: bytearray | None = None
+
+
+class FrameServer:
+    """Single-threaded selector loop answering frames with ``handler(payload) -> reply bytes``.
+
+    Bounded: a connection must finish the pool handshake within ``PREAUTH_TIMEOUT_S`` (nothing it
+    sends before is decoded, and it can make the server hold 64 bytes); at most ``max_connections``
+    are open (more are refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
+    read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it; unfinished frames
+    of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
+    over is disconnected: a Join report of a million objects still fits); running out of
+    file descriptors pauses accepting instead of spinning.
+    """
+
+    def __init__(self, binds: list[tuple[str, int]], handler: Callable[[bytes], bytes],
+                 secret: bytes | None = None, max_connections: int = 4096, idle_timeout_s: float = 600.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
+        self.secret = secret
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
         self.sel = selectors.DefaultSelector()
         self.listeners: list[socket.socket] = []
         for host, port in binds:
@@ -220,89 +301,204 @@ class FrameServer:
             s.setblocking(False)
             self.sel.register(s, selectors.EVENT_READ, None)
             self.listeners.append(s)
-        self._out: dict[socket.socket, bytearray] = {}
-        self._in: dict[socket.socket, bytearray] = {}
+        self._peers: dict[socket.socket, _Peer] = {}
+        self._buffered = 0   # bytes of unfinished frames held for all connections together
+        self.max_buffered_input = MAX_BUFFERED_INPUT
+        self._paused_until = 0.0
+        self._next_sweep = time.monotonic() + 1.0
+        self.refused = 0
 
     def poll(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            for s in self.listeners:
+                self.sel.register(s, selectors.EVENT_READ, None)
         for key, events in self.sel.select(timeout_s):
             sock: socket.socket = key.fileobj  # type: ignore[assignment]
             if key.data is None:
                 self._accept(sock)
                 continue
+            peer = self._peers.get(sock)
+            if peer is not None and peer.tls_pending:
+                self._tls_step(sock, peer)
+                continue
             if events & selectors.EVENT_READ:
                 self._read(sock)
-            if events & selectors.EVENT_WRITE and sock in self._out:
-                self._flush(sock)
+            peer = self._peers.get(sock)
+            if events & selectors.EVENT_WRITE and peer is not None and peer.out is not None:
+                self._flush(sock, peer)
+        if now >= self._next_sweep:
+            self._sweep(now)
 
     def _accept(self, lsock: socket.socket) -> None:
         try:
             conn, _ = lsock.accept()
-        except OSError:
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                logger.error("cannot accept connections (%s); pausing accepts for 100 ms", e)
+                self._pause_accepting(0.1)
+            return
+        if len(self._peers) >= self.max_connections:
+            self.refused += 1
+            conn.close()
             return
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._in[conn] = bytearray()
+        if self.tls is not None:
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        hs = ServerHandshake(self.secret) if self.secret is not None else None
+        self._peers[conn] = peer = _Peer(hs, time.monotonic(), tls_pending=self.tls is not None)
         self.sel.register(conn, selectors.EVENT_READ, "conn")
+        if peer.tls_pending:
+            self._tls_step(conn, peer)
+        elif hs is not None:
+            self._send(conn, peer, bytearray(hs.hello))
+
+    def _tls_step(self, conn: socket.socket, peer: _Peer) -> None:
+        """Advance a TLS handshake without blocking; once done, start the pool's own handshake."""
+        assert isinstance(conn, ssl.SSLSocket)
+        try:
+            conn.do_handshake()
+        except ssl.SSLWantReadError:
+            self.sel.modify(conn, selectors.EVENT_READ, "conn")
+            return
+        except ssl.SSLWantWriteError:
+            self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
+            return
+        except (ssl.SSLError, OSError):
+            self._close(conn)
+            return
+        peer.tls_pending = False
+        self.sel.modify(conn, selectors.EVENT_READ, "conn")
+        if peer.handshake is not None:
+            self._send(conn, peer, bytearray(peer.handshake.hello))
+
+    def _pause_accepting(self, seconds: float) -> None:
+        if not self._paused_until:
+            for s in self.listeners:
+                self.sel.unregister(s)
+        self._paused_until = time.monotonic() + seconds
 
     def _read(self, conn: socket.socket) -> None:
+        peer = self._peers.get(conn)
+        if peer is None:
+            return
         try:
             chunk = conn.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+            while isinstance(conn, ssl.SSLSocket) and conn.pending():
+                chunk += conn.recv(conn.pending())   # decrypted bytes the selector does not report
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             chunk = b""
         if not chunk:
             self._close(conn)
             return
-        buf = self._in[conn]
+        peer.last = time.monotonic()
+        if peer.handshake is not None:
+            proof, chunk = peer.handshake.feed(chunk)
+            if peer.handshake.failed:
+                self._close(conn)
+                return
+            if not peer.handshake.done:
+                return
+            peer.handshake = None
+            self._send(conn, peer, bytearray(proof))
+            if conn not in self._peers:
+                return
+        if self._buffered + len(chunk) > self.max_buffered_input:
+            logger.warning("closing a connection: %d bytes of unfinished frames would be buffered server-wide "
+                           "(limit %d)", self._buffered + len(chunk), self.max_buffered_input)
+            self._close(conn)
+            return
+        buf = peer.inbuf
+        before = len(buf)
         buf += chunk
         out = bytearray()
+        waiting = len(peer.out) if peer.out is not None else 0
         try:
             while (frame := _take_frame(buf)) is not None:
                 rid, body = frame
                 reply = self.handler(body)
-                out += _HEAD.pack(len(reply), rid) + reply
+                out += _HEAD.pack(len(reply), rid)
+                out += reply
+                if waiting + len(out) > MAX_PENDING_REPLY:
+                    # one 64 KiB read can hold thousands of small requests for big replies: stop here,
+                    # not after building all of them
+                    logger.warning("closing a connection that does not read its replies (%d bytes waiting)",
+                                   waiting + len(out))
+                    self._close(conn)
+                    return
         except ValueError:
             self._close(conn)
             return
+        finally:
+            if conn in self._peers:
+                self._buffered += len(buf) - before
         if out:
-            pending = self._out.get(conn)
-            if pending is not None:
-                pending += out
-            else:
-                self._send(conn, out)
+            self._send(conn, peer, out)
 
-    def _send(self, conn: socket.socket, data: bytearray) -> None:
+    def _send(self, conn: socket.socket, peer: _Peer, data: bytearray) -> None:
+        if peer.out is not None:
+            peer.out += data
+            if len(peer.out) > MAX_PENDING_REPLY:
+                logger.warning("closing a connection that does not read its replies (%d bytes waiting)",
+                               len(peer.out))
+                self._close(conn)
+            return
         try:
             n = conn.send(data)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             n = 0
         except OSError:
             self._close(conn)
             return
         if n < len(data):
-            self._out[conn] = bytearray(data[n:])
+            del data[:n]          # keep the rest in place: no second copy of a large reply
+            peer.out = data
             self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
 
-    def _flush(self, conn: socket.socket) -> None:
-        data = self._out.pop(conn)
+    def _flush(self, conn: socket.socket, peer: _Peer) -> None:
+        data, peer.out = peer.out, None
         self.sel.modify(conn, selectors.EVENT_READ, "conn")
-        self._send(conn, data)
+        assert data is not None
+        self._send(conn, peer, data)
+
+    def _sweep(self, now: float) -> None:
+        """Close connections that never authenticated in time, and idle ones."""
+        self._next_sweep = now + 1.0
+        for conn, peer in list(self._peers.items()):
+            limit = PREAUTH_TIMEOUT_S if peer.handshake is not None else self.idle_timeout_s
+            if now - peer.last > limit:
+                self._close(conn)
+
+    @property
+    def connections(self) -> int:
+        return len(self._peers)
+
+    @property
+    def buffered_input(self) -> int:
+        return self._buffered
 
     def _close(self, conn: socket.socket) -> None:
         try:
             self.sel.unregister(conn)
         except (KeyError, ValueError):
             pass
-        self._in.pop(conn, None)
-        self._out.pop(conn, None)
+        peer = self._peers.pop(conn, None)
+        if peer is not None:
+            self._buffered -= len(peer.inbuf)
         conn.close()
 
     def close(self) -> None:
-        for conn in list(self._in):
+        for conn in list(self._peers):
             self._close(conn)
         for s in self.listeners:
-            self.sel.unregister(s)
+            if not self._paused_until:
+                self.sel.unregister(s)
             s.close()
         self.sel.close()
 

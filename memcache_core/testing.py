@@ -20,6 +20,32 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    """Poll ``cond()`` until it is true; fail naming ``what`` after ``timeout_s`` (never a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def make_tls_files(directory: str) -> dict[str, Any]:
+    """A throw-away CA and one member certificate signed by it (needs the ``openssl`` command).
+
+    Returns the LocalConfig/MetaConfig keys ``tls_enable``, ``tls_ca_path``, ``tls_cert_path``,
+    ``tls_key_path``.
+    """
+    ca_key, ca, key, csr, cert = (os.path.join(directory, n) for n in
+                                  ("ca.key", "ca.pem", "member.key", "member.csr", "member.pem"))
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+        "-subj", "/CN=memcache test CA", "-keyout", ca_key, "-out", ca)
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-subj", "/CN=memcache member", "-keyout", key, "-out", csr)
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2", "-out", cert)
+    return {"tls_enable": True, "tls_ca_path": ca, "tls_cert_path": cert, "tls_key_path": key}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,13 +99,26 @@ class MetaServiceProcess:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.metrics_url + "/health", timeout=1) as r:
-                return r.status == 200 and json.load(r).get("success") is True
+            return self.http("/health").get("success") is True
         except OSError:
             return False
 
+    def admin_headers(self) -> dict[str, str]:
+        """The Authorization header of the pool's admin token (none when auth is off)."""
+        if self.config.get("auth_enable", True) is False:
+            return {}
+        from .auth import admin_token, load_secret
+        return {"Authorization": f"Bearer {admin_token(load_secret(self.config.get('auth_secret_path', '')))}"}
+
     def http(self, path: str) -> Any:
-        with urllib.request.urlopen(self.metrics_url + path, timeout=5) as r:
+        url, ctx = self.metrics_url + path, None
+        if self.config.get("tls_enable"):
+            import ssl
+            url = "https://" + url.split("://", 1)[1]
+            ctx = ssl.create_default_context(cafile=self.config["tls_ca_path"])
+            ctx.check_hostname = False
+        req = urllib.request.Request(url, headers=self.admin_headers())
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
             body = r.read()
         return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
 

@@ -53,6 +53,26 @@ def port_is_free(port: int) -> bool:
             return False
 
 
+class PortTaken(RuntimeError):
+    """Another process took the port between ``free_port()`` and the server's bind."""
+
+
+def listens_on(pgid: int, port: int) -> bool | None:
+    """Whether a process of group ``pgid`` (a server we started) listens on ``port``; None when
+    psutil is missing. A /health answer alone can come from whoever else holds the port."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                return os.getpgid(conn.pid) == pgid
+            except ProcessLookupError:
+                return False
+    return False
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -61,26 +81,31 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def terminate(pid: int | None, timeout_s: float = 30.0) -> None:
-    """SIGTERM the process group we started (``start_new_session``), then SIGKILL after a deadline."""
+def terminate(pid: int | None, timeout_s: float = 30.0) -> int | None:
+    """SIGTERM the process group we started (``start_new_session``), then SIGKILL after a deadline.
+
+    Returns the leader's exit status when this process reaped it (it is our child), else None.
+    """
     if not pid:
-        return
+        return None
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
-            return
+            return None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return
+                reaped, status = os.waitpid(pid, os.WNOHANG)
+                if reaped == pid:
+                    return os.waitstatus_to_exitcode(status)
             except ChildProcessError:  # not our child: poll for its exit
                 try:
                     os.kill(pid, 0)
                 except ProcessLookupError:
-                    return
+                    return None
             time.sleep(0.1)
+    return None
 
 
 def venv_python() -> str:
@@ -132,6 +157,15 @@ class MetaHandle:
         self.stop()
         raise RuntimeError(f"MetaService not healthy within {timeout_s:.0f}s; see {self.log_path}")
 
+    def admin(self, path: str) -> Any:
+        """GET an admin route of the MetaService with the pool's admin token."""
+        from memcache_core.auth import admin_token, load_secret
+        secret_path = json.loads(Path(self.config_path).read_text()).get("auth_secret_path", "")
+        req = urllib.request.Request(self.metrics_url + path,
+                                     headers={"Authorization": f"Bearer {admin_token(load_secret(secret_path))}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.load(r)
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.pid is None:
             return
@@ -166,6 +200,14 @@ def start_meta(run_dir: str | Path, python: str = sys.executable, launcher: str 
     return meta.start()
 
 
+def log_tail(path: str | Path, lines: int = 40) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
 @dataclass
 class ServerHandle:
     port: int
@@ -173,13 +215,48 @@ class ServerHandle:
     log_path: str
     model: str
     extra_config: dict[str, Any] = field(default_factory=dict)
+    returncode: int | None = None  # set once the process is seen to have exited
+    stopped: bool = False  # stopped through stop(), not died on its own
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def exit_status(self) -> int | None:
+        """None while the server process runs; its exit status (or -signal) once it has exited."""
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # not our child (started by another process): probe it
+            try:
+                os.kill(self.pid, 0)
+                return None
+            except ProcessLookupError:
+                self.returncode = -1
+                return self.returncode
+        if pid == 0:
+            return None
+        self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def describe(self, lines: int = 40) -> str:
+        """Alive or dead (with its exit status), and the tail of its log: what a failure report needs."""
+        status = self.exit_status()
+        if self.stopped:
+            state = f"stopped by the caller (exit status {status})"
+        else:
+            state = "running" if status is None else f"EXITED with status {status}"
+        return (f"SGLang server on port {self.port} (pid {self.pid}): {state}; last {lines} lines of "
+                f"{self.log_path}:\n{log_tail(self.log_path, lines)}")
+
     def stop(self) -> None:
-        terminate(self.pid)
+        if self.exit_status() is None:  # else: it died on its own; keep that status
+            self.stopped = True
+        # The whole process group: scheduler children may outlive the main process.
+        status = terminate(self.pid)
+        if self.returncode is None:
+            self.returncode = status
         deadline = time.monotonic() + 30
         while not port_is_free(self.port) and time.monotonic() < deadline:
             time.sleep(0.2)  # SGLang's socket lingers a few seconds after exit
@@ -214,12 +291,17 @@ def start_server(port: int, meta: MetaHandle, *, python: str = sys.executable, m
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"SGLang exited with {proc.returncode}; see {log_path}")
-        if http_ok(f"{server.url}/health", timeout=5):
+            server.returncode = proc.returncode
+            raise RuntimeError(f"SGLang exited during start-up. {server.describe()}")
+        if "address already in use" in log_tail(log_path, 20):
+            server.stop()
+            raise PortTaken(f"port {port} was taken before SGLang bound it. {server.describe()}")
+        # Ready only when *our* server answers: the port may be held by another process.
+        if http_ok(f"{server.url}/health", timeout=5) and listens_on(proc.pid, port) is not False:
             return server
         time.sleep(0.5)
     server.stop()
-    raise RuntimeError(f"SGLang not ready within {timeout_s:.0f}s; see {log_path}")
+    raise RuntimeError(f"SGLang not ready within {timeout_s:.0f}s. {server.describe()}")
 
 
 # ---------------------------------------------------------------------- command line

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,9 +41,17 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag
+from memcache_sglang.identity import (
+    ModelIdentity,
+    checkpoint_files_digest,
+    effective_config_digest,
+    logical_kv_dtype,
+    lora_adapters_digest,
+    resolve_checkpoint,
+)
 from memcache_sglang.keys import KeyScheme, LayoutIdentity, shard_suffix
-from memcache_sglang.namespace_admin import remove_namespace
 from memcache_sglang.side_pools import exists_v2, io_v2, pool_object_key_prefix
+from memcache_sglang.weight_updates import WeightState, current_weight_state
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +79,13 @@ class NpuMemcacheStore(HiCacheStorage):
         self.config = BackendConfig.from_sources(self.storage_config.extra_config)
         self.mem_pool_host = None
         self.registered_pools: dict[Any, Any] = {}
-        self.keys: KeyScheme | None = None
+        # The key scheme follows the served weights: (weights it was built for, scheme), swapped
+        # as a whole by _scheme(); every call reads it once.
+        self._namespace: tuple[WeightState, KeyScheme] | None = None
+        self._layout: LayoutIdentity | None = None
+        self._shard_ids: list[str] = []
+        self._model_digests: dict[str, str] = {}
+        self._namespace_lock = threading.Lock()
         self.gb_per_page = 0.0
         self.enable_storage_metrics = bool(self.storage_config.enable_storage_metrics)
         extra = self.storage_config.extra_config or {}
@@ -137,17 +152,18 @@ class NpuMemcacheStore(HiCacheStorage):
         if self._mla_kv_split():
             for name in ("v_buffer", "index_k_buffer", "index_k_scale_buffer"):
                 self._register(getattr(mem_pool_host, name, None))
-        self.keys = self._build_key_scheme(mem_pool_host)
-        page_bytes = sum(self.keys.identity.piece_sizes) * self.keys.objects_per_page
+        self._layout, self._shard_ids = self._build_layout(mem_pool_host)
+        self._model_digests = self._model_config_digests()
+        keys = self._scheme()
+        page_bytes = sum(keys.identity.piece_sizes) * keys.objects_per_page
         self.gb_per_page = page_bytes / (1 << 30)
-        logger.info("npu_memcache keys: namespace %s (%s), %d object(s) per page, %d bytes per page",
-                    self.keys.namespace, self.keys.identity, self.keys.objects_per_page, page_bytes)
         if env_flag(WARMUP_ENV) and self.config.init_bm:
             self._warmup()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if host_pool_name == PoolName.KV:
             return
+        pool_object_key_prefix(host_pool_name, host_pool)  # raises (refusing the attach) if unkeyable
         self.registered_pools[host_pool_name] = host_pool
         for buf in host_pool.get_hybrid_pool_buffer():
             self._register(buf)
@@ -166,7 +182,48 @@ class NpuMemcacheStore(HiCacheStorage):
         sc = self.storage_config
         return f"r{sc.tp_rank}{shard_suffix(sc.pp_rank, sc.attn_cp_rank)}"
 
-    def _build_key_scheme(self, pool: Any) -> KeyScheme:
+    @property
+    def keys(self) -> KeyScheme | None:
+        """The key scheme of the weights served now (None before the host pool is registered)."""
+        return self._scheme() if self._layout is not None else None
+
+    def _model_config_digests(self) -> dict[str, str]:
+        """The parts of the model identity fixed at start-up: effective config and LoRA adapters."""
+        from sglang.srt.runtime_context import get_lora, get_model
+
+        model = get_model()
+        return {"config": effective_config_digest(model), "lora": lora_adapters_digest(get_lora().lora_paths),
+                "revision": str(model.revision or "")}
+
+    def _scheme(self) -> KeyScheme:
+        """The key scheme for the weights served now; rebuilt when a weight update changed them."""
+        assert self._layout is not None
+        state = current_weight_state()
+        current = self._namespace
+        if current is not None and current[0] == state:
+            return current[1]
+        with self._namespace_lock:
+            current = self._namespace
+            if current is not None and current[0] == state:
+                return current[1]
+            model = ModelIdentity(
+                checkpoint=resolve_checkpoint(state.model_path, self._model_digests["revision"] or None),
+                files=checkpoint_files_digest(state.model_path),
+                config=self._model_digests["config"],
+                lora=self._model_digests["lora"],
+                weights=state.label,
+            )
+            keys = KeyScheme(replace(self._layout, model=model.digest()), self._shard_ids,
+                             self.config.extra_backend_tag)
+            self._namespace = (state, keys)
+        page_bytes = sum(keys.identity.piece_sizes) * keys.objects_per_page
+        logger.info("npu_memcache keys: namespace %s (%s; %s), %d object(s) per page, %d bytes per page",
+                    keys.namespace, model, keys.identity, keys.objects_per_page, page_bytes)
+        return keys
+
+    def _build_layout(self, pool: Any) -> tuple[LayoutIdentity, list[str]]:
+        from sglang.srt.runtime_context import get_model
+
         sc = self.storage_config
         ppcp = shard_suffix(sc.pp_rank, sc.attn_cp_rank)
         if sc.is_mla_model:
@@ -179,9 +236,12 @@ class NpuMemcacheStore(HiCacheStorage):
             sharding, shard_ids = f"tp{sc.tp_size}", [f"r{sc.tp_rank}{ppcp}"]
         _, sizes = self._page_meta(torch.arange(pool.page_size, dtype=torch.int64))
         per_obj = len(sizes) // len(shard_ids)
+        storage_dtype = str(getattr(pool, "dtype", "")).removeprefix("torch.")
         identity = LayoutIdentity(
-            model_name=sc.model_name or "",
-            dtype=str(getattr(pool, "dtype", "")).removeprefix("torch."),
+            model="",  # filled by _scheme() from the weights served at the time
+            kv_dtype=logical_kv_dtype(get_model().kv_cache_dtype, storage_dtype),
+            dtype=storage_dtype,
+            storage_format=str(getattr(pool, "storage_format_tag", None) or ""),
             layout=pool.layout,
             page_size=int(pool.page_size),
             attention="mla" if sc.is_mla_model else "mha",
@@ -190,7 +250,7 @@ class NpuMemcacheStore(HiCacheStorage):
             attn_cp_size=sc.attn_cp_size,
             piece_sizes=tuple(int(s) for s in sizes[:per_obj]),
         )
-        return KeyScheme(identity, shard_ids, self.config.extra_backend_tag)
+        return identity, shard_ids
 
     def _page_meta(self, host_indices: torch.Tensor) -> tuple[list[int], list[int]]:
         pool = self.mem_pool_host
@@ -202,8 +262,7 @@ class NpuMemcacheStore(HiCacheStorage):
         return list(ptrs), list(sizes)
 
     def _warmup(self) -> None:
-        assert self.keys is not None
-        key = f"{self.keys.prefix}warmup.{uuid.uuid4().hex}"
+        key = f"{self._scheme().prefix}warmup.{uuid.uuid4().hex}"
         payload = bytes(range(256)) * 16
         try:
             if self.store.put(key, payload) != 0 or self.store.is_exist(key) != 1:
@@ -216,14 +275,14 @@ class NpuMemcacheStore(HiCacheStorage):
 
     # ------------------------------------------------------------------ v1 (KV pool, zero-copy)
 
-    def _objects(self, page_hashes: list[str], host_indices: torch.Tensor
+    def _objects(self, scheme: KeyScheme, page_hashes: list[str], host_indices: torch.Tensor
                  ) -> tuple[list[str], list[list[int]], list[list[int]]]:
         """Object keys and, per object, the pointers and sizes of its pieces."""
-        assert self.keys is not None and self.mem_pool_host is not None
+        assert self.mem_pool_host is not None
         if len(host_indices) != len(page_hashes) * self.mem_pool_host.page_size:
             raise ValueError(f"{len(page_hashes)} pages but {len(host_indices)} host indices")
         ptrs, sizes = self._page_meta(host_indices)
-        keys = self.keys.kv_keys(page_hashes)
+        keys = scheme.kv_keys(page_hashes)
         if len(ptrs) % len(keys):
             raise ValueError(f"host pool returned {len(ptrs)} pieces for {len(keys)} objects")
         n = len(ptrs) // len(keys)
@@ -239,11 +298,11 @@ class NpuMemcacheStore(HiCacheStorage):
         """One batched layered call (``batch_get_into_layers`` or ``batch_put_from_layers``) for the
         pages; per-page results and the call's time, or all False and None when the store is gone or
         the call fails (a miss)."""
-        store = self.store
-        if store is None or self.keys is None:
+        store, scheme = self.store, self.keys
+        if store is None or scheme is None:
             return [False] * len(keys), None
         try:
-            obj_keys, ptrs, sizes = self._objects(keys, host_indices)
+            obj_keys, ptrs, sizes = self._objects(scheme, keys, host_indices)
             start = time.perf_counter()
             codes = getattr(store, move)(obj_keys, ptrs, sizes)
             elapsed = time.perf_counter() - start
@@ -251,9 +310,14 @@ class NpuMemcacheStore(HiCacheStorage):
             logger.exception("npu_memcache %s of %d pages failed; reporting misses", move, len(keys))
             return [False] * len(keys), None
         results = self._page_results(codes, len(keys))
-        if move == "batch_put_from_layers" and not all(results):
-            logger.warning("npu_memcache: %d of %d pages not written (codes %s)", results.count(False),
-                           len(keys), sorted({int(c) for c in codes if int(c) != 0}))
+        if not all(results):
+            failed = sorted({int(c) for c in codes if int(c) != 0})
+            if move == "batch_put_from_layers":
+                logger.warning("npu_memcache: %d of %d pages not written (codes %s)", results.count(False),
+                               len(keys), failed)
+            else:  # a miss (evicted or gone since batch_exists, or a failed check): recomputed
+                logger.info("npu_memcache: %d of %d pages not read (codes %s)", results.count(False),
+                            len(keys), failed)
         return results, elapsed
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -277,14 +341,19 @@ class NpuMemcacheStore(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Number of leading pages whose every object exists (queried in chunks, stops at a miss)."""
+        scheme = self.keys
+        return self._batch_exists(scheme, keys) if scheme is not None else 0
+
+    def _batch_exists(self, scheme: KeyScheme, keys: list[str]) -> int:
         store = self.store
-        if not keys or store is None or self.keys is None:
+        if not keys or store is None:
             return 0
-        per_page = 1 if self.copy_path else self.keys.objects_per_page
+        per_page = 1 if self.copy_path else scheme.objects_per_page
         hits = 0
         for start in range(0, len(keys), EXISTS_CHUNK_PAGES):
             chunk = keys[start:start + EXISTS_CHUNK_PAGES]
-            obj_keys = [self._legacy_key(k) for k in chunk] if self.copy_path else self.keys.kv_keys(chunk)
+            obj_keys = ([self._legacy_key(scheme, k) for k in chunk] if self.copy_path
+                        else scheme.kv_keys(chunk))
             try:
                 flags = store.batch_is_exist(obj_keys)
             except Exception:
@@ -305,32 +374,40 @@ class NpuMemcacheStore(HiCacheStorage):
             return shard_suffix(sc.pp_rank, sc.attn_cp_rank)
         return self._rank_shard()
 
-    def _pool_keys(self, pool_name: Any, page_hashes: list[str]) -> list[str]:
-        assert self.keys is not None
-        tag = pool_object_key_prefix(pool_name, self.registered_pools.get(pool_name))
-        return self.keys.pool_keys(page_hashes, tag, self._pool_shard(pool_name))
+    def _pool_keys_of(self, scheme: KeyScheme) -> Any:
+        def pool_keys(pool_name: Any, page_hashes: list[str]) -> list[str]:
+            tag = pool_object_key_prefix(pool_name, self.registered_pools.get(pool_name))
+            return scheme.pool_keys(page_hashes, tag, self._pool_shard(pool_name))
+        return pool_keys
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
-        kv_pages = self.batch_exists(keys, extra_info)
-        if not pool_transfers or kv_pages == 0 or self.store is None:
+        scheme = self.keys
+        kv_pages = self._batch_exists(scheme, keys) if scheme is not None else 0
+        if not pool_transfers or kv_pages == 0 or self.store is None or scheme is None:
             return PoolTransferResult(kv_pages, {"kv": kv_pages} if kv_pages else {})
-        return exists_v2(self.store, keys, kv_pages, pool_transfers, self._pool_keys)
+        return exists_v2(self.store, keys, kv_pages, pool_transfers, self._pool_keys_of(scheme))
+
+    def _io_v2(self, transfers: list[PoolTransfer], is_set: bool) -> dict[str, list[bool]]:
+        scheme = self.keys
+        if scheme is None:
+            return {t.name: [False] * len(t.keys or []) for t in transfers}
+        return io_v2(self.store, transfers, self.registered_pools, self._pool_keys_of(scheme), is_set=is_set)
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return io_v2(self.store, transfers, self.registered_pools, self._pool_keys, is_set=False)
+        return self._io_v2(transfers, is_set=False)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return io_v2(self.store, transfers, self.registered_pools, self._pool_keys, is_set=True)
+        return self._io_v2(transfers, is_set=True)
 
     # ------------------------------------------------------------------ legacy copy path
 
-    def _legacy_key(self, key: str) -> str:
-        if self.keys is None:
+    def _legacy_key(self, scheme: KeyScheme | None, key: str) -> str:
+        if scheme is None:
             raise RuntimeError("npu_memcache: the host pool is not registered yet")
-        return self.keys.page_key(key, self._rank_shard(), LEGACY_POOL)
+        return scheme.page_key(key, self._rank_shard(), LEGACY_POOL)
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location], [target_sizes])[0]
@@ -339,22 +416,22 @@ class NpuMemcacheStore(HiCacheStorage):
                   target_sizes: Any = None) -> list[Any]:
         """Read whole flat pages: into tensors (returned) or raw registered pointers (True)."""
         out: list[Any] = [None] * len(keys)
-        store = self.store
-        if store is None or not keys:
+        store, scheme = self.store, self.keys
+        if store is None or scheme is None or not keys:
             return out
         locations = list(target_locations) if target_locations is not None else [None] * len(keys)
         sizes = list(target_sizes) if target_sizes is not None else [None] * len(keys)
         for i, (key, loc, size) in enumerate(zip(keys, locations, sizes, strict=True)):
             try:
                 if isinstance(loc, torch.Tensor):
-                    data = store.get(self._legacy_key(key))
+                    data = store.get(self._legacy_key(scheme, key))
                     dst = loc.reshape(-1).view(torch.uint8)
                     if data is None or len(data) != dst.numel():
                         continue
                     dst.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
                     out[i] = loc
                 elif loc is not None and size is not None:
-                    rc = store.batch_get_into([self._legacy_key(key)], [int(loc)], [int(size)])[0]
+                    rc = store.batch_get_into([self._legacy_key(scheme, key)], [int(loc)], [int(size)])[0]
                     out[i] = True if int(rc) == 0 else None
             except Exception:
                 logger.exception("npu_memcache legacy get of %s failed", key)
@@ -365,8 +442,8 @@ class NpuMemcacheStore(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        store = self.store
-        if store is None or not keys:
+        store, scheme = self.store, self.keys
+        if store is None or scheme is None or not keys:
             return False
         n = len(keys)
         values = list(values) if values is not None else [None] * n
@@ -377,9 +454,9 @@ class NpuMemcacheStore(HiCacheStorage):
             try:
                 if isinstance(value, torch.Tensor):
                     src = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                    rc = store.put(self._legacy_key(key), memoryview(src))
+                    rc = store.put(self._legacy_key(scheme, key), memoryview(src))
                 elif loc is not None and size is not None:
-                    rc = store.batch_put_from([self._legacy_key(key)], [int(loc)], [int(size)])[0]
+                    rc = store.batch_put_from([self._legacy_key(scheme, key)], [int(loc)], [int(size)])[0]
                 else:
                     rc = -1
             except Exception:
@@ -389,33 +466,42 @@ class NpuMemcacheStore(HiCacheStorage):
         return ok
 
     def exists(self, key: str) -> bool:
-        store = self.store
-        if store is None or self.keys is None:
+        store, scheme = self.store, self.keys
+        if store is None or scheme is None:
             return False
         try:
-            return int(store.is_exist(self._legacy_key(key))) == 1
+            return int(store.is_exist(self._legacy_key(scheme, key))) == 1
         except Exception:
+            logger.exception("npu_memcache legacy exists of %s failed; reporting a miss", key)
             return False
 
     # ------------------------------------------------------------------ admin
 
-    def clear(self) -> None:
-        """Empty what this server can hit (its namespace), or the whole pool with clear_scope=all."""
-        store = self.store
-        if store is None:
-            return
-        if self.config.clear_scope == "all" or self.keys is None:
+    def clear(self) -> bool:
+        """Empty what this server can hit (its namespace), or the whole pool with clear_scope=all.
+
+        Never wider than asked: a failure is logged and reported (False), never answered by
+        removing more (SGLang ignores the value; the log line is what an operator sees).
+        """
+        store, scheme = self.store, self.keys
+        if store is None or scheme is None:
+            logger.error("npu_memcache clear: the backend is closed or not attached; nothing removed")
+            return False
+        if self.config.clear_scope == "all":
             rc = store.remove_all()
-            logger.info("npu_memcache clear: removed every object of the pool (rc=%s)", rc)
-            return
-        removed = remove_namespace(store, self.keys.prefix, self.config.metrics_url)
-        if removed is None:
-            rc = store.remove_all()
-            logger.warning("npu_memcache clear: cannot list keys (no metrics_url?); removed the whole "
-                           "pool instead (rc=%s)", rc)
-        else:
-            logger.info("npu_memcache clear: removed %d objects of namespace %s", removed,
-                        self.keys.namespace)
+            logger.info("npu_memcache clear (clear_scope=all): removed every object of the pool (rc=%s)", rc)
+            return int(rc) == 0
+        try:
+            removed = int(store.remove_by_prefix(scheme.prefix))
+        except Exception:
+            logger.exception("npu_memcache clear of namespace %s failed; nothing else removed", scheme.namespace)
+            return False
+        if removed < 0:
+            logger.error("npu_memcache clear of namespace %s failed (rc=%d); nothing else removed",
+                         scheme.namespace, removed)
+            return False
+        logger.info("npu_memcache clear: removed %d objects of namespace %s", removed, scheme.namespace)
+        return True
 
     def close(self) -> None:
         with self._state_lock:

@@ -8,11 +8,13 @@ share one pool read each other's bytes. Our keys cannot collide:
 
     [{extra_backend_tag}:]sgl1.{namespace}.{page_hash}.{shard}[.{pool}]
 
-* ``namespace`` - 16 hex chars of SHA-256 over the *layout identity* (:class:`LayoutIdentity`):
-  served model name (which SGLang suffixes with the host pool's storage-format tag), KV dtype,
-  host layout, page size, MHA/MLA, the head sharding (``tp{tp_size}``, or ``hs{tp_lcm_size}``
-  for ``page_head`` pools whose heads are split to a common multiple so servers of different TP
-  sizes share objects), PP and attention-CP sizes, and the byte size of every piece of a page.
+* ``namespace`` - 16 hex chars of SHA-256 over the *namespace identity* (:class:`LayoutIdentity`):
+  the model identity (checkpoint, effective config, quantization, start-up LoRA adapters, weight
+  version; :mod:`memcache_sglang.identity`; never the served model name, a label), the logical KV
+  dtype and the host pool's storage dtype, its storage-format tag, host layout, page size,
+  MHA/MLA, the head sharding (``tp{tp_size}``, or ``hs{tp_lcm_size}`` for ``page_head`` pools
+  whose heads are split to a common multiple so servers of different TP sizes share objects), PP
+  and attention-CP sizes, and the byte size of every piece of a page.
 * ``shard`` - which part of the page this process holds: ``r{head_group}`` for MHA plus
   ``p{pp_rank}c{attn_cp_rank}``; MLA pages are replicated across TP ranks and omit ``r``.
 * ``pool`` - the hybrid side pool (``mamba``, ``indexer``, ``draft``, ...) for the v2 calls; the
@@ -35,10 +37,12 @@ MAX_KEY_BYTES = 255
 
 @dataclass(frozen=True)
 class LayoutIdentity:
-    """Everything that decides how a page's bytes are laid out; hashed into the namespace."""
+    """Everything that decides a page's bytes and their layout; hashed into the namespace."""
 
-    model_name: str
-    dtype: str
+    model: str  # ModelIdentity.digest()
+    kv_dtype: str  # logical: "fp8_e4m3" and "fp8_e5m2" both store as uint8
+    dtype: str  # the host pool's storage dtype
+    storage_format: str  # the host pool's storage-format tag ("" when it has none)
     layout: str
     page_size: int
     attention: str  # "mha" | "mla"

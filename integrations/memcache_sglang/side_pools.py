@@ -23,19 +23,26 @@ _pool_tags: dict[int, str] = {}
 
 
 def pool_object_key_prefix(pool_name: Any, host_pool: Any) -> str:
-    """``{pool}-{digest of its per-page piece sizes}``; the pool name alone if it cannot be probed."""
+    """``{pool}-{digest of its per-page piece sizes}``; the bare name for a pool never registered
+    (whose transfers all fail, so its keys are never written).
+
+    Raises when a registered pool cannot describe its pages: the backend then refuses to attach
+    rather than key the pool by its name alone, which would let pools of different layouts share
+    objects.
+    """
     name = str(pool_name.value if hasattr(pool_name, "value") else pool_name)
     if host_pool is None:
         return name
     tag = _pool_tags.get(id(host_pool))
     if tag is None:
+        page_size = int(getattr(host_pool, "page_size", 1) or 1)
         try:
-            page_size = int(getattr(host_pool, "page_size", 1) or 1)
             _, sizes = host_pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
-            digest = hashlib.sha256(",".join(str(int(s)) for s in sizes).encode()).hexdigest()[:8]
-            tag = f"{name}-{digest}"
-        except Exception:
-            tag = name
+        except Exception as exc:
+            raise RuntimeError(f"npu_memcache: side pool {name} cannot describe its pages "
+                               f"(get_page_buffer_meta: {exc}); cannot key it") from exc
+        digest = hashlib.sha256(",".join(str(int(s)) for s in sizes).encode()).hexdigest()[:8]
+        tag = f"{name}-{digest}"
         _pool_tags[id(host_pool)] = tag
     return tag
 

@@ -15,11 +15,13 @@ fails validation and is skipped).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import xxhash
 
 from ..layout import (
+    ALIGN,
     HEADER_BYTES,
     candidate_offsets,
     footprint,
@@ -32,25 +34,42 @@ from ..protocol import ObjectReport
 
 logger = logging.getLogger(__name__)
 
+SCAN_CHUNK = 32 << 20
+
 
 def scan(segment: Mapping) -> list[ObjectReport]:
-    """The objects a segment holds, verified; overlapping or corrupt candidates are left out."""
+    """The objects a segment holds, verified; overlapping or corrupt candidates are left out.
+
+    The segment is read with ``pread`` in chunks rather than through the mapping: pages other
+    processes wrote were never mapped here, and faulting them in one by one costs ~10x the read.
+    """
+    import numpy as np
+
     t0 = time.monotonic()
-    memory = segment.array()
     found: list[ObjectReport] = []
-    for start, end in segment.data_extents():
-        for off in candidate_offsets(memory, start, end):
-            if off + HEADER_BYTES > segment.size:
-                continue
-            h = unpack_header(memory[off:off + HEADER_BYTES].tobytes())
-            if h is None:
-                continue
-            key, gen, size, checksum = h
-            if size <= 0 or off + footprint(size) > segment.size:
-                continue
-            found.append(ObjectReport(key, off, size, gen, checksum))
-    kept = _newest_without_overlap(found)
-    good = [r for r in kept if _payload_ok(segment, r)]
+    raw = bytearray(SCAN_CHUNK + HEADER_BYTES)
+    buf = np.frombuffer(raw, np.uint8)
+    fd = os.open(segment.path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        for start, end in segment.data_extents():
+            pos = start - start % ALIGN
+            while pos < end:
+                n = os.preadv(fd, [memoryview(raw)[:min(SCAN_CHUNK, end - pos) + HEADER_BYTES]], pos)
+                chunk = buf[:n]
+                for off in candidate_offsets(chunk[:min(SCAN_CHUNK, end - pos)], pos):
+                    rel = off - pos
+                    h = unpack_header(chunk[rel:rel + HEADER_BYTES].tobytes())
+                    if h is None:
+                        continue
+                    key, gen, size, checksum = h
+                    if size <= 0 or off + footprint(size) > segment.size:
+                        continue
+                    found.append(ObjectReport(key, off, size, gen, checksum))
+                pos += SCAN_CHUNK
+        kept = _newest_without_overlap(found)
+        good = [r for r in kept if _payload_ok(fd, segment, r)]
+    finally:
+        os.close(fd)
     logger.info("segment %s: %d headers found, %d kept, %d verified in %.3fs", segment.path, len(found),
                 len(kept), len(good), time.monotonic() - t0)
     return good
@@ -74,10 +93,19 @@ def _newest_without_overlap(reports: list[ObjectReport]) -> list[ObjectReport]:
     return sorted(kept, key=lambda r: r.offset)
 
 
-def _payload_ok(segment: Mapping, r: ObjectReport) -> bool:
+def _payload_ok(fd: int, segment: Mapping, r: ObjectReport) -> bool:
     if not r.checksum:
         return True
-    got = xxhash.xxh3_64_intdigest(view_at(segment.addr + payload_offset(r.offset), r.size))
+    h = xxhash.xxh3_64()
+    pos, left = payload_offset(r.offset), r.size
+    while left > 0:
+        piece = os.pread(fd, min(left, SCAN_CHUNK), pos)
+        if not piece:
+            break
+        h.update(piece)
+        pos += len(piece)
+        left -= len(piece)
+    got = h.intdigest()
     if got != r.checksum:
         logger.warning("segment %s: %r at offset %d fails its checksum; not reported", segment.path, r.key,
                        r.offset)

@@ -1,16 +1,19 @@
 """DRAM segments in POSIX shared memory, so that peers on the same host copy with one memcpy.
 
 A segment is a file under /dev/shm named ``memcache-<pid>-<random token>``. Its owner creates it and
-unlinks it on close; a peer on the same host maps it by path. Segments whose owner died (``kill -9``)
-are unlinked by the next LocalService that starts on the host.
+unlinks it on close; a peer on the same host maps it by path. The owner holds a shared ``flock`` on its file
+while it lives; files nobody holds a lock on (owner killed with ``kill -9``) are unlinked by the next
+LocalService that starts on the host, and an owner that exits normally removes its file at exit.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import secrets
+import time
 
 from ..config import shm_dir
 from ..memory import Mapping
@@ -18,6 +21,7 @@ from ..memory import Mapping
 logger = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^memcache-(\d+)-([0-9a-f]+)$")
+STALE_AFTER_S = 5.0
 
 
 def create_segment(size: int) -> Mapping:
@@ -28,24 +32,38 @@ def create_segment(size: int) -> Mapping:
 
 
 def cleanup_stale_segments() -> int:
-    """Unlink segment files whose owning process no longer exists on this host."""
+    """Unlink segment files whose owner is gone: nobody holds the owner's flock on them.
+
+    Liveness is decided by the lock, never by ``/proc/<pid>``: a process in another pid namespace
+    (a container sharing /dev/shm) holds its lock just the same.
+    """
     n = 0
+    directory = shm_dir()
     try:
-        names = os.listdir(shm_dir())
+        names = os.listdir(directory)
     except OSError:
         return 0
     for name in names:
-        m = _NAME_RE.match(name)
-        if not m:
+        if not _NAME_RE.match(name):
             continue
-        pid = int(m.group(1))
-        if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             continue
         try:
-            os.unlink(os.path.join(shm_dir(), name))
+            if time.time() - os.fstat(fd).st_ctime < STALE_AFTER_S:
+                continue   # being created: its owner may not hold the lock yet
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue   # the owner is alive
+            os.unlink(path)
             n += 1
         except OSError:
             pass
+        finally:
+            os.close(fd)
     if n:
-        logger.info("removed %d shared-memory segments left by dead processes", n)
+        logger.info("removed %d shared-memory segments left by processes that are gone", n)
     return n

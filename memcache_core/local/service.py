@@ -22,10 +22,11 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from .. import errors
+from .. import errors, tls
 from .. import protocol as p
+from ..auth import load_secret
 from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
 from ..errors import InvalidParameter, MemCacheError, MetaServiceUnavailable, check_key, check_keys
 from ..memory import Mapping
@@ -39,6 +40,7 @@ from .segment import create_segment
 logger = logging.getLogger(__name__)
 
 LEASE_SAFETY = 0.8          # trust a read without Validate only if it ended within 80% of the lease
+SEGMENT_REFRESH_S = 10.0    # how often the segment table is re-read (peers that left are unmapped)
 
 Pieces = list[tuple[int, int]]
 
@@ -52,6 +54,7 @@ class Session:
     lease_ttl_s: float
     pending_timeout_s: float
     segment: p.SegmentInfo | None
+    token: bytes = b""
 
 
 class LocalService:
@@ -61,8 +64,10 @@ class LocalService:
             require_memfabric(config.protocol)
         self.config = config
         self.host_id = config.host_id or env_host_id()
+        self.secret = load_secret(config.auth_secret_path) if config.auth_enable else None
+        self._tls_client = tls.client_context(config)
         self.rpc = RpcClient(config.meta_service_url, config.client_timeout_seconds,
-                             config.client_retry_milliseconds)
+                             config.client_retry_milliseconds, self.secret, tls=self._tls_client)
         self.session = Session(0, 0, 10.0, 120.0, None)
         self.segment: Mapping | None = None
         self._segment_template: p.SegmentInfo | None = None   # our segment, before an id is issued
@@ -72,6 +77,7 @@ class LocalService:
         self._journal_ack = 0
         self._sample = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._lock = threading.Lock()
+        self._join_lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.integrity_failures = 0
@@ -91,13 +97,15 @@ class LocalService:
                     raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
                 self.segment = create_segment(size)
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
-                self.data_server = DataServer(self.segment, host, port)
+                self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg))
                 self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
-                                                       self.data_server.addr, cfg.tag or f"device{device_id}")
+                                                       self._advertised(self.data_server.addr),
+                                                       cfg.tag or f"device{device_id}")
             threads = max(1, min(os.cpu_count() or 1, 8))
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
-                                         min(cfg.write_thread_pool_size, threads))
+                                         min(cfg.write_thread_pool_size, threads), self.secret,
+                                         self._tls_client)
             self._join(recover=False)
         except BaseException:
             self.close()
@@ -105,13 +113,21 @@ class LocalService:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
         self._heartbeat.start()
 
+    def _advertised(self, bound: str) -> str:
+        """The data address peers should use: ``hcom_advertise_url`` when set, else the bound one."""
+        if self.config.hcom_advertise_url:
+            host, port = parse_url(self.config.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
+            return f"{host}:{port or bound.rsplit(':', 1)[1]}"
+        return bound
+
     def close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
         if self._heartbeat is not None:
+            s = self.session
             try:
-                self.rpc.call(p.Leave(self.client_id), timeout_s=min(2.0, self.config.client_timeout_seconds),
+                self.rpc.call(p.Leave(s.client_id, s.token), timeout_s=min(2.0, self.config.client_timeout_seconds),
                               probe=True)
             except MemCacheError:
                 pass
@@ -127,17 +143,21 @@ class LocalService:
     def _join(self, recover: bool) -> None:
         """Join (or re-join) and install the new session in one step."""
         objects = recovery.scan(self.segment) if recover and self.segment is not None else []
-        reply = self.rpc.call(p.Join(self.session.client_id, self.host_id, os.getpid(), self._segment_template,
-                                     objects), probe=True)
+        old = self.session
+        reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
+                                     objects, old.token), probe=True)
         j = expect(reply, p.Joined)
         seg = None
         if self._segment_template is not None:
             seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
         with self._lock:
-            self._segments.clear()
+            stale, self._segments = list(self._segments.values()), {}
             self._journal_ack = 0
             self.session = Session(j.client_id, j.meta_epoch, j.lease_ttl_ms / 1000.0,
-                                   j.pending_timeout_ms / 1000.0, seg)
+                                   j.pending_timeout_ms / 1000.0, seg, j.token)
+        if self.engine is not None:
+            for seg_info in stale:
+                self.engine.forget(seg_info)
         if recover:
             logger.info("re-joined MetaService (epoch %d) as %d with %d objects", j.meta_epoch, j.client_id,
                         len(objects))
@@ -145,13 +165,17 @@ class LocalService:
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_ms / 1000.0
         timeout = min(self.config.client_timeout_seconds, max(1.0, 3 * interval))
+        next_refresh = time.monotonic() + SEGMENT_REFRESH_S
         while not self._stop.wait(interval):
             try:
+                if self._segments and time.monotonic() >= next_refresh:
+                    next_refresh = time.monotonic() + SEGMENT_REFRESH_S
+                    self._refresh_segments()   # unmap peers that left even if nobody asks for them
                 s = self.session
-                r = expect(self.rpc.call(p.Heartbeat(s.client_id, self._journal_ack), timeout_s=timeout,
+                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack), timeout_s=timeout,
                                          probe=True), p.HeartbeatReply)
                 if not r.known or r.meta_epoch != s.epoch:
-                    self._join(recover=True)
+                    self._rejoin(s)
                     continue
                 self._apply_journal(r.journal)
             except MetaServiceUnavailable:
@@ -160,6 +184,22 @@ class LocalService:
                 logger.warning("heartbeat failed: %s", e)
             except Exception:
                 logger.exception("heartbeat loop error")
+
+    def _rejoin(self, seen: Session) -> None:
+        """Re-join once for a session found stale (by the heartbeat, or by a call refused as a
+        non-member); several threads finding the same stale session re-join once."""
+        with self._join_lock:
+            if self.session is seen and not self._stop.is_set():
+                self._join(recover=True)
+
+    def _member_call(self, make: Callable[[Session], p.Request]) -> p.Reply:
+        """A call that acts as this member; after a MetaService restart re-join first, then retry once."""
+        s = self.session
+        try:
+            return self.rpc.call(make(s))
+        except errors.NotAMember:
+            self._rejoin(s)
+            return self.rpc.call(make(self.session))
 
     def _apply_journal(self, journal: list[p.JournalEntry]) -> None:
         """Objects of our segment that left the pool: clear their headers, so a scan skips them."""
@@ -175,17 +215,22 @@ class LocalService:
     def _segment(self, sid: int) -> p.SegmentInfo:
         seg = self._segments.get(sid)
         if seg is None:
-            r = expect(self.rpc.call(p.GetSegments([]), idempotent=True), p.Segments)
-            with self._lock:
-                for s in r.segments:
-                    old = self._segments.get(s.segment_id)
-                    if old is not None and old != s and self.engine is not None:
-                        self.engine.forget(old)
-                    self._segments[s.segment_id] = s
+            self._refresh_segments()
             seg = self._segments.get(sid)
             if seg is None:
                 raise errors.PeerUnavailable(f"segment {sid} is not in the pool")
         return seg
+
+    def _refresh_segments(self) -> None:
+        """Fetch the pool's segments; unmap (and disconnect from) those that left or changed."""
+        r = expect(self.rpc.call(p.GetSegments([]), idempotent=True), p.Segments)
+        with self._lock:
+            live = {s.segment_id: s for s in r.segments}
+            gone = [old for sid, old in self._segments.items() if live.get(sid) != old]
+            self._segments = live
+        if self.engine is not None:
+            for old in gone:
+                self.engine.forget(old)
 
     # ---- put: validate -> allocate -> copy -> commit / abort ---------------------------------------------
 
@@ -196,9 +241,9 @@ class LocalService:
         todo = _unique_valid(keys, results)   # key -> index; the same key twice: the first put stands
         if not todo:
             return results
-        s = self.session
         sizes = {k: sum(n for _, n in pieces[i]) for k, i in todo.items()}
-        allocated = self._alloc(s, sizes, replicas, preferred, results, todo)
+        allocated = self._alloc(sizes, replicas, preferred, results, todo)
+        s = self.session   # the session the allocation was made in (a re-join may have replaced it)
         t_alloc = time.monotonic()
         ops = self._write_ops(allocated, pieces, results, todo)
         if ops and time.monotonic() - t_alloc >= s.pending_timeout_s / 2:
@@ -214,17 +259,17 @@ class LocalService:
         self._finish_put(s, allocated, ops, results, todo)
         return results
 
-    def _alloc(self, s: Session, sizes: dict[str, int], replicas: int, preferred: Sequence[int],
+    def _alloc(self, sizes: dict[str, int], replicas: int, preferred: Sequence[int],
                results: list[MemCacheError | None], todo: dict[str, int]) -> dict[str, p.AllocResult]:
         """Allocate space; wait out other writers' pending puts of the same keys (bounded)."""
         allocated: dict[str, p.AllocResult] = {}
         want = list(sizes)
-        deadline = time.monotonic() + min(s.pending_timeout_s / 2, self.config.client_timeout_seconds)
+        deadline = time.monotonic() + min(self.session.pending_timeout_s / 2, self.config.client_timeout_seconds)
         backoff = Backoff(0.002, 0.05)
         while want:
             try:
-                reply = expect(self.rpc.call(p.Alloc(s.client_id, want, [sizes[k] for k in want], replicas,
-                                                     list(preferred))), p.AllocReply)
+                reply = expect(self._member_call(lambda s, w=want: p.Alloc(  # type: ignore[misc]
+                    s.client_id, s.token, w, [sizes[k] for k in w], replicas, list(preferred))), p.AllocReply)
             except MemCacheError as e:
                 for k in want:
                     results[todo[k]] = e
@@ -269,14 +314,15 @@ class LocalService:
         abort = [k for k in allocated if results[todo[k]] is not None]
         if abort:
             try:
-                self.rpc.call(p.Abort(s.client_id, abort, [allocated[k].generation for k in abort]))
+                self.rpc.call(p.Abort(s.client_id, s.token, abort, [allocated[k].generation for k in abort]))
             except MemCacheError as e:
                 logger.warning("abort of %d failed puts not delivered (%s); the MetaService reclaims them",
                                len(abort), e)
         if not commit:
             return
         try:
-            codes = expect(self.rpc.call(p.Commit(s.client_id, commit, [allocated[k].generation for k in commit],
+            codes = expect(self.rpc.call(p.Commit(s.client_id, s.token, commit,
+                                                  [allocated[k].generation for k in commit],
                                                   [checksum[k] for k in commit])), p.Codes).codes
         except MemCacheError as e:
             codes = [e.code] * len(commit)
@@ -318,6 +364,10 @@ class LocalService:
             return results, found
         todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
         corrupt = self._read(keys, pieces, found, todo, results)
+        failed = [e for e in (results[i] for i in todo) if e is not None]
+        if failed:   # a miss the engine will recompute: say why, once per batch
+            logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),
+                           type(failed[0]).__name__, failed[0])
         if time.monotonic() - t0 > reply.lease_ttl_ms / 1000.0 * LEASE_SAFETY:
             self._confirm(keys, found, results)
         if corrupt:
@@ -361,7 +411,8 @@ class LocalService:
 
     def _report_corrupt(self, corrupt: list[tuple[str, int]]) -> None:
         try:
-            self.rpc.call(p.Corrupt(self.client_id, [k for k, _ in corrupt], [g for _, g in corrupt]))
+            self._member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _ in corrupt],
+                                                  [g for _, g in corrupt]))
         except MemCacheError as e:
             logger.warning("could not report %d corrupt objects: %s", len(corrupt), e)
 

@@ -1,5 +1,10 @@
 """HTTP admin server of the MetaService, at ``metrics_url``.
 
+Every route but /health needs ``Authorization: Bearer <token>`` with the pool's admin token
+(``auth.admin_token``) when authentication is on. At most ``MAX_CONNECTIONS`` connections are served
+at once, each with a socket timeout; scans of the whole table copy it under the lock and do the work
+outside it, so a client polling /get_all_keys does not stall the control plane.
+
 GET /health, /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
 /get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
 /api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
@@ -8,14 +13,17 @@ as memcache_hybrid answers.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
+from ..auth import admin_token
 from ..config import parse_url
 
 if TYPE_CHECKING:
@@ -24,12 +32,42 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MAX_CONNECTIONS = 1024
+SOCKET_TIMEOUT_S = 10.0
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024   # the listen backlog (socketserver's default is 5: a burst of idle
+                                # connections made honest ones wait for SYN retransmits)
+
+    def __init__(self, addr: tuple[str, int], handler: type) -> None:
+        super().__init__(addr, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)   # too many connections at once: refuse this one
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class AdminServer:
-    def __init__(self, core: MetaServiceCore, url: str) -> None:
-        host, port = parse_url(url, "metrics_url", ("http",))
+    def __init__(self, core: MetaServiceCore, url: str, secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        host, port = parse_url(url, "metrics_url", ("http", "https"))
         self.core = core
-        handler = type("Handler", (_Handler,), {"core": core})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        token = admin_token(secret) if secret is not None else None
+        handler = type("Handler", (_Handler,), {"core": core, "token": token})
+        self.httpd = _BoundedServer((host, port), handler)
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="meta-http", daemon=True)
 
@@ -43,6 +81,8 @@ class AdminServer:
 
 class _Handler(BaseHTTPRequestHandler):
     core: MetaServiceCore
+    token: str | None
+    timeout = SOCKET_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         logger.debug("http: " + format, *args)  # noqa: G003
@@ -51,6 +91,17 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         core = self.core
+        if url.path != "/health" and self.token is not None and not hmac.compare_digest(
+                self.headers.get("Authorization", ""), f"Bearer {self.token}"):
+            return self._send(401, json.dumps({"success": False, "error_message": "authentication required: "
+                                               "Authorization: Bearer <admin token of the pool secret>"}).encode(),
+                              "application/json")
+        if url.path == "/get_all_keys":
+            with core.lock:
+                objs = list(core.table.objects.items())
+            keys = sorted(k for k, o in objs if o.committed)
+            return self._send(200, json.dumps({"success": True, "count": len(keys), "keys": keys}).encode(),
+                              "application/json")
         if url.path == "/metrics":
             with core.lock:
                 body = core.metrics.render(core)
@@ -75,9 +126,6 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._keys([q.get("key", "")], now)
             case "/batch_query_keys":
                 return self._keys([k for k in q.get("keys", "").split(",") if k], now)
-            case "/get_all_keys":
-                keys = sorted(k for k, o in t.objects.items() if o.committed)
-                return {"success": True, "count": len(keys), "keys": keys}
             case "/get_all_segments" | "/api/v1/segments/status":
                 return {"success": True, "segments": [self._segment(i) for i in sorted(t.segments)]}
             case "/query_segment":

@@ -56,10 +56,8 @@ class Metrics:
                [("", sum(s.allocator.size for _, s in segs))])
         metric("pool_used_bytes", "gauge", "Bytes allocated in the whole pool.",
                [("", sum(s.allocator.used for _, s in segs))])
-        metric("objects", "gauge", "Committed objects.",
-               [("", sum(1 for o in t.objects.values() if o.committed))])
-        metric("pending_objects", "gauge", "Objects allocated and not yet committed.",
-               [("", sum(1 for o in t.objects.values() if not o.committed))])
+        metric("objects", "gauge", "Committed objects.", [("", len(t.objects) - t.pending)])
+        metric("pending_objects", "gauge", "Objects allocated and not yet committed.", [("", t.pending)])
         metric("members", "gauge", "LocalServices and clients joined.", [("", len(core.members))])
         c = t.counters
         for name, value, help_ in (

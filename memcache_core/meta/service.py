@@ -7,8 +7,10 @@ re-join and report the objects in their segments (see ``ObjectTable.add_segment`
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
 import os
+import resource
 import secrets
 import signal
 import threading
@@ -16,17 +18,25 @@ import time
 
 import msgspec
 
-from .. import errors
+from .. import errors, tls
 from .. import protocol as p
+from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
+from . import validate
 from .http import AdminServer
 from .metrics import Metrics
 from .table import ObjectTable
 
 logger = logging.getLogger(__name__)
 
-RECOVERY_GRACE_S = 1.0   # a re-joined segment takes new objects only after writers of the old epoch are done
+GENERATION_TICK_S = 0.01   # generations are (10 ms ticks since 2024) << 24 | counter: they grow across restarts
+_GEN_ORIGIN = 1_704_067_200.0
+
+
+def first_generation() -> int:
+    """A generation above every one a previous MetaService on this clock could have issued."""
+    return int((time.time() - _GEN_ORIGIN) / GENERATION_TICK_S) << 24
 
 
 @dataclasses.dataclass
@@ -36,6 +46,7 @@ class Member:
     pid: int
     segment_id: int | None
     last_seen: float
+    token: bytes = b""
 
 
 class MetaServiceCore:
@@ -43,12 +54,13 @@ class MetaServiceCore:
 
     def __init__(self, config: MetaConfig) -> None:
         self.config = config
-        self.epoch = int(time.time()) & 0x7FFFFFFF
+        self.epoch = secrets.randbits(31) or 1
         self.table = ObjectTable(config.evict_threshold_high, config.evict_threshold_low,
                                  config.lease_ttl_ms / 1000.0, config.pending_timeout_ms / 1000.0,
-                                 self.epoch)
+                                 first_generation())
         self.members: dict[int, Member] = {}
         self.config_store: dict[str, bytes] = {}
+        self.config_store_bytes = 0
         self.metrics = Metrics()
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
@@ -69,59 +81,87 @@ class MetaServiceCore:
                     o = t.lookup(k, now, lease)
                     results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations), o.checksum))
                 return p.LookupReply(results, self.config.lease_ttl_ms)
-            case p.Alloc(client_id=cid, keys=keys, sizes=sizes, replicas=replicas, preferred=preferred):
-                if len(keys) != len(sizes):
-                    return p.Error(errors.INVALID_PARAM, "keys and sizes differ in length")
-                member = self._touch(cid, now)
-                order = self._placement(member, preferred)
-                out = []
-                for k, s in zip(keys, sizes, strict=True):
-                    code, gen, locs = t.alloc(cid, k, s, replicas, order, now)
-                    out.append(p.AllocResult(code, gen, locs))
-                return p.AllocReply(out)
-            case p.Commit(client_id=cid, keys=keys, generations=gens):
-                self._touch(cid, now)
-                sums = req.checksums or [0] * len(keys)
-                if not len(keys) == len(gens) == len(sums):
-                    return p.Error(errors.INVALID_PARAM, "keys, generations and checksums differ in length")
-                return p.Codes([t.commit(cid, k, g, now, c) for k, g, c in zip(keys, gens, sums, strict=True)])
-            case p.Abort(client_id=cid, keys=keys, generations=gens):
-                for k, g in zip(keys, gens, strict=True):
-                    t.abort(cid, k, g)
-                return p.Ok()
-            case p.Corrupt(client_id=cid, keys=keys, generations=gens):
-                for k, g in zip(keys, gens, strict=True):
-                    dropped = t.corrupt(k, g, now)
-                    logger.error("client %d read %r (generation %d) with a wrong checksum; %s", cid, k, g,
-                                 "removed it from the pool" if dropped else "it was already gone")
-                return p.Ok()
+            case p.Heartbeat(client_id=cid, token=token, journal_ack=ack):
+                return self._heartbeat(cid, token, ack, now)
+            case p.Join():
+                validate.join(req)
+                return self._join(req, now)
             case p.Validate(keys=keys, generations=gens):
+                validate.batch(keys, gens)
                 return p.Flags([t.validate(k, g) for k, g in zip(keys, gens, strict=True)])
             case p.Remove(keys=keys):
+                validate.batch(keys)
                 return p.Codes([t.remove(k, now) for k in keys])
-            case p.RemoveAll():
-                return p.Codes([t.remove_all(now)])
             case p.RemovePrefix(prefix=prefix):
                 if not prefix:
                     return p.Error(errors.INVALID_PARAM, "remove_by_prefix: the prefix is empty")
                 return p.Codes([t.remove_prefix(prefix, now)])
-            case p.Heartbeat(client_id=cid, journal_ack=ack):
-                return self._heartbeat(cid, ack, now)
-            case p.Join():
-                return self._join(req, now)
-            case p.Leave(client_id=cid):
-                self._drop_member(cid, "left")
-                return p.Ok()
+            case p.RemoveAll():
+                return p.Codes([t.remove_all(now)])
             case p.GetSegments(segment_ids=ids):
                 segs = t.segments
                 wanted = ids or list(segs)
                 return p.Segments([segs[i].info for i in wanted if i in segs])
             case p.ConfigPut(key=k, value=v):
-                self.config_store[k] = v
-                return p.Ok()
+                return self._config_put(k, v)
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
+            case p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave():
+                return self._member_request(req, self._member(req.client_id, req.token, now), now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
+
+    def _member_request(self, req: p.Request, member: Member, now: float) -> p.Reply:
+        """Requests that act as a member: only with that member's token (issued at Join)."""
+        t, cid = self.table, member.client_id
+        match req:
+            case p.Alloc(keys=keys, sizes=sizes, replicas=replicas, preferred=preferred):
+                validate.alloc(req)
+                order = self._placement(member, preferred)
+                return p.AllocReply([p.AllocResult(*t.alloc(cid, k, s, replicas, order, now))
+                                     for k, s in zip(keys, sizes, strict=True)])
+            case p.Commit(keys=keys, generations=gens, checksums=sums):
+                sums = sums or [0] * len(keys)
+                validate.batch(keys, gens, sums)
+                validate.generations(gens)
+                validate.checksums(sums)
+                return p.Codes([t.commit(cid, k, g, now, c) for k, g, c in zip(keys, gens, sums, strict=True)])
+            case p.Abort(keys=keys, generations=gens):
+                validate.batch(keys, gens)
+                for k, g in zip(keys, gens, strict=True):
+                    t.abort(cid, k, g)
+                return p.Ok()
+            case p.Corrupt(keys=keys, generations=gens):
+                validate.batch(keys, gens)
+                for k, g in zip(keys, gens, strict=True):
+                    dropped = t.corrupt(k, g, now)
+                    logger.error("client %d read %r (generation %d) with a wrong checksum; %s", cid, k, g,
+                                 "removed it from the pool" if dropped else "it was already gone")
+                return p.Ok()
+            case p.Leave():
+                self._drop_member(cid, "left")
+                return p.Ok()
+        return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
+
+    def _member(self, cid: int, token: bytes, now: float) -> Member:
+        m = self.members.get(cid)
+        if m is None or not hmac.compare_digest(m.token, token):
+            raise errors.NotAMember(f"client {cid} is not a member of this MetaService (epoch {self.epoch}); "
+                                    f"it re-joins on its next heartbeat")
+        m.last_seen = now
+        return m
+
+    def _config_put(self, key: str, value: bytes) -> p.Reply:
+        cfg = self.config
+        if len(key) > 1024 or len(value) > cfg.config_store_max_value_bytes:
+            return p.Error(errors.INVALID_PARAM, f"config store: key or value too large (value at most "
+                                                 f"{cfg.config_store_max_value_bytes} bytes)")
+        old = self.config_store.get(key)
+        grow = len(key) + len(value) - (len(key) + len(old) if old is not None else 0)
+        if self.config_store_bytes + grow > cfg.config_store_max_total_bytes:
+            return p.Error(errors.OUT_OF_MEMORY, "config store is full (config_store_max_total_bytes)")
+        self.config_store[key] = value
+        self.config_store_bytes += grow
+        return p.Ok()
 
     # ---- membership -------------------------------------------------------------------------------
 
@@ -131,9 +171,9 @@ class MetaServiceCore:
         are never drawn from ``random``: engines seed it the same way in every process."""
         cid = req.client_id
         old = self.members.get(cid)
-        if old is not None and (old.host_id, old.pid) == (req.host_id, req.pid):
-            return cid   # the same process re-joining
-        if 0 < cid < 1 << 62 and old is None and cid not in self.table.segments:
+        if old is not None and req.token and hmac.compare_digest(old.token, req.token):
+            return cid   # the same member re-joining (it holds that id's token)
+        if 0 < cid and old is None and cid not in self.table.segments:
             return cid   # a member of a previous MetaService (epoch) re-joining with its id
         while True:
             cid = secrets.randbits(62) or 1
@@ -148,7 +188,10 @@ class MetaServiceCore:
         if req.segment is not None:
             seg_id = cid
             info = msgspec.structs.replace(req.segment, segment_id=cid)
-            grace = now + RECOVERY_GRACE_S if req.objects else 0.0
+            # Reads leased by a previous MetaService (or before this member was declared dead) may
+            # still be copying out of the reported objects' neighbourhood: no new object goes into a
+            # re-joined segment until such a lease would have ended.
+            grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects else 0.0
             refused = self.table.add_segment(info, req.objects, alloc_after=grace)
             seg = self.table.segments[seg_id]
             for r in refused:   # tell the owner to forget objects that now mean something else
@@ -157,12 +200,13 @@ class MetaServiceCore:
                         cid, req.host_id, req.pid, info.size, len(req.objects) - len(refused))
         else:
             logger.info("client %d joined from %s pid %d (no segment)", cid, req.host_id, req.pid)
-        self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now)
-        return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms)
+        token = secrets.token_bytes(16)
+        self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token)
+        return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token)
 
-    def _heartbeat(self, cid: int, ack: int, now: float) -> p.Reply:
+    def _heartbeat(self, cid: int, token: bytes, ack: int, now: float) -> p.Reply:
         m = self.members.get(cid)
-        if m is None:
+        if m is None or not hmac.compare_digest(m.token, token):
             return p.HeartbeatReply(self.epoch, known=False)
         m.last_seen = now
         journal: list[p.JournalEntry] = []
@@ -170,13 +214,7 @@ class MetaServiceCore:
             journal = self.table.segments[m.segment_id].journal_since(ack)
         return p.HeartbeatReply(self.epoch, known=True, journal=journal)
 
-    def _touch(self, cid: int, now: float) -> Member | None:
-        m = self.members.get(cid)
-        if m is not None:
-            m.last_seen = now
-        return m
-
-    def _placement(self, member: Member | None, preferred: list[int]) -> list[int]:
+    def _placement(self, member: Member, preferred: list[int]) -> list[int]:
         """Segment order for a new object: preferred ids, the writer's own segment, then most free."""
         segs = self.table.segments
         order: list[int] = []
@@ -184,7 +222,7 @@ class MetaServiceCore:
             m = self.members.get(c)
             if m is not None and m.segment_id is not None:
                 order.append(m.segment_id)
-        if member is not None and member.segment_id is not None:
+        if member.segment_id is not None:
             order.append(member.segment_id)
         order += sorted(segs, key=lambda s: segs[s].allocator.free, reverse=True)
         return list(dict.fromkeys(order))
@@ -207,16 +245,21 @@ class MetaServiceCore:
 
 def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     """Run the MetaService until SIGTERM/SIGINT (or ``stop`` is set)."""
+    _raise_fd_limit()
     core = MetaServiceCore(config)
     stop = stop or threading.Event()
+    secret = load_secret(config.auth_secret_path, create=True) if config.auth_enable else None
+    if secret is None:
+        logger.warning("auth_enable is false: anyone who reaches these ports controls the pool")
     server = FrameServer([parse_url(config.meta_service_url, "meta_service_url", ("tcp",)),
                           parse_url(config.config_store_url, "config_store_url", ("tcp",))],
-                         lambda body: _answer(core, body))
-    admin = AdminServer(core, config.metrics_url)
-    admin.start()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
+                         lambda body: _answer(core, body), secret, config.max_connections,
+                         config.idle_timeout_seconds, tls.server_context(config))
+    admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
+    if threading.current_thread() is threading.main_thread():   # before /health answers: a SIGTERM
+        for sig in (signal.SIGTERM, signal.SIGINT):               # right after it must stop cleanly
             signal.signal(sig, lambda *_: stop.set())
+    admin.start()
     logger.info("MetaService (pid %d, epoch %d) serving %s, config store %s, admin %s",
                 os.getpid(), core.epoch, config.meta_service_url, config.config_store_url,
                 config.metrics_url)
@@ -235,6 +278,16 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
         logger.info("MetaService stopped")
 
 
+def _raise_fd_limit() -> None:
+    """Every connection is a file descriptor: take the hard limit, not the (often 1,024) soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit from %d: %s", soft, e)
+
+
 def _answer(core: MetaServiceCore, payload: bytes) -> bytes:
     t0 = time.perf_counter()
     try:
@@ -250,8 +303,12 @@ def _answer(core: MetaServiceCore, payload: bytes) -> bytes:
                 reply = core.handle(req)
             except errors.MemCacheError as e:
                 reply = p.Error(e.code, str(e))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a handler's bug is an error reply, never the end
                 logger.exception("request %s failed", name)
                 reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
         core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
-    return p.request_encoder.encode(reply)
+    try:
+        return p.request_encoder.encode(reply)
+    except Exception as e:  # noqa: BLE001 - an unencodable reply must not stop the service
+        logger.exception("reply to %s could not be encoded", name)
+        return p.request_encoder.encode(p.Error(errors.ERROR, f"reply could not be encoded: {e}"))

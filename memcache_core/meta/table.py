@@ -83,15 +83,20 @@ class Counters:
 
 class ObjectTable:
     def __init__(self, high: float, low: float, lease_ttl_s: float, pending_timeout_s: float,
-                 epoch: int) -> None:
+                 first_generation: int) -> None:
         self.high, self.low = high / 100.0, low / 100.0
         self.lease_ttl_s = lease_ttl_s
         self.pending_timeout_s = pending_timeout_s
+        # space of a reclaimed put stays unused this long: its writer may be stalled, not dead (a
+        # late write after that lands in reused space and is caught by the readers' checksums)
+        self.quarantine_s = max(lease_ttl_s, 1.0)
         self.objects: dict[str, Obj] = {}
         self.segments: dict[int, Segment] = {}
         self.doomed: list[Obj] = []     # removed while leased: space freed when the lease ends
+        self.quarantine: list[tuple[float, Obj]] = []   # reclaimed from stalled writers: freed later
         self.counters = Counters()
-        self._next_gen = epoch << 32
+        self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
+        self._next_gen = first_generation
 
     # ---- segments -------------------------------------------------------------------------------
 
@@ -140,6 +145,7 @@ class ObjectTable:
                     self._unlink(obj)
                     lost += 1
         self.doomed = [o for o in self.doomed if any(loc.segment_id in self.segments for loc in o.locations)]
+        self.quarantine = [q for q in self.quarantine if any(loc.segment_id in self.segments for loc in q[1].locations)]
         return lost
 
     # ---- put: alloc / commit / abort -------------------------------------------------------------
@@ -179,6 +185,7 @@ class ObjectTable:
         locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
         self.objects[key] = Obj(key, size, self._next_gen, locs, client_id,
                                 pending_deadline=now + self.pending_timeout_s)
+        self.pending += 1
         return errors.SUCCESS, self._next_gen, locs
 
     def _alloc_in(self, seg: Segment, size: int, now: float, evict: bool) -> int | None:
@@ -202,6 +209,7 @@ class ObjectTable:
             return errors.SUCCESS
         obj.committed = True
         obj.checksum = checksum
+        self.pending -= 1
         obj.pending_deadline = 0.0
         for loc in obj.locations:
             self.segments[loc.segment_id].lru[key] = obj
@@ -218,9 +226,15 @@ class ObjectTable:
         n = 0
         for obj in [o for o in self.objects.values() if not o.committed
                     and (o.pending_deadline <= now or o.owner in dead_clients)]:
-            self._unlink(obj)
+            # the writer may still be copying (stalled, not dead): keep its space out of use a while
+            self._unlink(obj, keep_space=True)
+            self.quarantine.append((now + self.quarantine_s, obj))
             n += 1
         self.counters.pending_reclaimed += n
+        if self.quarantine and self.quarantine[0][0] <= now:
+            for _, obj in [q for q in self.quarantine if q[0] <= now]:
+                self._free_space(obj)
+            self.quarantine = [q for q in self.quarantine if q[0] > now]
         if self.doomed:
             still = []
             for obj in self.doomed:
@@ -310,10 +324,12 @@ class ObjectTable:
 
     # ---- internals -----------------------------------------------------------------------------------
 
-    def _unlink(self, obj: Obj, now: float = 0.0) -> None:
+    def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None:
         """Take the object out of the table; free its space now, or when its lease ends."""
         if self.objects.get(obj.key) is obj:
             del self.objects[obj.key]
+            if not obj.committed:
+                self.pending -= 1
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)
             if seg is None:
@@ -321,6 +337,8 @@ class ObjectTable:
             if seg.lru.get(obj.key) is obj:
                 del seg.lru[obj.key]
             seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
+        if keep_space:
+            return
         if obj.committed and obj.lease_until > now:
             self.doomed.append(obj)
         else:

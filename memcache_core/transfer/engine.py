@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import ssl
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,11 +71,12 @@ def checksum_of(pieces: list[tuple[int, int]]) -> int:
 
 class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
-                 read_threads: int, write_threads: int) -> None:
+                 read_threads: int, write_threads: int, secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.protocol = protocol
         self.host_id = host_id
         self.shm = ShmTransport(own)
-        self.tcp = TcpClient(timeout_s)
+        self.tcp = TcpClient(timeout_s, secret, tls)
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="memcache-read")
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
         self._threads = {True: read_threads, False: write_threads}
@@ -134,27 +136,28 @@ class TransferEngine:
     # ---- shared memory: hash each piece next to its copy, while it is in cache ------------------------
 
     def _shm_write(self, op: CopyOp) -> None:
-        base = self.shm.base(op.segment)
-        pos = base + op.payload_offset
-        h = xxhash.xxh3_64() if op.hash else None
-        for ptr, size in op.pieces:
+        with self.shm.pinned(op.segment) as base:
+            pos = base + op.payload_offset
+            h = xxhash.xxh3_64() if op.hash else None
+            for ptr, size in op.pieces:
+                if h is not None:
+                    h.update(view_at(ptr, size))
+                memmove(pos, ptr, size)
+                pos += size
             if h is not None:
-                h.update(view_at(ptr, size))
-            memmove(pos, ptr, size)
-            pos += size
-        if h is not None:
-            op.checksum = h.intdigest()
-        header = op.header()
-        memmove(base + op.offset, header, len(header))   # last: a valid header means a whole payload
+                op.checksum = h.intdigest()
+            header = op.header()
+            memmove(base + op.offset, header, len(header))   # last: a valid header means a whole payload
 
     def _shm_read(self, op: CopyOp) -> None:
-        pos = self.shm.base(op.segment) + op.payload_offset
         h = xxhash.xxh3_64() if op.hash and op.checksum else None
-        for ptr, size in op.pieces:
-            memmove(ptr, pos, size)
-            if h is not None:
-                h.update(view_at(ptr, size))
-            pos += size
+        with self.shm.pinned(op.segment) as base:
+            pos = base + op.payload_offset
+            for ptr, size in op.pieces:
+                memmove(ptr, pos, size)
+                if h is not None:
+                    h.update(view_at(ptr, size))
+                pos += size
         if h is not None:
             _verify(op, h.intdigest())
 

@@ -1,5 +1,10 @@
 """Cross-host transfers: each LocalService serves its segment over TCP; peers read and write ranges.
 
+Every connection first passes the pool's HMAC handshake (``auth.py``): a peer without the secret
+cannot read or write a byte, and the server allocates nothing for it. Bounded: at most
+``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
+against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
+
 Wire format (little endian). Request: ``b"MCD1"``, op (1 read, 2 write), range count, then
 ``(offset, length)`` per range; a write is followed by the ranges' bytes back to back. Answer:
 ``(status, length)``; a successful read is followed by the bytes. The server sends from and receives
@@ -11,10 +16,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 from collections import defaultdict
 
+from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, client_handshake, server_handshake
 from ..errors import PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
 
@@ -27,6 +34,10 @@ _RANGE = struct.Struct("<QQ")
 _ANSWER = struct.Struct("<iQ")
 
 Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, size), ...])
+
+MAX_CONNECTIONS = 2048
+MAX_RANGES = 1 << 16
+IDLE_TIMEOUT_S = 300.0
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -45,15 +56,18 @@ def _tune(sock: socket.socket) -> None:
 class DataServer:
     """Serves one segment to peers; one thread per connection."""
 
-    def __init__(self, mapping: Mapping, host: str, port: int) -> None:
+    def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.mapping = mapping
+        self.secret = secret
+        self.tls = tls
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))
         except OSError:
             self._sock.bind((host, 0))   # another LocalService on this host has the configured port
-        self._sock.listen(64)
+        self._sock.listen(1024)
         host_, port_ = self._sock.getsockname()[:2]
         self.addr = f"{host_}:{port_}"
         self._stop = False
@@ -67,18 +81,31 @@ class DataServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            _tune(conn)
             with self._lock:
+                if self._stop or len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
                 self._conns.add(conn)
+            _tune(conn)
             threading.Thread(target=self._serve, args=(conn,), name="memcache-data", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         head = bytearray(_HEAD.size)
         try:
+            if self.tls is not None:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                tls_conn = self.tls.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._conns.add(tls_conn)
+                conn = tls_conn
+            if not server_handshake(conn, self.secret):
+                return
+            conn.settimeout(IDLE_TIMEOUT_S)
             while True:
                 _recv_exact(conn, memoryview(head))
                 magic, op, n = _HEAD.unpack(head)
-                if magic != MAGIC or op not in (OP_READ, OP_WRITE) or n > 1 << 20:
+                if magic != MAGIC or op not in (OP_READ, OP_WRITE) or not 0 < n <= MAX_RANGES:
                     return
                 raw = bytearray(n * _RANGE.size)
                 _recv_exact(conn, memoryview(raw))
@@ -104,6 +131,10 @@ class DataServer:
 
     def close(self) -> None:
         self._stop = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)   # wakes the accept thread; the port is released
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
@@ -118,8 +149,10 @@ class DataServer:
 class TcpClient:
     """Connection pools to peers' data servers."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, secret: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.timeout_s = timeout_s
+        self.secret = secret
+        self.tls = tls
         self._idle: dict[str, list[socket.socket]] = defaultdict(list)
         self._lock = threading.Lock()
 
@@ -132,6 +165,13 @@ class TcpClient:
             s = socket.create_connection((host, int(port)), timeout=min(self.timeout_s, 5.0))
         except OSError as e:
             raise PeerUnavailable(f"cannot connect to data server {addr}: {e}") from e
+        try:
+            if self.tls is not None:
+                s = self.tls.wrap_socket(s)
+            client_handshake(s, self.secret, min(self.timeout_s, 5.0))
+        except (OSError, AuthFailed) as e:
+            s.close()
+            raise PeerUnavailable(f"data server {addr} refused authentication: {e}") from e
         s.settimeout(self.timeout_s)
         _tune(s)
         return s

@@ -15,26 +15,19 @@ import pytest
 
 from memcache_core import LocalConfig
 from memcache_core import protocol as p
+from memcache_core.auth import load_secret
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.local.service import LocalService, Session
 from memcache_core.rpc import RpcClient, expect
-from memcache_core.testing import running_meta_service
+from memcache_core.testing import running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
 
 LAYOUT = [64 << 10, 16 << 10, 16 << 10]
 
 
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def rpc(meta) -> RpcClient:
-    return RpcClient(meta.meta_service_url, 5.0, 0)
+    return RpcClient(meta.meta_service_url, 5.0, 0, load_secret(""))
 
 
 def locate(meta, key: str) -> tuple[str, int, int]:
@@ -145,7 +138,7 @@ def test_second_writer_of_a_pending_key_waits_and_never_reports_a_false_success(
     client = rpc(meta)
     try:
         j = expect(client.call(p.Join(0, "test-host", os.getpid(), None, [])), p.Joined)
-        r = expect(client.call(p.Alloc(j.client_id, ["contended"], [sum(LAYOUT)])), p.AllocReply).results[0]
+        r = expect(client.call(p.Alloc(j.client_id, j.token, ["contended"], [sum(LAYOUT)])), p.AllocReply).results[0]
         assert r.code == 0
         import threading
         out: dict = {}
@@ -153,7 +146,7 @@ def test_second_writer_of_a_pending_key_waits_and_never_reports_a_false_success(
         t.start()
         time.sleep(0.3)
         assert t.is_alive(), "the second writer returned while the first write was pending"
-        client.call(p.Abort(j.client_id, ["contended"], [r.generation]))
+        client.call(p.Abort(j.client_id, j.token, ["contended"], [r.generation]))
         t.join(10)
         assert out["codes"] == [0]
         got = stores(init_bm=False)("get", keys=["contended"], layout=LAYOUT)
@@ -189,7 +182,8 @@ def test_a_put_that_returned_success_survives_a_meta_service_kill(stores):
     (one over shared memory, one over TCP); as soon as both puts return 0 the MetaService is killed
     with SIGKILL and restarted. The owner learns of those objects only from their headers in its
     segment (no heartbeat has told it), re-joins, and reports them. Zero objects lost, zero wrong bytes."""
-    with running_meta_service(heartbeat_timeout_ms=3000, lease_ttl_ms=2000) as ms:
+    # a short lease: a re-joined segment takes new objects after one lease TTL (the rounds wait it out)
+    with running_meta_service(heartbeat_timeout_ms=3000, lease_ttl_ms=300) as ms:
         from tests.integration.conftest import StoreProcess
         procs = [StoreProcess(ms, heartbeat_interval_ms=100, dram_size="128MB")]
         procs += [StoreProcess(ms, init_bm=False, heartbeat_interval_ms=100, protocol=proto)

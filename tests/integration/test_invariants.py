@@ -6,7 +6,7 @@ a holder is killed with SIGKILL (and replaced) and the MetaService is killed and
 successful get is checked byte for byte by its reader (``chaos_worker.py``), and the test checks that
 each payload read was put under that key by some writer. The only passing result is zero wrong bytes.
 
-``MEMCACHE_CHAOS_SECONDS`` sets the run's length (default 30 s; longer runs belong to soak testing).
+``MEMCACHE_CHAOS_SECONDS`` sets the run's length (default 40 s; longer runs belong to soak testing).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import numpy as np
 import pytest
 
 from memcache_core import protocol as p
+from memcache_core.auth import load_secret
 from memcache_core.rpc import RpcClient, expect
 from memcache_core.testing import MetaServiceProcess, running_meta_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 WORKER = os.path.join(os.path.dirname(__file__), "chaos_worker.py")
-SECONDS = float(os.environ.get("MEMCACHE_CHAOS_SECONDS", "30"))
+SECONDS = float(os.environ.get("MEMCACHE_CHAOS_SECONDS", "40"))
 
 
 class Fleet:
@@ -132,7 +133,7 @@ def test_random_traffic_with_a_member_killed_and_the_meta_service_restarted(caps
 
 def _corrupt_segments(ms: MetaServiceProcess, stop: threading.Event) -> int:
     """Flip random bytes in every segment until stopped (a bad DIMM, a stray write)."""
-    client = RpcClient(ms.meta_service_url, 3.0, 0)
+    client = RpcClient(ms.meta_service_url, 3.0, 0, load_secret(""))
     rng = np.random.default_rng(7)
     flips = 0
     try:

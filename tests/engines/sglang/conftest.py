@@ -7,11 +7,9 @@ Run with the SGLang environment's python (``.ci/sglang_env.sh`` prints it):
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,8 @@ REQUEST_TIMEOUT_S = 240
 ADMIN_KEY = "memcache-test-admin"  # servers of the main module run with --admin-api-key
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # accepted (and ignored) by servers without one
 BACKUP_TIMEOUT_S = 60
+RANDOM_SEED = 0
+PORT_ATTEMPTS = 3
 
 
 def prompt(seed: int) -> list[int]:
@@ -39,10 +39,45 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(10, 32000) for _ in range(PROMPT_TOKENS)]
 
 
+# Servers started by start() and not stopped yet, plus those stopped during the running test: their
+# state and log tails are attached to the report of a failing test (pytest_runtest_makereport).
+_live_servers: list[serve_cpu.ServerHandle] = []
+_stopped_in_test: list[serve_cpu.ServerHandle] = []
+
+ADMIN_RETRIES = 3
+
+
+class ServerDied(AssertionError):
+    """A request failed because the server process is gone (not a connection race)."""
+
+
+def request(server: serve_cpu.ServerHandle, method: str, path: str, *, idempotent: bool,
+            timeout: float = 60, **kw: Any) -> requests.Response:
+    """One HTTP call on a fresh connection (``Connection: close``: no keep-alive to go stale).
+
+    A connection error is resolved, never guessed: if the server process has exited the call
+    fails with ``ServerDied`` (exit status and log tail); if it is alive, an idempotent call is
+    retried a few times and any other call fails with the server's state attached.
+    """
+    headers = {**kw.pop("headers", {}), "Connection": "close"}
+    for attempt in range(ADMIN_RETRIES + 1):
+        try:
+            with requests.Session() as session:
+                return session.request(method, f"{server.url}{path}", headers=headers, timeout=timeout, **kw)
+        except requests.ConnectionError as exc:
+            if server.exit_status() is not None:
+                raise ServerDied(f"{method} {path}: {exc}\n{server.describe()}") from exc
+            if not idempotent or attempt == ADMIN_RETRIES:
+                raise AssertionError(f"{method} {path} failed on a live server: {exc}\n"
+                                     f"{server.describe()}") from exc
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def generate(server: serve_cpu.ServerHandle, ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
     """Greedy /generate; returns text, cached token details (device/host/storage) and latency."""
     start = time.monotonic()
-    r = requests.post(f"{server.url}/generate", timeout=REQUEST_TIMEOUT_S, json={
+    r = request(server, "POST", "/generate", idempotent=False, timeout=REQUEST_TIMEOUT_S, json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
     r.raise_for_status()
     body = r.json()
@@ -56,7 +91,7 @@ def flush(server: serve_cpu.ServerHandle) -> None:
     """Drop device and host caches (L1/L2); L3 is untouched. Retries while requests drain."""
     deadline = time.monotonic() + 30
     while True:
-        r = requests.post(f"{server.url}/flush_cache", timeout=30, headers=ADMIN)
+        r = request(server, "POST", "/flush_cache", idempotent=True, timeout=30, headers=ADMIN)
         if r.status_code == 200:
             return
         if time.monotonic() > deadline:
@@ -65,8 +100,7 @@ def flush(server: serve_cpu.ServerHandle) -> None:
 
 
 def pool_keys(meta: serve_cpu.MetaHandle) -> set[str]:
-    with urllib.request.urlopen(meta.metrics_url + "/get_all_keys", timeout=10) as r:
-        return set(json.load(r)["keys"])
+    return set(meta.admin("/get_all_keys")["keys"])
 
 
 def wait_for_new_keys(meta: serve_cpu.MetaHandle, before: set[str], count: int,
@@ -98,5 +132,39 @@ def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[serve_cpu.MetaHan
 
 
 def start(meta: serve_cpu.MetaHandle, model: str, log_dir: Path, name: str, **kw: Any) -> serve_cpu.ServerHandle:
-    port = serve_cpu.free_port()
-    return serve_cpu.start_server(port, meta, model=model, log_path=log_dir / f"{name}.log", **kw)
+    # Every server seeds Python's random the same way, as engines do: identities drawn from it collide.
+    # Admission waits for a prefetch to complete: the default "timeout" policy (1 s plus 0.25 s per
+    # 1k tokens) drops restores on this loaded 2-core machine, and the tests assert full restores.
+    kw["extra_args"] = ["--random-seed", str(RANDOM_SEED), "--hicache-storage-prefetch-policy", "wait_complete",
+                        *kw.get("extra_args", [])]
+    for attempt in range(PORT_ATTEMPTS):
+        log_path = log_dir / (f"{name}.log" if attempt == 0 else f"{name}.{attempt}.log")
+        try:
+            server = serve_cpu.start_server(serve_cpu.free_port(), meta, model=model, log_path=log_path, **kw)
+            break
+        except serve_cpu.PortTaken:  # other test runs on this machine pick free ports too
+            if attempt == PORT_ATTEMPTS - 1:
+                raise
+    _live_servers.append(server)
+    stop = server.stop
+
+    def stop_and_forget() -> None:
+        stop()
+        if server in _live_servers:
+            _live_servers.remove(server)
+            _stopped_in_test.append(server)
+
+    server.stop = stop_and_forget  # type: ignore[method-assign]
+    return server
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """On any failure, say for every server involved whether it is alive or died, with its log tail."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in [*_live_servers, *_stopped_in_test]:
+            report.sections.append((f"server :{server.port}", server.describe()))
+    if report.when == "teardown":
+        _stopped_in_test.clear()

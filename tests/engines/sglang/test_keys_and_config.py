@@ -10,14 +10,15 @@ import pytest
 from memcache_sglang.config import CONFIG_PATH_ENV, BackendConfig
 from memcache_sglang.keys import KeyScheme, LayoutIdentity
 
-BASE = LayoutIdentity(model_name="m", dtype="bfloat16", layout="page_first_direct", page_size=128,
-                      attention="mha", head_sharding="tp1", pp_size=1, attn_cp_size=1,
-                      piece_sizes=(131072, 131072))
+BASE = LayoutIdentity(model="0123456789abcdef", kv_dtype="bfloat16", dtype="bfloat16", storage_format="",
+                      layout="page_first_direct", page_size=128, attention="mha", head_sharding="tp1",
+                      pp_size=1, attn_cp_size=1, piece_sizes=(131072, 131072))
 HASH = "ab" * 32
 
 
 @pytest.mark.parametrize("change", [
-    {"model_name": "other"}, {"dtype": "float16"}, {"layout": "page_first"}, {"page_size": 64},
+    {"model": "fedcba9876543210"}, {"kv_dtype": "fp8_e4m3"}, {"storage_format": "unified-token-major"},
+    {"dtype": "float16"}, {"layout": "page_first"}, {"page_size": 64},
     {"attention": "mla"}, {"head_sharding": "tp2"}, {"head_sharding": "hs2"}, {"pp_size": 2},
     {"attn_cp_size": 2}, {"piece_sizes": (65536, 65536)},
 ])

@@ -21,14 +21,18 @@ from conftest import (
     generate,
     pool_keys,
     prompt,
+    request,
     start,
     wait_for_new_keys,
 )
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
-# Short client timeout so a dead MetaService costs seconds, not the 60 s default.
-EXTRA = {"client_timeout_seconds": 5}
+# Short client timeout so a dead MetaService costs seconds, not the 60 s default. The MetaService's
+# HTTP admin address given to the backend is unreachable: nothing the backend does may depend on it
+# (clear() once fell back to wiping the whole pool when it could not list keys there).
+UNREACHABLE_ADMIN_URL = "http://127.0.0.1:9"
+EXTRA = {"client_timeout_seconds": 5, "metrics_url": UNREACHABLE_ADMIN_URL}
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +57,7 @@ def write_through(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle, id
 
 def storage_pages(server: serve_cpu.ServerHandle) -> tuple[float, float]:
     """Pages backed up and prefetched, from SGLang's histograms fed by ``get_stats()``."""
-    import requests
-
-    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    text = request(server, "GET", "/metrics", idempotent=True, timeout=30).text
     sums = {"backup": 0.0, "prefetch": 0.0}
     for line in text.splitlines():
         for kind in sums:
@@ -137,9 +139,8 @@ def meta_local_config(meta: serve_cpu.MetaHandle):  # noqa: ANN201
 
 def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
                                               meta: serve_cpu.MetaHandle) -> None:
-    """Scenario: POST /hicache/storage-backend/clear -> no storage hit; other namespaces survive."""
-    import requests
-
+    """Scenario: POST /hicache/storage-backend/clear on a server whose admin URL is unreachable ->
+    its own namespace is emptied (no storage hit after), another tenant's object survives."""
     from memcache_core import DistributedObjectStore
 
     client = DistributedObjectStore()
@@ -149,7 +150,8 @@ def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
         assert client.put(foreign, b"x" * 4096) == 0
         ids = prompt(3)
         cold, _ = write_through(server_a, meta, ids)
-        r = requests.post(f"{server_a.url}/hicache/storage-backend/clear", timeout=60, headers=ADMIN)
+        assert server_a.extra_config["metrics_url"] == UNREACHABLE_ADMIN_URL
+        r = request(server_a, "POST", "/hicache/storage-backend/clear", idempotent=True, headers=ADMIN)
         assert r.status_code == 200, r.text
         left = pool_keys(meta)
         assert left == {foreign}, sorted(left)[:5]
@@ -164,15 +166,18 @@ def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
 
 def test_two_servers_share_one_pool(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle,
                                     model: str, tmp_path: Path) -> None:
-    """Scenario: server A writes a prompt's KV; server B (own LocalService) restores it from L3."""
+    """Scenario: server A writes a prompt's KV into its own segment; server B (its own segment,
+    Python's random seeded as A's) restores it from L3 with A's device-hit output."""
     ids = prompt(4)
     cold, _ = write_through(server_a, meta, ids)
+    warm = generate(server_a, ids)
+    assert warm["device"] >= (FULL_PAGES - 1) * 128 and warm["storage"] == 0, warm
     server_b = start(meta, model, tmp_path, "server_b", extra_config=EXTRA)
     try:
         got = generate(server_b, ids)
         assert got["device"] == 0 and got["host"] == 0, got
         assert got["storage"] >= (FULL_PAGES - 1) * 128, got
-        assert got["text"] == cold["text"]
+        assert got["text"] == warm["text"] == cold["text"]
     finally:
         server_b.stop()
 
@@ -182,16 +187,14 @@ def test_detach_and_reattach(server_a: serve_cpu.ServerHandle, meta: serve_cpu.M
     taking its objects); serving goes on without L3; PUT attaches a new instance that restores again."""
     import json
 
-    import requests
-
     assert any(k.startswith("sgl1.") for k in pool_keys(meta)), "nothing stored before the detach"
-    r = requests.delete(f"{server_a.url}/hicache/storage-backend", headers=ADMIN, timeout=60)
+    r = request(server_a, "DELETE", "/hicache/storage-backend", idempotent=False, headers=ADMIN)
     assert r.status_code == 200, r.text
     assert not any(k.startswith("sgl1.") for k in pool_keys(meta)), "close() left objects in the pool"
     plain = generate(server_a, prompt(8))
     assert plain["storage"] == 0 and plain["backend"] is None, plain
 
-    r = requests.put(f"{server_a.url}/hicache/storage-backend", headers=ADMIN, timeout=120, json={
+    r = request(server_a, "PUT", "/hicache/storage-backend", idempotent=False, headers=ADMIN, timeout=120, json={
         "hicache_storage_backend": "npu_memcache",
         "hicache_storage_backend_extra_config_json": json.dumps(server_a.extra_config)})
     assert r.status_code == 200, r.text

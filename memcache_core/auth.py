@@ -1,0 +1,163 @@
+"""Pool authentication: one secret per pool, a challenge-response on every connection.
+
+Every TCP plane (control, config store, data) starts with a mutual HMAC-SHA256 handshake before a
+single request byte is decoded or a buffer sized by the peer is allocated:
+
+```
+server -> client   "MCA1" | nonce_s (32)
+client -> server   nonce_c (32) | HMAC(secret, "client" | nonce_s | nonce_c)
+server -> client   HMAC(secret, "server" | nonce_s | nonce_c)
+```
+
+The secret never crosses the wire; a peer without it learns nothing but a random nonce, and a client
+also proves the server knows the secret (no fake MetaService or data server). The admin HTTP server
+takes ``Authorization: Bearer <admin_token(secret)>`` on every route but ``/health``.
+
+The secret is a file (``auth_secret_path``, or ``MEMCACHE_SECRET_PATH``, or
+``~/.config/memcache/pool.secret``). A MetaService creates the default file (0600, 32 random bytes)
+when it is missing, so a single-host pool is authenticated with no configuration at all; for a pool
+across hosts, copy the file to each host (docs/security.md). ``auth_enable: false`` turns all of this
+off, for a single trusted host only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+
+from .errors import ConfigError, MemCacheError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"MCA1"
+NONCE = 32
+HANDSHAKE_TIMEOUT_S = 5.0
+SECRET_ENV = "MEMCACHE_SECRET_PATH"
+MIN_SECRET_BYTES = 16
+
+
+class AuthFailed(MemCacheError):
+    """The peer did not prove it holds the pool secret (or we could not)."""
+
+
+def default_secret_path() -> str:
+    return os.environ.get(SECRET_ENV) or os.path.join(os.path.expanduser("~"), ".config", "memcache",
+                                                      "pool.secret")
+
+
+def load_secret(path: str, create: bool = False) -> bytes:
+    """Read the pool secret; with ``create`` make it (0600, random) when the file does not exist."""
+    path = path or default_secret_path()
+    if create and not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass   # another MetaService made it first
+        else:
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            logger.info("created the pool secret %s (copy it to every host of the pool)", path)
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            raw = f.read(4096).strip()
+    except OSError as e:
+        raise ConfigError(f"auth_secret_path: cannot read the pool secret {path}: {e.strerror}") from e
+    if st.st_mode & 0o077:
+        logger.warning("auth_secret_path: %s is readable by other users (mode %o); chmod 600 it", path,
+                       st.st_mode & 0o777)
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ConfigError(f"auth_secret_path: {path} holds {len(raw)} bytes; a secret needs at least "
+                          f"{MIN_SECRET_BYTES}")
+    return raw
+
+
+def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    return hmac.new(secret, role + nonce_s + nonce_c, hashlib.sha256).digest()
+
+
+def admin_token(secret: bytes) -> str:
+    return hmac.new(secret, b"admin", hashlib.sha256).hexdigest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection during authentication")
+        buf += chunk
+    return bytes(buf)
+
+
+def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """Authenticate to a server on a blocking socket; raises AuthFailed or OSError."""
+    if secret is None:
+        return
+    old = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        hello = _recv_exact(sock, len(MAGIC) + NONCE)
+        if hello[:len(MAGIC)] != MAGIC:
+            raise AuthFailed("the server does not speak the authenticated protocol (auth_enable differs?)")
+        nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(NONCE)
+        sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
+        proof = _recv_exact(sock, 32)
+        if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c)):
+            raise AuthFailed("the server did not prove it holds the pool secret")
+    except ConnectionError as e:
+        raise AuthFailed(f"authentication refused (wrong pool secret?): {e}") from e
+    finally:
+        sock.settimeout(old)
+
+
+class ServerHandshake:
+    """The server side, incremental, for non-blocking servers: feed bytes, read ``done``/``failed``."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self.nonce_s = secrets.token_bytes(NONCE)
+        self.hello = MAGIC + self.nonce_s
+        self.buf = bytearray()
+        self.done = False
+        self.failed = False
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes]:
+        """Bytes received -> (bytes to send back, bytes left over after the handshake)."""
+        self.buf += data
+        need = NONCE + 32
+        if len(self.buf) < need:
+            return b"", b""
+        nonce_c, mac = bytes(self.buf[:NONCE]), bytes(self.buf[NONCE:need])
+        rest = bytes(self.buf[need:])
+        self.buf.clear()
+        if not hmac.compare_digest(mac, _mac(self.secret, b"client", self.nonce_s, nonce_c)):
+            self.failed = True
+            return b"", b""
+        self.done = True
+        return _mac(self.secret, b"server", self.nonce_s, nonce_c), rest
+
+
+def server_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
+    """Authenticate a client on a blocking socket. False (and nothing else read) if it fails."""
+    if secret is None:
+        return True
+    hs = ServerHandshake(secret)
+    old = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        sock.sendall(hs.hello)
+        reply, _ = hs.feed(_recv_exact(sock, NONCE + 32))
+        if hs.failed:
+            return False
+        sock.sendall(reply)
+        return True
+    except (OSError, ConnectionError):
+        return False
+    finally:
+        sock.settimeout(old)

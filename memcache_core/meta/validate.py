@@ -1,0 +1,93 @@
+"""Everything a peer says is checked here before the MetaService acts on it.
+
+Bounds keep every value encodable in a reply (msgpack integers are at most 64-bit) and every
+structure the table builds from a request proportional to what the peer is allowed to hold.
+A violation raises ``InvalidParameter`` (the caller answers with an error reply; the server goes on).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .. import protocol as p
+from ..config import WILDCARD_HOSTS
+from ..errors import InvalidParameter, check_key
+from ..layout import footprint
+
+MAX_U63 = (1 << 63) - 1
+MAX_U64 = (1 << 64) - 1
+MAX_SEGMENT_BYTES = 1 << 48
+MAX_OBJECT_BYTES = 1 << 40
+MAX_BATCH = 1 << 20
+MAX_REPLICAS = 8
+MAX_TEXT = 256
+SEGMENT_NAME = re.compile(r"^/(?:[A-Za-z0-9._-]+/)*memcache-\d+-[0-9a-f]{1,32}$")
+
+
+def _int(name: str, v: int, lo: int, hi: int) -> None:
+    if not lo <= v <= hi:
+        raise InvalidParameter(f"{name}: {v} is outside [{lo}, {hi}]")
+
+
+def _text(name: str, v: str) -> None:
+    if len(v) > MAX_TEXT:
+        raise InvalidParameter(f"{name}: longer than {MAX_TEXT} characters")
+
+
+def batch(keys: list[str], *others: list) -> None:
+    if len(keys) > MAX_BATCH:
+        raise InvalidParameter(f"a batch of {len(keys)} keys; at most {MAX_BATCH}")
+    for o in others:
+        if len(o) != len(keys):
+            raise InvalidParameter("a batch's lists differ in length")
+    for k in keys:
+        check_key(k)
+
+
+def segment(info: p.SegmentInfo) -> None:
+    _int("segment.size", info.size, 1 << 12, MAX_SEGMENT_BYTES)
+    _text("segment.host_id", info.host_id)
+    _text("segment.tag", info.tag)
+    if not SEGMENT_NAME.match(info.shm_path) or "/../" in info.shm_path:
+        raise InvalidParameter(f"segment.shm_path: {info.shm_path!r} is not a segment file path")
+    host, sep, port = info.data_addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or host in WILDCARD_HOSTS:
+        raise InvalidParameter(f"segment.data_addr: {info.data_addr!r} is not a reachable host:port")
+
+
+def join(req: p.Join) -> None:
+    _int("client_id", req.client_id, 0, MAX_U63)
+    _int("pid", req.pid, 0, (1 << 32) - 1)
+    _text("host_id", req.host_id)
+    if req.segment is None:
+        if req.objects:
+            raise InvalidParameter("objects reported without a segment")
+        return
+    segment(req.segment)
+    if len(req.objects) > req.segment.size // footprint(1):
+        raise InvalidParameter("more objects reported than the segment can hold")
+    for r in req.objects:
+        check_key(r.key)
+        _int("object.generation", r.generation, 1, MAX_U63)
+        _int("object.checksum", r.checksum, 0, MAX_U64)
+        _int("object.size", r.size, 1, MAX_OBJECT_BYTES)
+        _int("object.offset", r.offset, 0, req.segment.size - footprint(r.size))
+
+
+def alloc(req: p.Alloc) -> None:
+    batch(req.keys, req.sizes)
+    _int("replicas", req.replicas, 1, MAX_REPLICAS)
+    if len(req.preferred) > MAX_REPLICAS:
+        raise InvalidParameter(f"preferred: at most {MAX_REPLICAS} ids")
+    for s in req.sizes:
+        _int("size", s, 1, MAX_OBJECT_BYTES)
+
+
+def generations(gens: list[int]) -> None:
+    for g in gens:
+        _int("generation", g, 0, MAX_U63)
+
+
+def checksums(sums: list[int]) -> None:
+    for c in sums:
+        _int("checksum", c, 0, MAX_U64)

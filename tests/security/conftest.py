@@ -1,0 +1,90 @@
+"""Helpers for the adversarial suite: the integration fixtures (``meta``, ``stores``) plus raw sockets
+that speak (or fail to speak) the pool's handshake, the way an attacker on the same host would."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from memcache_core import protocol as p
+from memcache_core.auth import client_handshake, load_secret
+from memcache_core.rpc import RpcClient
+from tests.integration.conftest import StoreProcess, meta, stores  # noqa: F401 - fixtures re-exported
+
+HEAD = struct.Struct("<IQ")
+LAYOUT = [64 << 10, 16 << 10, 16 << 10]
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def secret() -> bytes:
+    return load_secret("")
+
+
+def rpc(ms: Any) -> RpcClient:
+    return RpcClient(ms.meta_service_url, 10.0, 0, secret())
+
+
+def addr_of(url: str) -> tuple[str, int]:
+    host, port = url.split("://", 1)[-1].rsplit(":", 1)
+    return host, int(port)
+
+
+def frame(req: p.Request, rid: int = 1) -> bytes:
+    body = p.request_encoder.encode(req)
+    return HEAD.pack(len(body), rid) + body
+
+
+def authed(addr: tuple[str, int], key: bytes | None = None) -> socket.socket:
+    """A connection that passed the handshake (with the pool's secret unless ``key`` is given)."""
+    s = socket.create_connection(addr, timeout=10)
+    client_handshake(s, secret() if key is None else key)
+    return s
+
+
+def ask(s: socket.socket, req: p.Request) -> p.Reply:
+    """One request on an authenticated raw socket; the decoded reply."""
+    s.sendall(frame(req))
+    head = recv_exact(s, HEAD.size)
+    n, _ = HEAD.unpack(head)
+    return p.reply_decoder.decode(recv_exact(s, n))
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_all(s: socket.socket, timeout_s: float) -> bytes:
+    """Everything the peer sends until it closes (or ``timeout_s`` passes: then AssertionError)."""
+    s.settimeout(timeout_s)
+    out = bytearray()
+    try:
+        while chunk := s.recv(1 << 16):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError as e:
+        raise AssertionError(f"the server kept the connection open {timeout_s}s") from e
+    return bytes(out)
+
+
+def encode_raw(msg: dict) -> bytes:
+    body = msgspec.msgpack.encode(msg)
+    return HEAD.pack(len(body), 1) + body

@@ -1,0 +1,121 @@
+"""No wrong bytes: a reader stalled across a MetaService restart, and a writer stalled past its pending
+deadline, never make a success code carry another object's (or stale) bytes."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import numpy as np
+import pytest
+
+from memcache_core import DistributedObjectStore, errors
+from memcache_core import protocol as p
+from memcache_core.layout import HEADER_BYTES
+from memcache_core.rpc import expect
+from memcache_core.testing import running_meta_service
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.integration
+
+SIZE = 64 << 10
+
+
+def _store(ms, device: int, init_bm: bool, **cfg) -> DistributedObjectStore:
+    s = DistributedObjectStore()
+    assert s.setup(ms.local_config(heartbeat_interval_ms=200, **cfg)) == 0
+    assert s.init(device, init_bm) == 0
+    return s
+
+
+def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects_bytes():
+    """Scenario: a reader looks K up (leased) and stalls; meanwhile the MetaService is killed (-9) and
+    restarted, the owner re-joins and reports K unleased, K is removed and J is put into its space.
+    The reader verifies no checksums, so only the lease grace of a recovered segment and the
+    validation of a read that outlived its lease stand between it and J's bytes: it gets a miss."""
+    with running_meta_service(lease_ttl_ms=2000, heartbeat_timeout_ms=1500) as ms:
+        owner = _store(ms, 0, True, dram_size="4MB")
+        reader = _store(ms, 1, False, checksum_verify_ratio=0.0)
+        try:
+            assert owner.put("K", b"k" * SIZE) == 0
+            k_loc = ms.http("/query_key?key=K")["locations"]
+            svc = reader._service()
+            real_read = svc.engine.read
+            landed: dict[str, float] = {}
+
+            def stalled_read(ops):
+                ms.kill()
+                ms.start()
+                rejoined = time.monotonic()
+                wait_for(lambda: owner.is_exist("K") == 1, 15, "the owner's re-join")
+                assert owner.remove("K") == 0
+                deadline = time.monotonic() + 15
+                while owner.put("J", b"j" * SIZE) != 0:
+                    assert time.monotonic() < deadline, "J never fit"
+                    time.sleep(0.05)
+                landed["after_s"] = time.monotonic() - rejoined
+                landed["same_space"] = ms.http("/query_key?key=J")["locations"] == k_loc
+                real_read(ops)
+
+            svc.engine.read = stalled_read
+            dst = np.zeros(SIZE, np.uint8)
+            assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+            rc = reader.get_into("K", dst.ctypes.data, SIZE)
+            assert rc != 0, "a success code for K after its space went to J"
+            # (the stalled copy did move J's bytes into dst: a failed get leaves its buffer undefined,
+            # what matters is that no success code ever vouches for them)
+            assert landed["same_space"]                 # the space really was reused ...
+            assert landed["after_s"] >= 1.9             # ... only once an old lease would have ended
+            svc.engine.read = real_read
+            got = np.zeros(SIZE, np.uint8)
+            assert reader.register_buffer(got.ctypes.data, got.nbytes) == 0
+            assert reader.get_into("J", got.ctypes.data, SIZE) == 0 and bytes(got) == b"j" * SIZE
+        finally:
+            reader.close()
+            owner.close()
+
+
+def test_late_writer_bytes_in_reclaimed_and_reused_space_are_a_miss():
+    """Scenario: a writer allocates ``late`` and stalls past ``pending_timeout_ms``; the MetaService
+    reclaims the space, quarantines it, then gives it to ``other``, which is put and committed. The
+    stalled writer wakes up, writes its bytes into the segment where ``late`` was and commits. The
+    commit is refused and readers of ``other`` get a miss (-3110), never the late bytes; a re-put
+    of ``other`` reads back byte-exact."""
+    with running_meta_service(pending_timeout_ms=300, lease_ttl_ms=500, heartbeat_timeout_ms=3000) as ms:
+        owner = _store(ms, 0, True, dram_size="4MB")
+        reader = _store(ms, 1, False)
+        try:
+            svc = owner._service()
+            a = expect(svc.rpc.call(p.Alloc(svc.client_id, svc.session.token, ["late"], [SIZE])),
+                       p.AllocReply).results[0]
+            assert a.code == 0
+            late_off = a.locations[0].offset
+            wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 10, "the reclaim")
+            assert owner.put("early", b"e" * SIZE) == 0      # while quarantined, the space is not given out
+            assert ms.http("/query_key?key=early")["locations"][0]["offset"] != late_off
+            assert owner.remove("early") == 0
+            wait_for(lambda: ms.http("/api/v1/capacity/usage")["used_bytes"] == 0, 10, "the quarantine's end")
+            assert owner.put("other", b"o" * SIZE) == 0
+            assert ms.http("/query_key?key=other")["locations"][0]["offset"] == late_off
+            fd = os.open(svc.segment.path, os.O_RDWR)          # the stalled writer's copy lands now
+            try:
+                with mmap.mmap(fd, svc.segment.size) as m:
+                    start = late_off + HEADER_BYTES
+                    m[start:start + SIZE] = b"L" * SIZE
+            finally:
+                os.close(fd)
+            codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["late"], [a.generation])),
+                           p.Codes).codes
+            assert codes == [errors.STATE_MISMATCH]
+            dst = np.zeros(SIZE, np.uint8)
+            assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+            assert reader.get_into("other", dst.ctypes.data, SIZE) == errors.CHECKSUM_MISMATCH
+            assert reader.get("other") == b""                  # reported and dropped: a miss from now on
+            assert reader.is_exist("late") == 0
+            assert owner.put("other", b"o" * SIZE) == 0
+            assert reader.get_into("other", dst.ctypes.data, SIZE) == 0 and bytes(dst) == b"o" * SIZE
+        finally:
+            reader.close()
+            owner.close()
