@@ -70,9 +70,14 @@ def start_pool(workdir: Path, dram: str) -> tuple[list[subprocess.Popen], str, s
          "dram_size": dram}))
     local = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service",
                               "--config_path", str(workdir / "local.json")])
+    from memcache_core.auth import admin_token, load_secret
+
+    # Admin routes take the pool's admin token (derived from the pool secret the MetaService uses).
+    req = urllib.request.Request(metrics_url + "/get_all_segments",
+                                 headers={"Authorization": f"Bearer {admin_token(load_secret(''))}"})
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(metrics_url + "/get_all_segments", timeout=2) as r:
+        with urllib.request.urlopen(req, timeout=2) as r:
             if json.load(r).get("segments"):
                 break
         time.sleep(0.1)

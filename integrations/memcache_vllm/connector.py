@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from memcache_vllm.config import ConnectorConfig, RolePolicy
-from memcache_vllm.metadata import MemCacheConnectorMetadata
+from memcache_vllm.metadata import MemCacheConnectorMetadata, MemCacheWorkerMetadata
 from memcache_vllm.scheduler import MemCacheScheduler
 from memcache_vllm.stats import MemCacheConnectorStats, MemCachePromMetrics, StatsRecorder
 from memcache_vllm.worker import MemCacheWorker
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
         PromMetricT,
     )
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -81,14 +84,18 @@ class MemCacheConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        # The worker's key namespace, computed from the KV caches it holds, for the scheduler.
+        return self._worker.handshake() if self._worker is not None else None
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, MemCacheConnectorMetadata):
-            self._worker.handle_preemptions(connector_metadata)
+            self._worker.begin_step(connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, MemCacheConnectorMetadata):
-            self._worker.handle_preemptions(kv_connector_metadata)
+            self._worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -111,6 +118,9 @@ class MemCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._stats.take()
 
@@ -121,6 +131,19 @@ class MemCacheConnector(KVConnectorBase_V1):
             self._scheduler.shutdown()
 
     # -- scheduler side --------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self._scheduler is not None:
+            self._scheduler.bind_gpu_block_pool(gpu_block_pool)
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake(metadata)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -138,7 +161,15 @@ class MemCacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(set(connector_output.invalid_block_ids or ()))
+        worker_meta = connector_output.kv_connector_worker_meta
+        self._scheduler.update_connector_output(
+            set(connector_output.invalid_block_ids or ()),
+            worker_meta if isinstance(worker_meta, MemCacheWorkerMetadata) else None)
+
+    def reset_cache(self) -> bool | None:
+        # reset_prefix_cache(reset_connector=True), e.g. after a weight update.
+        assert self._scheduler is not None
+        return self._scheduler.reset_cache()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         assert self._scheduler is not None

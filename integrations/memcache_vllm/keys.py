@@ -1,92 +1,164 @@
-"""Pool keys for vLLM KV blocks.
+"""Pool keys for vLLM KV blocks: a namespace that names the bytes.
 
 A key names one block of one rank, all layers of that rank:
 
-    mc@<prefix>@<model>@<dtype>@b<block>@<layout digest>@tp<r>of<n>@pp<r>of<n>@<block hash hex>
+    mc@<tenant>@<label>@<namespace digest>@e<epoch>@tp<r>of<n>@pp<r>of<n>@<block name>
 
-``<block hash hex>`` is vLLM's chained block hash (it already identifies the whole prefix up to and
-including the block). Everything before it is the namespace: two instances share blocks only when
-model, KV dtype, block size, KV shape (layers, heads, head size), device type, block hash
-algorithm and rank layout all agree, so a
-different model or setting never reads another's bytes. Keys stay below the store's 256-byte limit.
+* ``<block name>`` is vLLM's chained block hash in hex (it identifies the whole token prefix up
+  to and including the block, plus LoRA name and path, cache salt and multimodal inputs), followed
+  by ``.l<digest>`` of the LoRA adapter's files for requests with an adapter (vLLM hashes only
+  the adapter's name and path, not its contents).
+* ``<namespace digest>`` is a SHA-256 over everything else that decides the bytes of a block
+  (``Namespace.factors``): the checkpoint's identity (resolved directory, or hub id and resolved
+  revision), the effective model config after ``hf_overrides`` (rope, window, ...), model dtype,
+  quantization, the logical KV-cache dtype, block size, KV shape, the KV-cache layout the workers
+  really hold (attention backend, resolved stride order, tensor shapes and strides), the block
+  hash algorithm, the device type, the parallel layout and the full ``cache_prefix``.
+* ``<tenant>`` (the ``cache_prefix``, sanitized, at most 32 characters) and ``<label>`` (the last
+  part of the model path, at most 32 characters) are for people reading keys; they are not
+  identity (the digest is). A served model name never enters the key.
+* ``<epoch>`` is ``0`` until ``reset_cache``; each reset draws a new random epoch, so the instance
+  never again reads a block written before the reset.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("vllm." + __name__)
 
 MAX_KEY_BYTES = 255
 _UNSAFE = re.compile(r"[^A-Za-z0-9._\-]")
+# Keys of a HF config that name where it was read from, not what it computes.
+_CONFIG_NOISE = ("_name_or_path", "name_or_path", "_commit_hash", "transformers_version")
+
+
+def _sanitize(text: str, limit: int) -> str:
+    return _UNSAFE.sub("_", text)[:limit]
+
+
+def checkpoint_identity(model: str, revision: str | None) -> str:
+    """What names the weights: a local directory by its resolved path, a hub model by its id and
+    resolved revision (the snapshot's commit when the hub cache has it)."""
+    if os.path.isdir(model):
+        return "dir:" + str(Path(model).resolve())
+    rev = revision or "main"
+    try:
+        from huggingface_hub import snapshot_download
+
+        snap = snapshot_download(model, revision=revision, local_files_only=True)
+        rev = Path(snap).name  # snapshots/<commit>
+    except Exception as exc:  # not in the local hub cache: the revision as given
+        logger.warning("MemCacheConnector: cannot resolve %s@%s to a commit (%s); the key namespace "
+                       "uses the revision as given, pin --revision to share a pool safely",
+                       model, rev, exc)
+    return f"hub:{model}@{rev}"
+
+
+def model_config_factors(mc: Any) -> dict[str, Any]:
+    """The model settings that change KV bytes, from a vLLM ``ModelConfig``.
+
+    Not ``ModelConfig.compute_hash()``: it also hashes settings that never change a block's bytes
+    (``max_model_len``, ``max_logprobs``, sleep mode, generation config), which would keep
+    instances that could share apart, and the model path unresolved.
+    """
+    hf = mc.hf_config
+    cfg = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    for key in _CONFIG_NOISE:
+        cfg.pop(key, None)
+    text_cfg = mc.hf_text_config
+    text = text_cfg.to_dict() if text_cfg is not hf and hasattr(text_cfg, "to_dict") else None
+    if text is not None:
+        for key in _CONFIG_NOISE:
+            text.pop(key, None)
+    quant_cfg = getattr(mc, "quantization_config", None)
+    return {
+        "checkpoint": checkpoint_identity(str(mc.model), getattr(mc, "revision", None)),
+        "model_weights": str(getattr(mc, "model_weights", "") or ""),
+        "code_revision": str(getattr(mc, "code_revision", None)),
+        "hf_config": cfg,
+        "hf_text_config": text,
+        "dtype": str(mc.dtype),
+        "quantization": str(getattr(mc, "quantization", None)),
+        "quantization_config": quant_cfg if quant_cfg is None or isinstance(quant_cfg, dict)
+        else str(quant_cfg),
+        "disable_sliding_window": bool(getattr(mc, "disable_sliding_window", False)),
+        "model_impl": str(getattr(mc, "model_impl", "auto")),
+    }
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
-class KeySpace:
-    """The key namespace of one vLLM deployment (model, KV layout, parallel layout)."""
+class Namespace:
+    """Everything that decides the bytes of a block, except the block's own tokens."""
 
-    model: str
-    kv_dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
+    label: str
+    tenant: str
+    factors_digest: str
+    """Digest of ``factors`` (model identity and config, KV dtype, block size, layout, ...)."""
     tp_size: int = 1
     pp_size: int = 1
-    prefix: str = ""
-    hash_algo: str = "sha256"
-    device: str = "cpu"
-    """Device type of the KV caches: CPU and GPU attention backends lay a block out differently."""
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: object, block_size: int, prefix: str = "") -> KeySpace:
-        """Build the namespace from a ``VllmConfig`` (same answer in the scheduler and workers)."""
-        mc = vllm_config.model_config  # type: ignore[attr-defined]
-        cc = vllm_config.cache_config  # type: ignore[attr-defined]
-        pc = vllm_config.parallel_config  # type: ignore[attr-defined]
-        dtype = str(cc.cache_dtype)
-        if dtype == "auto":
-            dtype = str(mc.dtype).removeprefix("torch.")
-        return cls(
-            model=str(mc.model).rstrip("/").split("/")[-1],
-            kv_dtype=dtype,
-            block_size=int(block_size),
-            num_layers=int(getattr(mc.hf_text_config, "num_hidden_layers", 0) or 0),
-            num_kv_heads=int(mc.get_total_num_kv_heads()),
-            head_size=int(mc.get_head_size()),
-            tp_size=int(pc.tensor_parallel_size),
-            pp_size=int(pc.pipeline_parallel_size),
-            prefix=prefix,
-            hash_algo=str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
-            device=str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")),
-        )
+    def build(cls, vllm_config: Any, block_size: int, cache_prefix: str, layout: str) -> Namespace:
+        """``layout``: the workers' KV-cache layout signature (``layout.layout_signature``)."""
+        mc = vllm_config.model_config
+        cc = vllm_config.cache_config
+        pc = vllm_config.parallel_config
+        factors = {
+            "model": model_config_factors(mc),
+            "kv_cache_dtype": str(cc.cache_dtype),
+            "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
+            "block_size": int(block_size),
+            "num_kv_heads": int(mc.get_total_num_kv_heads()),
+            "head_size": int(mc.get_head_size()),
+            "hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
+            "device": str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")),
+            "layout": layout,
+            "tp_size": int(pc.tensor_parallel_size),
+            "pp_size": int(pc.pipeline_parallel_size),
+            "cache_prefix": cache_prefix,
+        }
+        return cls(label=_sanitize(str(mc.model).rstrip("/").split("/")[-1], 32),
+                   tenant=_sanitize(cache_prefix, 32), factors_digest=_digest(factors),
+                   tp_size=factors["tp_size"], pp_size=factors["pp_size"])
+
+    @property
+    def head(self) -> str:
+        """The part of every key before the epoch (what ``reset_cache`` removes)."""
+        tenant = f"{self.tenant}@" if self.tenant else ""
+        return f"mc@{tenant}{self.label}@{self.factors_digest[:20]}@"
 
     @property
     def ranks(self) -> list[tuple[int, int]]:
         """Every (tp_rank, pp_rank) that stores a share of each block."""
         return [(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
 
-    def _digest(self) -> str:
-        shape = (f"{self.num_layers}/{self.num_kv_heads}/{self.head_size}/{self.hash_algo}/{self.device}/"
-                 f"{self.model}/{self.kv_dtype}/{self.block_size}/{self.tp_size}/{self.pp_size}")
-        return hashlib.sha256(shape.encode()).hexdigest()[:12]
+    def epoch_head(self, epoch: str) -> str:
+        return f"{self.head}e{epoch}@"
 
-    def rank_prefix(self, tp_rank: int, pp_rank: int) -> str:
-        """Everything of a key but the block hash, for one rank."""
-        head = "mc@"
-        if self.prefix:
-            head += _UNSAFE.sub("_", self.prefix)[:32] + "@"
-        model = _UNSAFE.sub("_", self.model)[:64]
-        return (f"{head}{model}@{self.kv_dtype}@b{self.block_size}@{self._digest()}"
-                f"@tp{tp_rank}of{self.tp_size}@pp{pp_rank}of{self.pp_size}@")
+    def rank_prefix(self, epoch: str, tp_rank: int, pp_rank: int) -> str:
+        """Everything of a key but the block name, for one rank."""
+        return f"{self.epoch_head(epoch)}tp{tp_rank}of{self.tp_size}@pp{pp_rank}of{self.pp_size}@"
 
-    def keys(self, block_hashes: Sequence[str], tp_rank: int, pp_rank: int) -> list[str]:
-        """Keys of ``block_hashes`` (hex strings) for one rank."""
-        head = self.rank_prefix(tp_rank, pp_rank)
-        out = [head + h for h in block_hashes]
-        if out and len(out[0].encode()) > MAX_KEY_BYTES:
-            raise ValueError(f"pool key too long ({len(out[0])} bytes): {out[0][:80]}...")
+    def keys(self, epoch: str, names: Sequence[str], tp_rank: int, pp_rank: int) -> list[str]:
+        """Keys of the blocks ``names`` (``block_names``) for one rank."""
+        head = self.rank_prefix(epoch, tp_rank, pp_rank)
+        out = [head + n for n in names]
+        for key in out:
+            if len(key.encode()) > MAX_KEY_BYTES:
+                raise ValueError(f"pool key too long ({len(key)} bytes): {key[:80]}...")
         return out
 
 
@@ -98,3 +170,36 @@ def block_hashes_hex(request_hashes: Sequence[bytes], start: int, end: int, rati
     identify the whole prefix).
     """
     return [bytes(request_hashes[(i + 1) * ratio - 1]).hex() for i in range(start, end)]
+
+
+class AdapterDigests:
+    """Digests of LoRA adapters' files, cached while their names, sizes and mtimes are unchanged."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[tuple, str]] = {}
+
+    def tag(self, lora_path: str) -> str:
+        root = Path(lora_path)
+        files = sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file())
+        stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+        if not files:
+            raise FileNotFoundError(f"LoRA adapter {lora_path}: no files to identify it by")
+        hit = self._cache.get(lora_path)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        h = hashlib.sha256()
+        for p in files:
+            h.update(str(p.relative_to(root) if p != root else p.name).encode() + b"\0")
+            with open(p, "rb") as f:
+                for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(chunk)
+        digest = h.hexdigest()[:16]
+        self._cache[lora_path] = (stamp, digest)
+        return digest
+
+
+def block_names(hashes_hex: Sequence[str], adapter_tag: str | None) -> list[str]:
+    """Block names in keys: the block hash, plus the adapter's content digest for LoRA requests."""
+    if adapter_tag is None:
+        return list(hashes_hex)
+    return [f"{h}.l{adapter_tag}" for h in hashes_hex]

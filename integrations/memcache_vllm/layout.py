@@ -169,3 +169,33 @@ def describe(kv_caches: dict[str, Any], num_blocks: int) -> BlockLayout:
     logger.info("MemCacheConnector: %d KV tensors on %s, %d pieces and %d bytes per block",
                 len(layout.layers), layout.device, layout.pieces_per_block, layout.block_bytes)
     return layout
+
+
+def tensor_signature(t: torch.Tensor, num_blocks: int) -> str:
+    """A tensor's logical shape (the block dimension as ``B``), dtype and physical dimension order.
+
+    Backends present the KV cache in their logical shape and permute memory by a stride order
+    (NHD vs HND): two tensors of equal shape whose dimensions lie in memory in a different order
+    hold a block's bytes in a different order, and get different signatures.
+    """
+    shape = ["B" if n == num_blocks else str(n) for n in t.shape]
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return f"{str(t.dtype).removeprefix('torch.')}[{','.join(shape)}]order{''.join(map(str, order))}"
+
+
+def layout_signature(kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                     backends: list[str], resolved_layout: str | None) -> str:
+    """What decides the byte order of a block: attention backend(s), vLLM's resolved KV-cache
+    layout, and every distinct per-layer tensor signature. Part of the key namespace."""
+    tensors = sorted({tensor_signature(t, num_blocks) for t in kv_caches.values()})
+    return f"{'+'.join(sorted(set(backends))) or '?'}|{resolved_layout or '?'}|{';'.join(tensors)}"
+
+
+def current_layout_signature(vllm_config: Any, kv_caches: dict[str, torch.Tensor],
+                             num_blocks: int) -> str:
+    """``layout_signature`` of this worker's registered KV caches (vLLM worker process)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = [b.get_name() for b in get_current_attn_backends(vllm_config, list(kv_caches))]
+    resolved = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    return layout_signature(kv_caches, num_blocks, backends, resolved)

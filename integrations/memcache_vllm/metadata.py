@@ -1,32 +1,54 @@
-"""What the scheduler side tells the workers each step (``KVConnectorMetadata``).
+"""What the two sides of the connector tell each other.
 
-Block hashes travel as hex strings; each worker prefixes them with its own rank's namespace.
+* ``MemCacheHandshake`` (worker -> scheduler, once, after the KV caches are registered): the
+  worker's key namespace, computed from the KV caches it really holds; the scheduler looks up
+  under exactly that namespace.
+* ``MemCacheConnectorMetadata`` (scheduler -> workers, every step): loads, saves, preemptions,
+  the namespace epoch, acknowledged load failures and keys to remove.
+* ``MemCacheWorkerMetadata`` (workers -> scheduler, every step): each rank's load-failure epoch.
+
+Blocks travel as block names (``keys.block_names``); each worker prefixes them with its own rank's
+namespace.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from memcache_vllm.keys import Namespace
+
+
+@dataclass
+class MemCacheHandshake(KVConnectorHandshakeMetadata):
+    namespace: Namespace
 
 
 @dataclass
 class LoadJob:
-    """Load ``block_hashes[i]`` into vLLM block ``block_ids[i]`` for one request."""
+    """Load block ``names[i]`` into vLLM block ``block_ids[i]`` for one request."""
 
     req_id: str
     block_ids: list[int]
-    block_hashes: list[str]
+    names: list[str]
     is_async: bool
 
 
 @dataclass
 class SaveJob:
-    """Save vLLM blocks ``block_ids[i]`` (full, computed) under ``block_hashes[i]``."""
+    """Save vLLM blocks ``block_ids[i]`` (full, computed) under ``names[i]``."""
 
     req_id: str
     block_ids: list[int]
-    block_hashes: list[str]
+    names: list[str]
+    context_block_ids: list[int]
+    """Every block of the request up to the last one saved: the blocks the computation of the saved
+    blocks read. A save is fenced while any of them failed to load."""
 
 
 @dataclass
@@ -36,6 +58,27 @@ class MemCacheConnectorMetadata(KVConnectorMetadata):
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests whose blocks were freed by preemption this step: their in-flight saves must end
     before the forward that may overwrite those blocks."""
+    epoch: str = "0"
+    """The namespace epoch of this step's keys (changes on ``reset_cache``)."""
+    handled_failures: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Per (tp_rank, pp_rank): the last load-failure epoch the scheduler has handled (vLLM has
+    rescheduled the affected requests); the rank lifts the fence on failures up to it."""
+    remove: dict[str, list[str]] = field(default_factory=dict)
+    """Block names (per request) saved from steps that may have read a failed block: every rank
+    waits for that request's in-flight saves, then removes its keys of these blocks (current
+    epoch)."""
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.preempted_req_ids)
+        return not (self.loads or self.saves or self.preempted_req_ids or self.remove)
+
+
+@dataclass
+class MemCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    failure_epochs: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Per (tp_rank, pp_rank): the epoch of the last load failure the rank reported."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, MemCacheWorkerMetadata):
+            for rank, epoch in other.failure_epochs.items():
+                self.failure_epochs[rank] = max(epoch, self.failure_epochs.get(rank, 0))
+        return self

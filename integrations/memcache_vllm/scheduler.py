@@ -6,23 +6,42 @@ covering every rank's key of every candidate block. The hit is the longest run o
 right after vLLM's local hit, whose keys exist for all ranks; it never includes the last prompt
 token (vLLM must compute it to sample).
 
+Keys use the namespace the workers computed from the KV caches they hold (``MemCacheHandshake``,
+received once before serving); until it arrives every lookup is a miss.
+
 Each step it tells the workers which blocks to load (from ``update_state_after_alloc``) and which
 newly filled blocks to save. Save bookkeeping keeps the source blocks alive: a request with
 saves issued is freed only when the workers report its saves done (``request_finished`` returns
 True), and preempted requests are passed on so the workers finish their in-flight saves before
 the next forward can overwrite the freed blocks.
+
+Load failures: when workers report blocks that did not load, vLLM reschedules every request whose
+computed blocks include one; afterwards (``update_connector_output``) this side acknowledges the
+ranks' failure epochs (lifting their save fences), rewinds those requests' saves to the first
+failed block, and names the blocks already handed to saves after it for removal.
+
+``reset_cache`` (``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update) moves to a
+new random namespace epoch, so no block written before is ever read again, and removes the old
+epochs' keys from the pool.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from memcache_vllm.config import ConnectorConfig, RolePolicy
-from memcache_vllm.keys import KeySpace, block_hashes_hex
-from memcache_vllm.metadata import LoadJob, MemCacheConnectorMetadata, SaveJob
+from memcache_vllm.keys import AdapterDigests, Namespace, block_hashes_hex, block_names
+from memcache_vllm.metadata import (
+    LoadJob,
+    MemCacheConnectorMetadata,
+    MemCacheHandshake,
+    MemCacheWorkerMetadata,
+    SaveJob,
+)
 from memcache_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
@@ -55,6 +74,9 @@ class _SaveTracker:
     """Blocks below this are computed elsewhere (local or pool hit) or already handed to a save."""
     has_saves: bool = False
     """Saves were issued since the request's last preemption (its free must wait for them)."""
+    issued: dict[int, str] = field(default_factory=dict)
+    """Block index -> block name of every block handed to a save (removed again if it turns out
+    to have been computed over a block that failed to load)."""
 
 
 class PoolClient:
@@ -100,6 +122,15 @@ class PoolClient:
             self._down_until = now + self._cfg.lookup_retry_s
         return codes
 
+    def remove_by_prefix(self, prefix: str) -> int:
+        """Remove every key under ``prefix``; the count removed, or a negative error code."""
+        if self._store is None:
+            self._store = self._connect()
+        remove = getattr(self._store, "remove_by_prefix", None)
+        if remove is None:
+            raise RuntimeError("this memcache_core has no remove_by_prefix")
+        return int(remove(prefix))
+
     def close(self) -> None:
         if self._store is not None:
             try:
@@ -109,15 +140,41 @@ class PoolClient:
             self._store = None
 
 
+
+_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def check_kv_cache_config(kv_cache_config: Any) -> None:
+    """Refuse, at start-up, models whose KV cache the connector cannot serve correctly.
+
+    One KV-cache group of full attention only. Sliding-window and chunked-local attention groups
+    replace blocks outside the window with vLLM's shared null block (block 0): loading into it or
+    saving it under a real block hash corrupts the engine and the pool. A model that mixes full and
+    sliding layers runs when vLLM's hybrid allocator is off (the connector turns it off): every
+    layer then keeps all its blocks (``FullAttentionSpec`` with ``sliding_window``).
+    """
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    if len(groups) != 1:
+        raise ValueError(f"MemCacheConnector supports one KV-cache group, got {len(groups)} "
+                         "(hybrid models are not supported)")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind not in _SUPPORTED_SPECS:
+        raise ValueError(
+            f"MemCacheConnector cannot serve this model: its KV cache is {kind} (sliding-window or "
+            "chunked-local attention on every layer keeps only the blocks inside the window and "
+            "pads the rest with vLLM's null block, which a pool must never load into or save). "
+            "Supported: full attention (also MLA, and models mixing full and sliding layers with "
+            "the hybrid KV-cache manager off). Serve this model without the connector, or with "
+            "--disable-sliding-window.")
+
+
 class MemCacheScheduler:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig,
                  policy: RolePolicy, stats: StatsRecorder) -> None:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
-        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        if len(groups) != 1:
-            raise ValueError(f"MemCacheConnector supports one KV-cache group, got {len(groups)} "
-                             "(hybrid models are not supported)")
+        check_kv_cache_config(kv_cache_config)
         self.block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         if self.block_size % hash_block_size:
             raise ValueError(f"block size {self.block_size} is not a multiple of the hash block size "
@@ -126,25 +183,59 @@ class MemCacheScheduler:
         self._cfg = cfg
         self._policy = policy
         self._stats = stats
-        self.space = KeySpace.from_vllm_config(vllm_config, self.block_size, cfg.cache_prefix)
+        self.namespace: Namespace | None = None
+        """The workers' namespace (handshake); None until they sent it: every lookup misses."""
+        self.epoch = "0"
+        self._stale_heads: list[str] = []
+        """Key heads of epochs left by ``reset_cache`` whose keys are not yet removed."""
         self._client = PoolClient(cfg)
+        self._adapters = AdapterDigests()
+        self._null_block_id = 0
         self._requests: dict[str, Request] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._trackers: dict[str, _SaveTracker] = {}
         self._pending_loads: list[LoadJob] = []
-        logger.info("MemCacheConnector scheduler: %s, load=%s save=%s load_async=%s save_async=%s",
-                    self.space.rank_prefix(0, 0), policy.can_load, policy.can_save,
-                    cfg.load_async, cfg.save_async)
+        self._handled_failures: dict[tuple[int, int], int] = {}
+        self._pending_removals: dict[str, list[str]] = {}
+        logger.info("MemCacheConnector scheduler: load=%s save=%s load_async=%s save_async=%s",
+                    policy.can_load, policy.can_save, cfg.load_async, cfg.save_async)
 
-    # -- lookups ---------------------------------------------------------------------------
+    def bind_gpu_block_pool(self, block_pool: Any) -> None:
+        null = getattr(block_pool, "null_block", None)
+        if null is not None:
+            self._null_block_id = int(null.block_id)
+
+    def set_handshake(self, metadata: dict[Any, Any]) -> None:
+        """The workers' namespaces (one per rank): they must agree."""
+        spaces = {m.namespace for m in metadata.values() if isinstance(m, MemCacheHandshake)}
+        if len(spaces) != 1:
+            raise ValueError(f"MemCacheConnector: workers report {len(spaces)} key namespaces "
+                             f"({spaces}); every rank must hold the same KV layout")
+        self.namespace = spaces.pop()
+        logger.info("MemCacheConnector scheduler: keys %s<block>",
+                    self.namespace.rank_prefix(self.epoch, 0, 0))
+
+    # -- names -----------------------------------------------------------------------------
 
     def _num_hashed_blocks(self, request: Request) -> int:
         return len(request.block_hashes) // self._ratio
 
+    def _adapter_tag(self, request: Request) -> str | None:
+        lora = getattr(request, "lora_request", None)
+        if not lora:
+            return None
+        return self._adapters.tag(str(lora.lora_path))
+
+    def _names(self, request: Request, start: int, end: int) -> list[str]:
+        return block_names(block_hashes_hex(request.block_hashes, start, end, self._ratio),
+                           self._adapter_tag(request))
+
+    # -- lookups ---------------------------------------------------------------------------
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
-        if not self._policy.can_load:
+        if not self._policy.can_load or self.namespace is None:
             return 0, False
         start = num_computed_tokens // self.block_size
         # The last prompt token is always computed, so the block holding it is never loaded.
@@ -163,13 +254,19 @@ class MemCacheScheduler:
         return tokens, self._cfg.load_async
 
     def _lookup(self, request: Request, start: int, end: int) -> int:
-        hashes = block_hashes_hex(request.block_hashes, start, end, self._ratio)
-        ranks = self.space.ranks
+        assert self.namespace is not None
+        try:
+            names = self._names(request, start, end)
+        except OSError as exc:
+            logger.warning("MemCacheConnector: LoRA adapter of %s cannot be identified (%s): a miss",
+                           request.request_id, exc)
+            return 0
+        ranks = self.namespace.ranks
         keys: list[str] = []
         for tp_rank, pp_rank in ranks:
-            keys.extend(self.space.keys(hashes, tp_rank, pp_rank))
+            keys.extend(self.namespace.keys(self.epoch, names, tp_rank, pp_rank))
         codes = self._client.exists(keys)
-        n = len(hashes)
+        n = len(names)
         if codes is None:
             self._stats.add(lookups=1, lookup_errors=1)
             return 0
@@ -186,37 +283,56 @@ class MemCacheScheduler:
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
+        # Admitted: the cached lookup answered a waiting request; once preempted and waiting again,
+        # the request must be asked anew (its blocks may have been saved since).
+        lookup = self._lookups.pop(rid, None)
         if num_external_tokens <= 0:
             return
-        lookup = self._lookups.pop(rid, None)
         n = num_external_tokens // self.block_size
         if lookup is None or num_external_tokens % self.block_size or n > lookup.hit_blocks:
             # vLLM would treat blocks as loaded that nobody loads: refuse rather than serve garbage.
             raise RuntimeError(f"MemCacheConnector: request {rid} was allocated {num_external_tokens} "
                                f"external tokens that no lookup promised ({lookup})")
         start, end = lookup.start_block, lookup.start_block + n
-        block_ids = blocks.get_block_ids()[0][start:end]
-        hashes = block_hashes_hex(request.block_hashes, start, end, self._ratio)
-        self._pending_loads.append(LoadJob(rid, list(block_ids), hashes, self._cfg.load_async))
+        block_ids = list(blocks.get_block_ids()[0][start:end])
+        if self._null_block_id in block_ids:
+            raise RuntimeError(f"MemCacheConnector: request {rid} would load into vLLM's null block")
+        self._pending_loads.append(LoadJob(rid, block_ids, self._names(request, start, end),
+                                           self._cfg.load_async))
         tracker = self._trackers.setdefault(rid, _SaveTracker())
         tracker.block_ids = list(blocks.get_block_ids()[0])
         tracker.next_block = max(tracker.next_block, end)
 
-    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
-        """Blocks that failed to load are recomputed by vLLM: save them again once they are."""
-        if not invalid_block_ids:
-            return
-        for tracker in self._trackers.values():
-            for i, block_id in enumerate(tracker.block_ids[:tracker.next_block]):
-                if block_id in invalid_block_ids:
-                    tracker.next_block = i
-                    break
+    def update_connector_output(self, invalid_block_ids: set[int],
+                                worker_meta: MemCacheWorkerMetadata | None) -> None:
+        """Called after vLLM rescheduled the requests that read a block which failed to load.
+
+        Their saves restart at the first failed block (they are saved again once recomputed),
+        blocks already handed to saves after it are named for removal, and the ranks' failure
+        epochs are acknowledged so that their save fences lift from the next step on.
+        """
+        if invalid_block_ids:
+            for rid, tracker in self._trackers.items():
+                for i, block_id in enumerate(tracker.block_ids[:tracker.next_block]):
+                    if block_id in invalid_block_ids:
+                        tracker.next_block = i
+                        poisoned = sorted(j for j in tracker.issued if j > i)
+                        if poisoned:
+                            self._pending_removals.setdefault(rid, []).extend(
+                                tracker.issued.pop(j) for j in poisoned)
+                        break
+        if worker_meta is not None:
+            for rank, epoch in worker_meta.failure_epochs.items():
+                self._handled_failures[rank] = max(epoch, self._handled_failures.get(rank, 0))
 
     # -- saves -----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MemCacheConnectorMetadata:
-        meta = MemCacheConnectorMetadata(loads=self._pending_loads)
+        meta = MemCacheConnectorMetadata(loads=self._pending_loads, epoch=self.epoch,
+                                         handled_failures=dict(self._handled_failures),
+                                         remove=self._pending_removals)
         self._pending_loads = []
+        self._pending_removals = {}
         meta.preempted_req_ids = set(scheduler_output.preempted_req_ids or ())
         for rid in meta.preempted_req_ids:
             tracker = self._trackers.get(rid)
@@ -224,7 +340,7 @@ class MemCacheScheduler:
                 # The workers finish its in-flight saves before this step's forward.
                 tracker.has_saves = False
                 tracker.block_ids = []
-        if not self._policy.can_save:
+        if not self._policy.can_save or self.namespace is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -258,8 +374,21 @@ class MemCacheScheduler:
         if limit <= tracker.next_block:
             return
         start = tracker.next_block
-        meta.saves.append(SaveJob(rid, tracker.block_ids[start:limit],
-                                  block_hashes_hex(request.block_hashes, start, limit, self._ratio)))
+        block_ids = tracker.block_ids[start:limit]
+        if self._null_block_id in block_ids:
+            logger.error("MemCacheConnector: request %s has vLLM's null block among blocks to save; "
+                         "not saving them", rid)
+            tracker.next_block = limit
+            return
+        try:
+            names = self._names(request, start, limit)
+        except OSError as exc:
+            logger.warning("MemCacheConnector: LoRA adapter of %s cannot be identified (%s): "
+                           "not saving", rid, exc)
+            tracker.next_block = limit
+            return
+        meta.saves.append(SaveJob(rid, block_ids, names, tracker.block_ids[:limit]))
+        tracker.issued.update(zip(range(start, limit), names, strict=True))
         tracker.next_block = limit
         tracker.has_saves = True
 
@@ -270,6 +399,43 @@ class MemCacheScheduler:
         tracker = self._trackers.pop(rid, None)
         delay_free = bool(tracker and tracker.has_saves and self._cfg.save_async)
         return delay_free, None
+
+    # -- reset -----------------------------------------------------------------------------
+
+    def reset_cache(self) -> bool:
+        """Never read a block written before this call again, and remove the old blocks.
+
+        The namespace moves to a new random epoch at once (the next step's loads, saves and every
+        later lookup use it; a random epoch cannot meet another instance's). Then every epoch left
+        behind is removed from the pool with one ``remove_by_prefix`` each. Returns True when
+        the old keys are gone; False when the removal failed (they stay unreachable for this
+        instance, and the next reset retries them).
+        """
+        if self.namespace is None:
+            logger.error("MemCacheConnector: reset_cache before the workers sent their namespace")
+            return False
+        self._stale_heads.append(self.namespace.epoch_head(self.epoch))
+        self.epoch = os.urandom(8).hex()
+        self._lookups.clear()
+        self._stats.add(resets=1)
+        logger.info("MemCacheConnector: reset_cache: namespace epoch now %s", self.epoch)
+        ok = True
+        for head in list(self._stale_heads):
+            try:
+                removed = self._client.remove_by_prefix(head)
+            except Exception as exc:
+                logger.error("MemCacheConnector: reset_cache could not remove keys under %s: %s",
+                             head, exc)
+                ok = False
+                continue
+            if removed < 0:
+                logger.error("MemCacheConnector: reset_cache: remove_by_prefix(%s) returned %d",
+                             head, removed)
+                ok = False
+                continue
+            logger.info("MemCacheConnector: reset_cache removed %d keys under %s", removed, head)
+            self._stale_heads.remove(head)
+        return ok
 
     def shutdown(self) -> None:
         self._client.close()

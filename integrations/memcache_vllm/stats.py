@@ -31,6 +31,9 @@ FIELDS: tuple[str, ...] = (
     "save_bytes",
     "save_failed_blocks",
     "save_time_s",
+    "save_fenced_blocks",   # blocks not saved: computed over a block that failed to load
+    "poisoned_removed",     # keys removed: saved from a step that read a block that failed to load
+    "resets",               # reset_cache calls (namespace epoch changes)
 )
 
 

@@ -9,6 +9,11 @@ key per block per rank (``batch_put_from_layers`` / ``batch_get_into_layers``).
   background thread and are reported through ``get_finished`` exactly once, failed or not.
   A block that does not load (missing, evicted, pool down) is reported through
   ``get_block_ids_with_load_errors`` no later than its request's completion, so vLLM recomputes it.
+* Failed loads fence saves: every failed block gets the rank's next failure epoch; a save whose
+  request's blocks up to the saved ones include a fenced block is skipped (it was computed over
+  bytes that did not load), until the scheduler acknowledges that epoch (vLLM has rescheduled the
+  affected requests, which recompute and save again). Keys the scheduler names as written from
+  such steps (by other ranks, or before the failure was known) are removed.
 * Saves: issued in ``wait_for_save`` after the forward filled the blocks. Asynchronous saves keep
   their source blocks alive: a finished request is reported in ``finished_sending`` only when its
   saves are done (the scheduler delays the free until then), and a preempted request's in-flight
@@ -25,9 +30,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from memcache_vllm.config import ConnectorConfig, RolePolicy
-from memcache_vllm.keys import KeySpace
-from memcache_vllm.layout import BlockLayout, DeviceStager, describe, staging_capacity
-from memcache_vllm.metadata import LoadJob, MemCacheConnectorMetadata
+from memcache_vllm.fence import LoadFailureFence
+from memcache_vllm.keys import Namespace
+from memcache_vllm.layout import (
+    BlockLayout,
+    DeviceStager,
+    current_layout_signature,
+    describe,
+    staging_capacity,
+)
+from memcache_vllm.metadata import (
+    LoadJob,
+    MemCacheConnectorMetadata,
+    MemCacheHandshake,
+    MemCacheWorkerMetadata,
+    SaveJob,
+)
 from memcache_vllm.stats import StatsRecorder
 
 logger = logging.getLogger("vllm." + __name__)
@@ -49,10 +67,9 @@ def _parallel_ranks() -> tuple[int, int]:
 class _Mover:
     """Moves blocks between the KV caches and the pool; thread-safe per direction."""
 
-    def __init__(self, store: Any, layout: BlockLayout, prefix: str, stats: StatsRecorder) -> None:
+    def __init__(self, store: Any, layout: BlockLayout, stats: StatsRecorder) -> None:
         self.store = store
         self.layout = layout
-        self.prefix = prefix
         self.stats = stats
         self._stagers: dict[str, DeviceStager] = {}
         if not layout.on_host:
@@ -68,13 +85,13 @@ class _Mover:
         step = self._stagers["load"].capacity if self._stagers else max(n, 1)
         return [range(i, min(i + step, n)) for i in range(0, n, step)]
 
-    def load(self, block_ids: list[int], hashes: list[str]) -> list[int]:
+    def load(self, block_ids: list[int], all_keys: list[str]) -> list[int]:
         """Load blocks; returns the ids of blocks that did not load."""
         t0 = time.perf_counter()
         failed: list[int] = []
         for part in self._chunks(len(block_ids)):
             ids = [block_ids[i] for i in part]
-            keys = [self.prefix + hashes[i] for i in part]
+            keys = [all_keys[i] for i in part]
             if self._stagers:
                 ptrs, sizes = zip(*(self._stagers["load"].pieces(s) for s in range(len(ids))), strict=False)
             else:
@@ -98,13 +115,14 @@ class _Mover:
                            len(failed), len(block_ids))
         return failed
 
-    def save(self, block_ids: list[int], hashes: list[str]) -> int:
+    def save(self, block_ids: list[int], all_keys: list[str]) -> int:
         """Save blocks; returns how many failed."""
         t0 = time.perf_counter()
         failed = 0
+        bad_codes: set[int] = set()
         for part in self._chunks(len(block_ids)):
             ids = [block_ids[i] for i in part]
-            keys = [self.prefix + hashes[i] for i in part]
+            keys = [all_keys[i] for i in part]
             if self._stagers:
                 self._stagers["save"].gather(ids)
                 ptrs, sizes = zip(*(self._stagers["save"].pieces(s) for s in range(len(ids))), strict=False)
@@ -116,12 +134,13 @@ class _Mover:
                 logger.warning("MemCacheConnector: save of %d blocks failed: %s", len(keys), exc)
                 codes = [-1] * len(keys)
             failed += sum(1 for c in codes if c != 0)
+            bad_codes.update(c for c in codes if c != 0)
         n_ok = len(block_ids) - failed
         self.stats.add(save_blocks=n_ok, save_bytes=n_ok * self.layout.block_bytes,
                        save_failed_blocks=failed, save_time_s=time.perf_counter() - t0)
         if failed:
-            logger.info("MemCacheConnector: %d of %d blocks not saved (pool full or down)",
-                        failed, len(block_ids))
+            logger.info("MemCacheConnector: %d of %d blocks not saved (codes %s)",
+                        failed, len(block_ids), sorted(bad_codes))
         return failed
 
 
@@ -130,14 +149,18 @@ class MemCacheWorker:
                  policy: RolePolicy, stats: StatsRecorder) -> None:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
+        from memcache_vllm.scheduler import check_kv_cache_config
+
+        check_kv_cache_config(kv_cache_config)
+        self._vllm_config = vllm_config
         self._cfg = cfg
         self._policy = policy
         self._stats = stats
         self._kv_cache_config = kv_cache_config
-        block_size, _ = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        self.space = KeySpace.from_vllm_config(vllm_config, block_size, cfg.cache_prefix)
+        self.block_size, _ = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         self.tp_rank, self.pp_rank = _parallel_ranks()
-        self.prefix = self.space.rank_prefix(self.tp_rank, self.pp_rank)
+        self.namespace: Namespace | None = None
+        self.epoch = "0"
         self._local_rank = int(getattr(vllm_config.parallel_config, "local_rank", 0) or 0)
         self._layout: BlockLayout | None = None
         self._mover: _Mover | None = None
@@ -152,7 +175,20 @@ class MemCacheWorker:
         self._finishing: set[str] = set()
         self._load_done: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
         self._invalid_blocks: set[int] = set()
-        self._unsafe_reqs: set[str] = set()
+        self._fence = LoadFailureFence()
+        self._begun: MemCacheConnectorMetadata | None = None
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return self.tp_rank, self.pp_rank
+
+    def key_prefix(self) -> str:
+        assert self.namespace is not None
+        return self.namespace.rank_prefix(self.epoch, self.tp_rank, self.pp_rank)
+
+    def keys(self, names: list[str]) -> list[str]:
+        assert self.namespace is not None
+        return self.namespace.keys(self.epoch, names, self.tp_rank, self.pp_rank)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -160,7 +196,15 @@ class MemCacheWorker:
         first = next(iter(kv_caches.values()))
         num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or first.shape[0])
         self._layout = describe(kv_caches, num_blocks)
+        signature = current_layout_signature(self._vllm_config, kv_caches, num_blocks)
+        self.namespace = Namespace.build(self._vllm_config, self.block_size, self._cfg.cache_prefix,
+                                         signature)
+        logger.info("MemCacheConnector worker tp%d pp%d: KV layout %s, keys %s<block>",
+                    self.tp_rank, self.pp_rank, signature, self.key_prefix())
         self._mover_or_none()
+
+    def handshake(self) -> MemCacheHandshake | None:
+        return MemCacheHandshake(self.namespace) if self.namespace is not None else None
 
     def _mover_or_none(self) -> _Mover | None:
         """The mover, joining the pool first if needed (retried every few seconds when it fails)."""
@@ -191,17 +235,60 @@ class MemCacheWorker:
         if rc != 0:
             store.close()
             raise ConnectionError(f"store init failed with code {rc}")
-        mover = _Mover(store, layout, self.prefix, self._stats)
+        mover = _Mover(store, layout, self._stats)
         for ptr, size in mover.regions():
             rc = store.register_buffer(ptr, size)
             if rc != 0:
                 store.close()
                 raise RuntimeError(f"register_buffer({ptr:#x}, {size}) failed with code {rc}")
         self._store = store
-        logger.info("MemCacheConnector worker tp%d pp%d joined %s (%s); keys %s<hash>",
+        logger.info("MemCacheConnector worker tp%d pp%d joined %s (%s)",
                     self.tp_rank, self.pp_rank, local.meta_service_url,
-                    f"contributing {local.dram_size}" if contributes else "client only", self.prefix)
+                    f"contributing {local.dram_size}" if contributes else "client only")
         return mover
+
+    # -- per step, before the forward --------------------------------------------------------
+
+    def begin_step(self, meta: MemCacheConnectorMetadata) -> None:
+        """Adopt the step's epoch, lift acknowledged fences, remove poisoned keys, and finish
+        in-flight saves of preempted requests before their blocks can be reused.
+
+        vLLM calls both ``handle_preemptions`` and ``bind_connector_metadata`` with the step's
+        metadata; the first call does the work."""
+        if meta is self._begun:
+            return
+        self._begun = meta
+        if meta.epoch != self.epoch:
+            logger.info("MemCacheConnector worker tp%d pp%d: namespace epoch %s -> %s",
+                        self.tp_rank, self.pp_rank, self.epoch, meta.epoch)
+            self.epoch = meta.epoch
+        handled = meta.handled_failures.get(self.rank)
+        if handled is not None:
+            self._fence.acknowledge(handled)
+        if meta.remove:
+            self._remove(meta.remove)
+        for rid in meta.preempted_req_ids:
+            self._wait_saves(rid)
+            self._reqs_with_saves.discard(rid)
+
+    def _remove(self, remove: dict[str, list[str]]) -> None:
+        for rid in remove:
+            self._wait_saves(rid)
+        keys = self.keys([n for names in remove.values() for n in names])
+        mover = self._mover_or_none()
+        if not keys or mover is None:
+            return
+        try:
+            codes = list(mover.store.remove_batch(keys))
+        except Exception as exc:
+            logger.error("MemCacheConnector: removing %d keys saved over a failed load failed: %s",
+                         len(keys), exc)
+            return
+        removed = sum(1 for c in codes if c == 0)
+        self._stats.add(poisoned_removed=removed)
+        logger.warning("MemCacheConnector worker tp%d pp%d: removed %d of %d keys saved from steps "
+                       "that read a block which failed to load", self.tp_rank, self.pp_rank,
+                       removed, len(keys))
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -209,27 +296,30 @@ class MemCacheWorker:
         sync_jobs = [j for j in meta.loads if not j.is_async]
         for job in meta.loads:
             if job.is_async:
-                self._load_pool.submit(self._load_async, job)
+                self._load_pool.submit(self._load_async, job, self.keys(job.names))
         if sync_jobs:
             ids = [b for j in sync_jobs for b in j.block_ids]
-            hashes = [h for j in sync_jobs for h in j.block_hashes]
-            failed = set(self._load(ids, hashes))
-            self._invalid_blocks.update(failed)
-            # This step's forward computes these requests on top of blocks that did not load:
-            # whatever it fills must not reach the pool (vLLM recomputes it, and it is saved then).
-            self._unsafe_reqs = {j.req_id for j in sync_jobs if failed.intersection(j.block_ids)}
+            keys = self.keys([n for j in sync_jobs for n in j.names])
+            self._failed(self._load(ids, keys))
 
-    def _load(self, block_ids: list[int], hashes: list[str]) -> list[int]:
+    def _failed(self, block_ids: list[int]) -> None:
+        """Blocks that did not load: reported to vLLM, and fenced (no save computed over them)."""
+        if not block_ids:
+            return
+        self._invalid_blocks.update(block_ids)
+        self._fence.fail(block_ids)
+
+    def _load(self, block_ids: list[int], keys: list[str]) -> list[int]:
         mover = self._mover_or_none()
         if mover is None:
             self._stats.add(load_failed_blocks=len(block_ids))
             return list(block_ids)
-        return mover.load(block_ids, hashes)
+        return mover.load(block_ids, keys)
 
-    def _load_async(self, job: LoadJob) -> None:
+    def _load_async(self, job: LoadJob, keys: list[str]) -> None:
         failed = list(job.block_ids)
         try:
-            failed = self._load(job.block_ids, job.block_hashes)
+            failed = self._load(job.block_ids, keys)
         except Exception:
             logger.exception("MemCacheConnector: asynchronous load of %s failed", job.req_id)
         finally:
@@ -237,26 +327,30 @@ class MemCacheWorker:
 
     # -- saves -----------------------------------------------------------------------------
 
+    def _is_fenced(self, job: SaveJob) -> bool:
+        return self._fence.fenced(job.context_block_ids)
+
     def wait_for_save(self, meta: MemCacheConnectorMetadata) -> None:
-        unsafe, self._unsafe_reqs = self._unsafe_reqs, set()
         if not meta.saves:
             return
         mover = self._mover_or_none()
         for job in meta.saves:
             if self._cfg.save_async:
                 self._reqs_with_saves.add(job.req_id)
-            if job.req_id in unsafe:
-                logger.info("MemCacheConnector: not saving %d blocks of %s computed over a failed load",
-                            len(job.block_ids), job.req_id)
+            if self._is_fenced(job):
+                logger.warning("MemCacheConnector: not saving %d blocks of %s: computed over a block "
+                               "that failed to load", len(job.block_ids), job.req_id)
+                self._stats.add(save_fenced_blocks=len(job.block_ids))
                 continue
             if mover is None:
                 self._stats.add(save_failed_blocks=len(job.block_ids))
                 continue
+            keys = self.keys(job.names)
             if not self._cfg.save_async or not mover.layout.on_host:
                 # Device caches are copied out through one staging buffer, in the step.
-                mover.save(job.block_ids, job.block_hashes)
+                mover.save(job.block_ids, keys)
                 continue
-            fut = self._save_pool.submit(mover.save, job.block_ids, job.block_hashes)
+            fut = self._save_pool.submit(mover.save, job.block_ids, keys)
             self._save_futures.setdefault(job.req_id, []).append(fut)
 
     def _wait_saves(self, req_id: str) -> None:
@@ -265,12 +359,6 @@ class MemCacheWorker:
                 fut.result()
             except Exception:
                 logger.exception("MemCacheConnector: save of %s failed", req_id)
-
-    def handle_preemptions(self, meta: MemCacheConnectorMetadata) -> None:
-        """Finish in-flight saves of preempted requests before their blocks can be reused."""
-        for rid in meta.preempted_req_ids:
-            self._wait_saves(rid)
-            self._reqs_with_saves.discard(rid)
 
     # -- completions -----------------------------------------------------------------------
 
@@ -291,12 +379,17 @@ class MemCacheWorker:
             except queue.Empty:
                 break
             recving.add(rid)
-            self._invalid_blocks.update(failed)
+            self._failed(failed)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()
         return out
+
+    def worker_meta(self) -> MemCacheWorkerMetadata | None:
+        """This rank's latest failure epoch, when it reported failures since the last call."""
+        epoch = self._fence.take_report()
+        return MemCacheWorkerMetadata({self.rank: epoch}) if epoch is not None else None
 
     def shutdown(self) -> None:
         self._save_pool.shutdown(wait=True)

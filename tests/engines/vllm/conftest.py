@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,6 +22,24 @@ from memcache_core.testing import running_meta_service
 if importlib.util.find_spec("vllm") is None:
     # Not the vLLM test environment (.ci/vllm_env.sh): nothing here can run.
     collect_ignore_glob = ["test_*.py"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_shm_dir() -> Iterator[None]:
+    """The pools of this session keep their segments in a directory of their own, so that a
+    LocalService of another build starting on the same host (whose stale-segment cleanup may judge
+    liveness differently) never unlinks them. Inherited by every process the tests start."""
+    if "MEMCACHE_SHM_DIR" in os.environ or not Path("/dev/shm").is_dir():
+        yield
+        return
+    path = Path("/dev/shm") / f"vllm-engine-tests-{os.getpid()}"
+    path.mkdir(exist_ok=True)
+    os.environ["MEMCACHE_SHM_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        del os.environ["MEMCACHE_SHM_DIR"]
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

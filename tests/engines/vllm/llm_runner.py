@@ -11,6 +11,11 @@ STEP: {"generate": [[token ids], ...], "max_tokens": N, "batch": false}
       {"wait_for_file": PATH}                               -> blocks until PATH exists (the test
                                                                 changes the world meanwhile)
       {"signal_file": PATH}                                 -> creates PATH
+      {"reset_prefix_cache": {"reset_connector": bool}}     -> the call's return value
+      {"scale_weights": {"match": "v_proj", "factor": F}}   -> multiplies every matching weight
+                                                                by F in the workers (a weight update)
+A STEP with "lora": [name, int id, path] generates with that LoRA adapter.
+SPEC may also carry "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank".
 OUT: {"steps": [[{"token_ids", "logprobs", "num_cached_tokens", "elapsed_s"}, ...] | null, ...],
       "metrics": {name: value}, "startup_s": float}
 
@@ -30,6 +35,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Same thread count with and without a connector, so logprobs are comparable bit for bit.
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+# Weight updates in tests send a function to the workers.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 def _metrics(llm: Any) -> dict[str, float]:
@@ -52,6 +59,9 @@ def main() -> None:
     )
     if spec.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
+    for key in ("hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank"):
+        if spec.get(key) is not None:
+            kwargs[key] = spec[key]
     if spec.get("kv_transfer_config"):
         from vllm.config import KVTransferConfig
 
@@ -72,6 +82,21 @@ def main() -> None:
             Path(step["signal_file"]).write_text("ok")
             result["steps"].append(None)
             continue
+        if "reset_prefix_cache" in step:
+            result["steps"].append(llm.reset_prefix_cache(**step["reset_prefix_cache"]))
+            continue
+        if "scale_weights" in step:
+            import functools
+
+            from weight_update import scale_weights
+
+            result["steps"].append(llm.apply_model(functools.partial(scale_weights, **step["scale_weights"])))
+            continue
+        lora = None
+        if step.get("lora"):
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(*step["lora"])
         params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=1,
                                 ignore_eos=True)
         outs = []
@@ -79,7 +104,8 @@ def main() -> None:
         produced = []
         for batch in batches:
             t = time.perf_counter()
-            got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False,
+                               lora_request=lora)
             produced.extend((out, time.perf_counter() - t) for out in got)
         for out, elapsed in produced:
             comp = out.outputs[0]

@@ -1,16 +1,23 @@
-"""The connector's parts without an engine: config, keys, KV layouts and the device staging path,
-moving real bytes through a real pool. Seconds, not minutes."""
+"""The connector's parts without an engine: config, key namespaces (from real vLLM configs), KV
+layouts, the load-failure fence and the device staging path, moving real bytes through a real
+pool. Seconds, not minutes."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from memcache_vllm.config import ConnectorConfig, RolePolicy
-from memcache_vllm.keys import MAX_KEY_BYTES, KeySpace, block_hashes_hex
-from memcache_vllm.layout import BlockLayout, DeviceStager
+from memcache_vllm.fence import LoadFailureFence
+from memcache_vllm.keys import MAX_KEY_BYTES, AdapterDigests, Namespace, block_hashes_hex, block_names
+from memcache_vllm.layout import BlockLayout, DeviceStager, layout_signature
+from memcache_vllm.metadata import MemCacheWorkerMetadata
 
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core.testing import running_meta_service
@@ -62,19 +69,166 @@ def test_roles() -> None:
 
 # -- keys --------------------------------------------------------------------------------------
 
-def test_namespace_separates_settings_and_ranks() -> None:
-    base = KeySpace(model="m", kv_dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
-                    head_size=64, tp_size=2)
-    h = ["ab" * 32]
-    variants = [base, KeySpace(**{**base.__dict__, "kv_dtype": "float32"}),
-                KeySpace(**{**base.__dict__, "block_size": 64}),
-                KeySpace(**{**base.__dict__, "num_layers": 3}),
-                KeySpace(**{**base.__dict__, "prefix": "tenant-a"})]
-    keys = {v.keys(h, 0, 0)[0] for v in variants} | {base.keys(h, 1, 0)[0]}
-    assert len(keys) == len(variants) + 1
-    assert base.ranks == [(0, 0), (1, 0)]
-    long = KeySpace(**{**base.__dict__, "model": "x" * 500, "prefix": "p" * 500})
-    assert len(long.keys(h, 0, 0)[0].encode()) <= MAX_KEY_BYTES
+@pytest.fixture(scope="module")
+def vllm_configs(tiny_model: str) -> Callable[..., Any]:
+    """Real ``VllmConfig`` objects of the tiny model, as vLLM builds them from engine arguments."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(model: str = tiny_model, **kwargs: Any) -> Any:
+        args = {"model": model, "block_size": 32, "dtype": "bfloat16", "max_model_len": 4096, **kwargs}
+        return EngineArgs(**args).create_engine_config()
+
+    return make
+
+
+LAYOUT = "CPU_ATTN|LBHNC|bfloat16[B,2,32,128]order0123"
+
+
+def head(cfg: Any, prefix: str = "", layout: str = LAYOUT) -> str:
+    return Namespace.build(cfg, 32, prefix, layout).rank_prefix("0", 0, 0)
+
+
+def test_namespace_names_the_checkpoint_not_its_name(vllm_configs, tiny_model: str,
+                                                     tmp_path: Path) -> None:
+    """Scenario (issue 15, item 3): two checkpoints in directories with the same last name, or a
+    checkpoint served under another name, are told apart by the resolved directory; the same
+    directory reached through a symlink is the same checkpoint."""
+    other = tmp_path / "b" / Path(tiny_model).name
+    shutil.copytree(tiny_model, other)
+    link = tmp_path / "link"
+    link.symlink_to(tiny_model)
+    base = head(vllm_configs())
+    assert head(vllm_configs(model=str(other))) != base
+    # The label (last path part, for people) differs; the identity does not.
+    assert Namespace.build(vllm_configs(model=str(link)), 32, "", LAYOUT).factors_digest == \
+        Namespace.build(vllm_configs(), 32, "", LAYOUT).factors_digest
+    assert head(vllm_configs(served_model_name=["someone-else"])) == base
+    assert Path(tiny_model).name[:20] in base, "the readable label stays"
+
+
+def test_namespace_covers_settings_that_change_kv_bytes(vllm_configs) -> None:
+    """Scenario (items 4 and 6): rope overrides, the model dtype, the KV-cache dtype (each fp8
+    variant apart) and the block size each give another namespace; settings that never change a
+    block's bytes (max_model_len, seed) do not."""
+    base = head(vllm_configs())
+    rope = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+    variants = {
+        "rope override": head(vllm_configs(hf_overrides=rope)),
+        "sliding window off": head(vllm_configs(disable_sliding_window=True)),
+        "float32": head(vllm_configs(dtype="float32")),
+        "fp8_e4m3": head(vllm_configs(kv_cache_dtype="fp8_e4m3")),
+        "fp8_e5m2": head(vllm_configs(kv_cache_dtype="fp8_e5m2")),
+    }
+    assert base not in variants.values()
+    assert len(set(variants.values())) == len(variants), variants
+    assert Namespace.build(vllm_configs(), 64, "", LAYOUT).head != Namespace.build(
+        vllm_configs(), 32, "", LAYOUT).head
+    assert head(vllm_configs(max_model_len=1024, seed=7)) == base
+
+
+def test_tenant_prefix_is_identity_in_full(vllm_configs) -> None:
+    """Scenario (item 8): cache_prefix values that sanitize or truncate to the same text are
+    still different tenants."""
+    cfg = vllm_configs()
+    assert head(cfg, "tenant/a") != head(cfg, "tenant_a")
+    long_a, long_b = "t" * 40 + "a", "t" * 40 + "b"
+    assert head(cfg, long_a) != head(cfg, long_b)
+    assert head(cfg, "tenant/a") == head(cfg, "tenant/a")
+    ns = Namespace.build(cfg, 32, "p" * 500, LAYOUT)
+    names = block_names(["ab" * 32], "f" * 16)
+    assert len(ns.keys("f" * 16, names, 7, 3)[0].encode()) <= MAX_KEY_BYTES
+
+
+def _per_layer_view(layout: Any, logical: tuple[int, ...]) -> torch.Tensor:
+    """A per-layer KV view of logical shape [B, H, N, C] laid out in memory as ``layout``."""
+    order = layout.layer_view_order
+    physical = torch.empty([logical[d] for d in order], dtype=torch.bfloat16)
+    inverse = [order.index(d) for d in range(len(order))]
+    return physical.permute(*inverse)
+
+
+@pytest.mark.parametrize("heads, block", [(8, 16), (16, 16)])
+def test_block_byte_order_of_the_backend_is_keyed(vllm_configs, heads: int, block: int) -> None:
+    """Scenario (item 9): two instances whose attention backends lay a block out as [H, N, C]
+    (HND) and [N, H, C] (NHD) hold a block's bytes in a different order; their keys differ, also
+    when the head count equals the block size (equal shapes). Equal layouts give equal keys."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    logical = (10, heads, block, 128)
+    hnd = {f"l{i}": _per_layer_view(KVCacheLayout.LBHNC, logical) for i in range(2)}
+    nhd = {f"l{i}": _per_layer_view(KVCacheLayout.LBNHC, logical) for i in range(2)}
+    assert hnd["l0"].shape == nhd["l0"].shape
+    sig_hnd = layout_signature(hnd, 10, ["FLASH_ATTN"], "LBHNC")
+    sig_nhd = layout_signature(nhd, 10, ["FLASH_ATTN"], "LBNHC")
+    assert sig_hnd != sig_nhd
+    # The tensors alone tell the orders apart, even if both backends claimed the same layout name.
+    assert layout_signature(hnd, 10, ["X"], None) != layout_signature(nhd, 10, ["X"], None)
+    again = {"l0": _per_layer_view(KVCacheLayout.LBHNC, logical)}
+    assert layout_signature(again, 10, ["FLASH_ATTN"], "LBHNC") == sig_hnd
+    cfg = vllm_configs()
+    assert head(cfg, layout=sig_hnd) != head(cfg, layout=sig_nhd)
+    # Each layout is still moved as whole, contiguous blocks.
+    for kv in (hnd, nhd):
+        assert BlockLayout(kv, 10).pieces_per_block == 2
+
+
+def test_lora_adapter_contents_are_keyed(tmp_path: Path) -> None:
+    """Scenario (item 11): vLLM's block hash carries a LoRA adapter's name and path only; the
+    connector adds a digest of the adapter's files, so new contents under the same name and path
+    get new keys, and the digest is cached while the files are unchanged."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x01" * 1000)
+    digests = AdapterDigests()
+    first = digests.tag(str(adapter))
+    assert digests.tag(str(adapter)) == first
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x02" * 1000)
+    assert digests.tag(str(adapter)) != first
+    assert block_names(["ab"], None) == ["ab"]
+    assert block_names(["ab"], first) == [f"ab.l{first}"]
+    with pytest.raises(FileNotFoundError):
+        digests.tag(str(tmp_path / "empty-dir-that-does-not-exist"))
+
+
+# -- the load-failure fence --------------------------------------------------------------------
+
+def test_fence_sync_scheduling() -> None:
+    """Scenario (item 1): step N's load fails for blocks 5 and 6. A save in step N whose request
+    read block 6 (shared through the local prefix cache) is fenced, one that read neither is not.
+    The scheduler acknowledges epoch 1 in step N+1's metadata (after vLLM rescheduled the
+    requests): from then on the recomputed blocks may be saved."""
+    fence = LoadFailureFence()
+    assert fence.fail([5, 6]) == 1
+    assert fence.fenced([0, 1, 6, 9]) and not fence.fenced([0, 1, 2])
+    assert fence.take_report() == 1 and fence.take_report() is None
+    fence.acknowledge(1)
+    assert not fence.fenced([0, 1, 6, 9]) and len(fence) == 0
+
+
+def test_fence_async_scheduling_keeps_the_in_flight_step_fenced() -> None:
+    """Scenario (item 1, async scheduling): step N+1 was scheduled before step N's failure was
+    handled; its metadata carries no acknowledgement, so its saves over the failed block stay
+    fenced. A second failure (epoch 2) in step N+1 stays fenced when step N+2 acknowledges only
+    epoch 1."""
+    fence = LoadFailureFence()
+    fence.fail([5])
+    assert fence.take_report() == 1
+    # step N+1: no acknowledgement yet
+    assert fence.fenced([5, 7])
+    fence.fail([8])
+    assert fence.take_report() == 2
+    # step N+2: the scheduler has handled epoch 1 only
+    fence.acknowledge(1)
+    assert not fence.fenced([5, 7]) and fence.fenced([8])
+    fence.acknowledge(2)
+    assert not fence.fenced([8])
+
+
+def test_worker_metadata_aggregates_ranks() -> None:
+    a = MemCacheWorkerMetadata({(0, 0): 2})
+    a.aggregate(MemCacheWorkerMetadata({(1, 0): 1, (0, 0): 1}))
+    assert a.failure_epochs == {(0, 0): 2, (1, 0): 1}
 
 
 def test_block_hashes_at_a_coarser_block_size_use_the_last_sub_hash() -> None:

@@ -1,0 +1,254 @@
+"""The pool is never poisoned and keys name the bytes, against real vLLM engines (issue 15).
+
+* Blocks computed over a block that failed to load never stay in the pool (item 1).
+* A model the connector cannot serve (sliding-window KV cache, vLLM's null block) is refused at
+  start-up (item 2).
+* Another checkpoint under the same directory name, a rope override, and a tenant prefix that
+  sanitizes to another tenant's never read each other's blocks (items 3, 4, 8).
+* ``reset_prefix_cache(reset_connector=True)`` after a weight update returns True, and the
+  instance never again reads a block written before it (item 5).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import (
+    BLOCK,
+    MAX_TOKENS,
+    P1,
+    P5,
+    REPO,
+    Engine,
+    Pool,
+    assert_same_output,
+    full_hit,
+    tokens,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
+
+P1_BLOCKS = len(P1) // BLOCK
+RUNNER = tokens(1500, 9)
+
+
+def gen(*prompts: list[int], batch: bool = False) -> dict[str, Any]:
+    return {"generate": list(prompts), "max_tokens": MAX_TOKENS, "batch": batch}
+
+
+def metric(res: dict[str, Any], name: str) -> float:
+    m = res["metrics"]
+    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
+
+
+def wait_all(*engines: Engine) -> list[dict[str, Any]]:
+    return [e.result() for e in engines]
+
+
+def release_when_saved(pool: Pool, engine: Engine, ready: Path, go: Path,
+                       saved: Callable[[list[str]], bool], timeout_s: float = 420) -> None:
+    """Saves are asynchronous: once ``engine`` signals ``ready``, wait until the pool holds what
+    it saved (``saved(keys)``), then let it go on (``go``)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        assert engine.proc.poll() is None, f"{engine.name} died:\n{engine.log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{engine.name} did not get ready"
+        time.sleep(0.2)
+    while not saved(pool.keys()):
+        assert time.monotonic() < deadline, f"{engine.name}'s blocks never reached the pool"
+        time.sleep(0.2)
+    go.write_text("go")
+
+
+def test_blocks_computed_over_a_failed_load_never_stay_in_the_pool(pool: Pool, engines,
+                                                                   baseline) -> None:
+    """Scenario: instance E saves P1, clears its local prefix cache, then gets P1 (request A) and
+    P5 = P1 + 150 tokens (request B) in one step, local prefix cache on. A loads P1's blocks from
+    the pool, and half of them disappear before the load (fault injection); B reuses A's blocks
+    through the local prefix cache in the same step, before A's load ran, and computes its own
+    blocks over the failed ones. vLLM recovers both answers. A fresh instance then loads P5 from
+    the pool: it must get the baseline's output, so B's blocks computed over the failed load never
+    stayed in the pool.
+
+    A long request submitted just before A and B keeps the engine busy while they arrive, so one
+    step schedules both (the scenario's precondition, checked through the fence and removal
+    counters). Two variants: the worker's fence keeps B's save from happening; and, with the fence off (as
+    another tensor-parallel rank that did not see the failure would save), the scheduler's removal
+    of the keys saved from that step."""
+    writers = {}
+    for variant, extra in (("fenced", {}), ("unfenced", {"test_unfenced": True})):
+        kv = pool.kv_transfer_config(module="faulty_connector", cache_prefix=f"ab-{variant}", **extra)
+        # RUNNER keeps the engine busy while A and B arrive, so one step schedules both.
+        writers[variant] = engines(f"writer_{variant}", [
+            gen(P1), {"reset_prefix_cache": {"reset_connector": False}},
+            gen(RUNNER, P1, P5, batch=True)], kv, enable_prefix_caching=True)
+    results = dict(zip(writers, wait_all(*writers.values()), strict=True))
+    readers = {v: engines(f"reader_{v}", [gen(P5)], pool.kv_transfer_config(cache_prefix=f"ab-{v}"))
+               for v in writers}
+    for variant, res in results.items():
+        assert res["steps"][1] is True, variant
+        _, a, b = res["steps"][2]
+        assert a["num_cached_tokens"] == full_hit(P1), f"{variant}: A was offered the pool's blocks"
+        assert metric(res, "memcache_load_failed_blocks") > 0, f"{variant}: the load must fail"
+        assert_same_output(a, baseline["P1"], f"{variant}: A recovered by vLLM")
+        assert_same_output(b, baseline["P5"], f"{variant}: B recovered by vLLM")
+    for variant, reader in readers.items():
+        out = reader.result()["steps"][0][0]
+        assert out["num_cached_tokens"] == full_hit(P5), f"{variant}: the pool holds all of P5"
+        assert_same_output(out, baseline["P5"], f"{variant}: P5 restored by a fresh instance")
+    # Which mechanism kept the pool clean in each variant.
+    assert metric(results["fenced"], "memcache_save_fenced_blocks") > 0
+    assert metric(results["unfenced"], "memcache_save_fenced_blocks") == 0
+    assert metric(results["unfenced"], "memcache_poisoned_removed") > 0
+
+
+def test_sliding_window_model_is_refused(pool: Pool, tiny_model: str, tmp_path: Path) -> None:
+    """Scenario: every layer of the model uses a 64-token sliding window, so vLLM keeps only the
+    blocks inside the window and pads the block table with its shared null block. The connector
+    refuses the model at start-up with a message that says why, instead of loading into and
+    saving from the null block."""
+    spec = {"model": tiny_model, "block_size": BLOCK, "enable_prefix_caching": False,
+            "hf_overrides": {"layer_types": ["sliding_attention", "sliding_attention"],
+                             "sliding_window": 64},
+            "kv_transfer_config": pool.kv_transfer_config(), "steps": [gen(P1)]}
+    e = Engine(spec, tmp_path, "sliding")
+    try:
+        rc = e.proc.wait(420)
+    finally:
+        e.kill()
+    log = e.log.read_text()
+    assert rc != 0, "the engine must not start:\n" + log[-3000:]
+    assert "MemCacheConnector cannot serve this model: its KV cache is SlidingWindowSpec" in log, \
+        log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Another tiny model (other weights) in a directory with the same last name."""
+    out = tmp_path_factory.mktemp("other") / Path(tiny_model).name
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out),
+         "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--seed", "1"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out)
+
+
+ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+
+
+def test_other_checkpoint_rope_override_and_tenant_get_their_own_blocks(
+        pool: Pool, engines, baseline, other_checkpoint: str, tmp_path: Path) -> None:
+    """Scenario: the pool holds P1 as the tiny model computed it (no prefix). Three instances:
+    * another checkpoint in a directory of the same name: P1 is a miss;
+    * the same checkpoint with a rope override (hf_overrides), tenant ``tenant/a``: P1 is a miss
+      (and its output is not the plain model's), then a hit on its own blocks with equal tokens;
+    * the same overrides, tenant ``tenant_a`` (sanitizes to the same text), started after the
+      second saved: P1 is a miss."""
+    seed = engines("seed_plain", [gen(P1)], pool.kv_transfer_config())
+    seed_out = seed.result()["steps"][0][0]
+    assert_same_output(seed_out, baseline["P1"], "plain model")
+    ready, go, saved = (tmp_path / n for n in ("rope_ready", "rope_go", "rope_saved"))
+    other = engines("other_checkpoint", [gen(P1)], pool.kv_transfer_config(), model=other_checkpoint)
+    rope = engines("rope_tenant_a", [gen(P1), {"signal_file": str(ready)}, {"wait_for_file": str(go)},
+                                     gen(P1), {"signal_file": str(saved)}],
+                   pool.kv_transfer_config(cache_prefix="tenant/a"), hf_overrides=ROPE)
+    tenant = engines("rope_tenant_underscore", [{"wait_for_file": str(saved)}, gen(P1)],
+                     pool.kv_transfer_config(cache_prefix="tenant_a"), hf_overrides=ROPE)
+    # Until "tenant_a" starts, only "tenant/a" saves keys that read "mc@tenant_a@".
+    release_when_saved(pool, rope, ready, go,
+                       lambda keys: sum(k.startswith("mc@tenant_a@") for k in keys) >= P1_BLOCKS)
+    r_other, r_rope, r_tenant = wait_all(other, rope, tenant)
+    assert r_other["steps"][0][0]["num_cached_tokens"] == 0, "another checkpoint, same dir name"
+    first, again = r_rope["steps"][0][0], r_rope["steps"][3][0]
+    assert first["num_cached_tokens"] == 0, "a rope override is another model"
+    assert first["token_ids"] != baseline["P1"]["token_ids"], "the override changes the output"
+    assert again["num_cached_tokens"] == full_hit(P1), "the same settings share blocks"
+    assert again["token_ids"] == first["token_ids"]
+    assert r_tenant["steps"][1][0]["num_cached_tokens"] == 0, "tenant_a is not tenant/a"
+    assert r_tenant["steps"][1][0]["token_ids"] == first["token_ids"]
+
+
+def test_reset_cache_after_a_weight_update(pool: Pool, engines, baseline, tmp_path: Path) -> None:
+    """Scenario: an instance computes P1 and saves it, then its weights change (every
+    attention input norm scaled, as a weight update would; parameters used directly by the CPU
+    kernels, unlike the prepacked linear weights) and it calls
+    reset_prefix_cache(reset_connector=True). The call returns True; the next P1 is computed with
+    the new weights (no block from before the reset is loaded) and differs from the old output;
+    the one after loads the blocks saved after the reset; no key saved before the reset is left
+    in the pool."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    e = engines("reset", [gen(P1), {"scale_weights": {"match": "input_layernorm", "factor": 1.5}},
+                          {"reset_prefix_cache": {"reset_connector": True}}, gen(P1),
+                          {"signal_file": str(ready)}, {"wait_for_file": str(go)}, gen(P1)],
+                pool.kv_transfer_config(cache_prefix="reset-test"))
+    release_when_saved(pool, e, ready, go, lambda keys: sum(
+        k.startswith("mc@reset-test@") and "@e0@" not in k for k in keys) >= P1_BLOCKS)
+    res = e.result()
+    before, updated, after, again = (res["steps"][i] for i in (0, 1, 3, 6))
+    assert_same_output(before[0], baseline["P1"], "before the update")
+    assert updated == [2], "both layers' attention input norms scaled"
+    assert res["steps"][2] is True, "reset_cache must report success"
+    assert after[0]["num_cached_tokens"] == 0, "no block from before the reset"
+    assert after[0]["token_ids"] != baseline["P1"]["token_ids"], "the new weights change the output"
+    assert again[0]["num_cached_tokens"] == full_hit(P1)
+    assert again[0]["token_ids"] == after[0]["token_ids"]
+    keys = [k for k in pool.keys() if k.startswith("mc@reset-test@")]
+    assert keys and not [k for k in keys if "@e0@" in k], keys[:3]
+
+
+def write_adapter(path: Path, model: str, seed: int) -> None:
+    """A rank-8 LoRA adapter on v_proj (it changes the V cache) of the tiny model, PEFT format."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    v_out = cfg["num_key_value_heads"] * (hidden // cfg["num_attention_heads"])
+    gen_ = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        base = f"base_model.model.model.layers.{i}.self_attn.v_proj"
+        tensors[f"{base}.lora_A.weight"] = torch.randn(8, hidden, generator=gen_) * 0.2
+        tensors[f"{base}.lora_B.weight"] = torch.randn(v_out, 8, generator=gen_) * 0.2
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16,
+        "lora_dropout": 0.0, "target_modules": ["v_proj"], "bias": "none",
+        "base_model_name_or_path": model, "fan_in_fan_out": False, "modules_to_save": None}))
+
+
+def test_lora_adapter_contents_are_part_of_the_key(pool: Pool, engines, tiny_model: str,
+                                                   tmp_path: Path) -> None:
+    """Scenario: an instance serves P1 with LoRA adapter "ad" from a path and saves its blocks.
+    The adapter at that path is then replaced by other weights (same name, same path: vLLM's block
+    hashes are the same). A fresh instance with the new adapter must not load the old adapter's
+    blocks (and its output differs: the adapter matters); it then loads its own."""
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, tiny_model, seed=1)
+    lora = {"enable_lora": True, "max_lora_rank": 8}
+    step = {"generate": [P1], "max_tokens": MAX_TOKENS, "lora": ["ad", 1, str(adapter)]}
+    kv = pool.kv_transfer_config(cache_prefix="lora-test")
+    old = engines("lora_old", [step], kv, **lora).result()["steps"][0][0]
+    assert old["num_cached_tokens"] == 0
+    write_adapter(adapter, tiny_model, seed=2)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    e = engines("lora_new", [step, {"signal_file": str(ready)}, {"wait_for_file": str(go)}, step],
+                kv, **lora)
+    release_when_saved(pool, e, ready, go, lambda keys: sum(
+        k.startswith("mc@lora-test@") for k in keys) >= 2 * P1_BLOCKS)
+    new = e.result()
+    first, again = new["steps"][0][0], new["steps"][3][0]
+    assert first["num_cached_tokens"] == 0, "blocks of the adapter's old contents were loaded"
+    assert first["token_ids"] != old["token_ids"], "the adapter's contents change the output"
+    assert again["num_cached_tokens"] == full_hit(P1)
+    assert again["token_ids"] == first["token_ids"]
