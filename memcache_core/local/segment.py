@@ -32,10 +32,12 @@ def create_segment(size: int) -> Mapping:
 
 
 def cleanup_stale_segments() -> int:
-    """Unlink segment files whose owner is gone: nobody holds the owner's flock on them.
+    """Unlink segment files whose owner is gone: nobody holds the owner's flock on them, and no
+    process of the pid in the name exists here.
 
-    Liveness is decided by the lock, never by ``/proc/<pid>``: a process in another pid namespace
-    (a container sharing /dev/shm) holds its lock just the same.
+    The lock decides for owners in other pid namespaces (a container sharing /dev/shm holds its lock
+    just the same, while its pid means nothing here). The pid keeps the live segments of builds that
+    predate the lock (a rolling upgrade on one host): they hold no lock but their pid exists.
     """
     n = 0
     directory = shm_dir()
@@ -44,7 +46,8 @@ def cleanup_stale_segments() -> int:
     except OSError:
         return 0
     for name in names:
-        if not _NAME_RE.match(name):
+        m = _NAME_RE.match(name)
+        if not m or os.path.exists(f"/proc/{m.group(1)}"):
             continue
         path = os.path.join(directory, name)
         try:

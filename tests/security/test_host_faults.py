@@ -194,3 +194,19 @@ def test_a_30_mb_join_report_arrives_instead_of_timing_out(meta):
     finally:
         c.close()
     assert meta.healthy()
+
+
+def test_stale_cleanup_keeps_an_unlocked_segment_of_a_live_process_here(shm_dir, monkeypatch):
+    """Scenario: a rolling upgrade on one host: a LocalService of an older build holds its segment
+    without the lock. Its pid exists here, so the new build's cleanup leaves the file alone."""
+    older = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    path = os.path.join(shm_dir, f"memcache-{older.pid}-{secrets.token_hex(8)}")
+    with open(path, "wb") as f:
+        f.truncate(1 << 16)
+    try:
+        monkeypatch.setattr(segment_mod, "STALE_AFTER_S", 0)
+        assert segment_mod.cleanup_stale_segments() == 0 and os.path.exists(path)
+    finally:
+        older.stdin.close()   # type: ignore[union-attr]
+        older.wait(10)
+    assert segment_mod.cleanup_stale_segments() == 1 and not os.path.exists(path)
