@@ -85,7 +85,7 @@ def admin_token(secret: bytes) -> str:
     return hmac.new(secret, b"admin", hashlib.sha256).hexdigest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -102,12 +102,12 @@ def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        hello = _recv_exact(sock, len(MAGIC) + NONCE)
+        hello = recv_exact(sock, len(MAGIC) + NONCE)
         if hello[:len(MAGIC)] != MAGIC:
             raise AuthFailed("the server does not speak the authenticated protocol (auth_enable differs?)")
         nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(NONCE)
         sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
-        proof = _recv_exact(sock, 32)
+        proof = recv_exact(sock, 32)
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c)):
             raise AuthFailed("the server did not prove it holds the pool secret")
     except ConnectionError as e:
@@ -152,7 +152,7 @@ def server_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
     sock.settimeout(timeout_s)
     try:
         sock.sendall(hs.hello)
-        reply, _ = hs.feed(_recv_exact(sock, NONCE + 32))
+        reply, _ = hs.feed(recv_exact(sock, NONCE + 32))
         if hs.failed:
             return False
         sock.sendall(reply)

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from memcache_core import protocol as p
-from memcache_core.auth import client_handshake, load_secret
+from memcache_core.auth import client_handshake, load_secret, recv_exact
 from memcache_core.rpc import RpcClient
 from tests.integration.conftest import StoreProcess, meta, stores  # noqa: F401 - fixtures re-exported
 
@@ -59,16 +59,6 @@ def ask(s: socket.socket, req: p.Request) -> p.Reply:
     head = recv_exact(s, HEAD.size)
     n, _ = HEAD.unpack(head)
     return p.reply_decoder.decode(recv_exact(s, n))
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
 
 
 def recv_all(s: socket.socket, timeout_s: float) -> bytes:
