@@ -98,8 +98,10 @@ class MetaServiceProcess:
         raise RuntimeError(f"MetaService not healthy within {timeout_s}s: {self.log_tail()}")
 
     def healthy(self) -> bool:
+        """/health takes no token: probing it must not read the pool secret, which the MetaService
+        creates on its first start (a fresh machine has none until then)."""
         try:
-            return self.http("/health").get("success") is True
+            return self.http("/health", authorized=False).get("success") is True
         except OSError:
             return False
 
@@ -110,14 +112,14 @@ class MetaServiceProcess:
         from .auth import admin_token, load_secret
         return {"Authorization": f"Bearer {admin_token(load_secret(self.config.get('auth_secret_path', '')))}"}
 
-    def http(self, path: str) -> Any:
+    def http(self, path: str, authorized: bool = True) -> Any:
         url, ctx = self.metrics_url + path, None
         if self.config.get("tls_enable"):
             import ssl
             url = "https://" + url.split("://", 1)[1]
             ctx = ssl.create_default_context(cafile=self.config["tls_ca_path"])
             ctx.check_hostname = False
-        req = urllib.request.Request(url, headers=self.admin_headers())
+        req = urllib.request.Request(url, headers=self.admin_headers() if authorized else {})
         with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
             body = r.read()
         return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
