@@ -131,6 +131,7 @@ class CoreClient:
         cfg.log_level = "warning"
         cfg.hcom_url = "tcp://127.0.0.1:0"
         cfg.checksum = spec.get("checksum", True)
+        cfg.auth_enable = spec.get("auth", True)
         self._rc = ReplicateConfig
         self.store = DistributedObjectStore()
         if self.store.setup(cfg) != 0 or self.store.init(0, init_bm=True) != 0:
@@ -452,14 +453,14 @@ class MooncakeMaster:
 
 def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list[dict[str, Any]]) -> None:
     spec: dict[str, Any] = {"engine": engine, "protocol": protocol, "max_batch": max(args.batches),
-                            "lease_ms": args.lease_ms, "checksum": args.checksum_now}
+                            "lease_ms": args.lease_ms, "checksum": args.checksum_now, "auth": args.auth_now}
     if engine == "mooncake":
         master = MooncakeMaster()
         spec.update(master.spec)
         stop = master.stop
     else:
         from memcache_core.testing import running_meta_service
-        ctx = running_meta_service(log_level="warning", lease_ttl_ms=args.lease_ms)
+        ctx = running_meta_service(log_level="warning", lease_ttl_ms=args.lease_ms, auth_enable=args.auth_now)
         meta = ctx.__enter__()
         spec.update(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url)
         stop = lambda: ctx.__exit__(None, None, None)  # noqa: E731
@@ -592,6 +593,29 @@ def checksum_cost(protocol: str, args: argparse.Namespace, writer: Proc, reader:
             writer.call("remove", layout=layout, batch=batch, prefix=prefix)
 
 
+def auth_cost(out: list[dict[str, Any]]) -> None:
+    """Authentication's cost: the same figures from pools with auth on and pools with it off, run in
+    the order on, off, off, on (each a pool of its own; the order cancels a linear drift of the
+    machine), compared by their medians."""
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["protocol"], r.get("layout") or "", r.get("batch") or 0, r["op"]
+    def value(r: dict[str, Any]) -> float:
+        return float(r["gbps"] if "gbps" in r else r["p50_us"])
+    runs: dict[tuple[Any, ...], dict[bool, list[float]]] = {}
+    for r in out:
+        if "auth" in r and "failed" not in r:
+            runs.setdefault(key(r), {True: [], False: []})[r["auth"]].append(value(r))
+    print("auth cost: median with auth / median without (GB/s; for latencies, p50 us)")
+    for (protocol, layout, batch, op), v in runs.items():
+        if not v[True] or not v[False]:
+            continue
+        on, off = statistics.median(v[True]), statistics.median(v[False])
+        out.append({"engine": "memcache", "protocol": protocol, "layout": layout, "batch": batch,
+                    "op": f"{op} auth", "with": on, "without": off, "with_over_without": round(on / off, 3)})
+        print(f"memcache {protocol:8} {layout:10} {batch or '':>3} {op:21} {on:8.2f} with, {off:8.2f} without:"
+              f" x{on / off:.2f}", flush=True)
+
+
 def print_table(paths: list[str]) -> None:
     """Side by side: one column per (engine, protocol) found in the JSON files of earlier runs."""
     cols: list[tuple[str, str]] = []
@@ -637,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checksum", choices=("on", "off", "both"), default="on",
                     help="payload checksums (computed by writers, verified by readers); 'both': figures with "
                          "them, plus each op timed with and without them alternately (their cost)")
+    ap.add_argument("--auth", choices=("on", "off", "both"), default="on",
+                    help="pool authentication; 'both': every figure from pools with it and without it "
+                         "(on, off, off, on) and the ratios of their medians (its cost)")
     ap.add_argument("--table", nargs="+", metavar="JSON",
                     help="print a side-by-side table of earlier --json results (e.g. memcache and mooncake) and exit")
     args = ap.parse_args(argv)
@@ -668,7 +695,16 @@ def main(argv: list[str] | None = None) -> int:
     args.checksum_now = args.checksum != "off"
     try:
         for protocol in protocols:
-            run_protocol(args.engine, protocol, args, out)
+            for auth in ([True, False, False, True] if args.auth == "both" and args.engine == "memcache" else
+                         [args.auth != "off"]):
+                args.auth_now, first = auth, len(out)
+                if args.auth == "both":
+                    print(f"== {protocol}, auth {'on' if auth else 'off'}", flush=True)
+                run_protocol(args.engine, protocol, args, out)
+                for r in out[first:]:
+                    r["auth"] = auth
+        if args.auth == "both":
+            auth_cost(out)
     except BenchError as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
