@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -14,18 +12,11 @@ import msgspec
 from memcache_core import protocol as p
 from memcache_core.auth import client_handshake, load_secret, recv_exact
 from memcache_core.rpc import RpcClient
+from memcache_core.testing import wait_for  # noqa: F401 - re-exported for the tests here
 from tests.integration.conftest import StoreProcess, meta, stores  # noqa: F401 - fixtures re-exported
 
 HEAD = struct.Struct("<IQ")
 LAYOUT = [64 << 10, 16 << 10, 16 << 10]
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def secret() -> bytes:
