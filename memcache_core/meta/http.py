@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
+import msgspec
+
 from ..auth import admin_token
 from ..config import parse_url
 
@@ -79,6 +81,17 @@ class AdminServer:
         self.httpd.server_close()
 
 
+def _all_keys_body(core: MetaServiceCore) -> bytes:
+    """``{"success", "count", "keys"}`` of every committed key, in no particular order.
+
+    Only the copy of the table holds the lock; no sort and msgspec's encoder, so the work after it
+    is short too (the HTTP thread shares the GIL with the control plane's)."""
+    with core.lock:
+        objs = list(core.table.objects.items())
+    keys = [k for k, o in objs if o.committed]
+    return msgspec.json.encode({"success": True, "count": len(keys), "keys": keys})
+
+
 class _Handler(BaseHTTPRequestHandler):
     core: MetaServiceCore
     token: str | None
@@ -97,11 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
                                                "Authorization: Bearer <admin token of the pool secret>"}).encode(),
                               "application/json")
         if url.path == "/get_all_keys":
-            with core.lock:
-                objs = list(core.table.objects.items())
-            keys = sorted(k for k, o in objs if o.committed)
-            return self._send(200, json.dumps({"success": True, "count": len(keys), "keys": keys}).encode(),
-                              "application/json")
+            return self._send(200, _all_keys_body(core), "application/json")
         if url.path == "/metrics":
             with core.lock:
                 body = core.metrics.render(core)
