@@ -56,12 +56,14 @@ STORE_RETRY_S = 5.0
 
 
 def _parallel_ranks() -> tuple[int, int]:
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+    """(TP rank, PP rank) of this worker. Without parallel groups (single-process use) it is rank 0 of
+    1; any other failure propagates and the worker refuses to start: guessing rank 0 would make every
+    rank write rank 0's keys over each other's."""
+    from vllm.distributed import parallel_state as ps
 
-        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
-    except Exception:  # parallel state not initialised (single process use)
+    if not ps.model_parallel_is_initialized():
         return 0, 0
+    return int(ps.get_tensor_model_parallel_rank()), int(ps.get_pp_group().rank_in_group)
 
 
 class _Mover:
