@@ -86,9 +86,9 @@ class MetaConfig:
     log_path: str = ""
     """Directory for the log file; empty logs to stderr."""
     log_rotation_file_size: int = 20
-    """MB per log file before rotation."""
+    """MB per log file (under ``log_path``) before it is rotated, in [1, 10240]."""
     log_rotation_file_count: int = 50
-    """Rotated log files kept."""
+    """Rotated log files kept beside the current one, in [1, 1000]."""
     evict_threshold_high: float = 90
     """Segment usage (percent) above which LRU eviction starts."""
     evict_threshold_low: float = 80
@@ -140,6 +140,8 @@ class MetaConfig:
         if self.ha_enable:
             raise ConfigError("ha_enable: HA (several MetaServices) is not supported yet; set it to false")
         _check_log_level(self.log_level)
+        _check_range("log_rotation_file_size", self.log_rotation_file_size, 1, 10240)
+        _check_range("log_rotation_file_count", self.log_rotation_file_count, 1, 1000)
         _check_range("evict_threshold_high", self.evict_threshold_high, 1, 100)
         _check_range("evict_threshold_low", self.evict_threshold_low, 0, 100)
         if self.evict_threshold_low >= self.evict_threshold_high:
@@ -170,7 +172,7 @@ class LocalConfig:
     log_level: str = "info"
     """debug, info, warning or error (applied to the memcache_core loggers)."""
     world_size: int = 256
-    """Most ranks that may join the pool, in [1, 1024]."""
+    """Accepted for Ascend MemCache configs, in [1, 1024]; nothing here limits ranks by it."""
     protocol: str = "host_rdma"
     """host_shm (same-host peers copy through shared memory, others through TCP) or host_tcp (all TCP).
     host_rdma, host_urma, device_rdma, device_sdma and device_urma need MemFabric on Ascend."""
@@ -297,6 +299,24 @@ def _check_bool(key: str, value: Any) -> None:
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
 
+TRUE_WORDS = ("1", "true", "yes", "y", "on")
+FALSE_WORDS = ("0", "false", "no", "n", "off")
+
+
+def parse_bool(key: str, value: Any) -> bool:
+    """The one reading of a boolean setting everywhere (JSON, extra-config strings, environment):
+    true/false, 1/0, or the words in ``TRUE_WORDS`` / ``FALSE_WORDS`` in any case; anything else is
+    a ConfigError naming ``key`` (never silently true or false)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
 def _check_str(key: str, value: Any) -> None:
     if not isinstance(value, str):
         raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -311,17 +331,19 @@ C = TypeVar("C", MetaConfig, LocalConfig)
 
 
 def apply_dict(cfg: C, values: dict[str, Any], source: str = "config") -> C:
-    """Set known fields from ``values``; warn about unknown keys (never fatal); then validate."""
+    """Set known fields from ``values``; warn about unknown keys (never fatal); then validate.
+
+    All or nothing: the values are validated on a copy, and ``cfg`` changes only if they pass."""
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
     names = {f.name for f in dataclasses.fields(cfg)}
     unknown = sorted(k for k in values if k not in names)
     if unknown:
         logger.warning("%s: ignoring unknown %s keys: %s", source, type(cfg).__name__, ", ".join(unknown))
-    for k, v in values.items():
-        if k in names:
-            setattr(cfg, k, v)
-    cfg.validate()
+    trial = dataclasses.replace(cfg, **{k: v for k, v in values.items() if k in names})
+    trial.validate()
+    for f in dataclasses.fields(cfg):
+        setattr(cfg, f.name, getattr(trial, f.name))
     return cfg
 
 

@@ -7,13 +7,15 @@ import logging.handlers
 import os
 
 
-def configure_logging(level: str = "info", log_path: str = "", name: str = "memcache") -> None:
+def configure_logging(level: str = "info", log_path: str = "", name: str = "memcache",
+                      rotate_mb: int = 20, keep: int = 50) -> None:
+    """Log to stderr, or to ``<log_path>/<name>.log`` rotated every ``rotate_mb`` MB keeping ``keep`` old files."""
     lvl = {"warn": "WARNING"}.get(level.lower(), level.upper())
     handler: logging.Handler
     if log_path:
         os.makedirs(log_path, exist_ok=True)
         handler = logging.handlers.RotatingFileHandler(os.path.join(log_path, f"{name}.log"),
-                                                       maxBytes=20 << 20, backupCount=50)
+                                                       maxBytes=rotate_mb << 20, backupCount=keep)
     else:
         handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from memcache_core.config import parse_bool
+
 logger = logging.getLogger(__name__)
 
 CONFIG_PATH_ENV = "SGLANG_HICACHE_MEMCACHE_CONFIG_PATH"
@@ -57,7 +59,9 @@ CLEAR_SCOPES = ("namespace", "all")
 
 
 def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "y", "on")
+    """An environment switch: unset or empty is false; otherwise ``parse_bool`` decides (a typo is an error)."""
+    value = os.environ.get(name, "").strip()
+    return parse_bool(name, value) if value else False
 
 
 @dataclass
@@ -101,17 +105,11 @@ class BackendConfig:
 
     @property
     def init_bm(self) -> bool:
-        value = self.ctrl.get("init_bm", True)
-        if isinstance(value, str):
-            return value.strip().lower() not in ("0", "false", "no", "n", "off")
-        return bool(value)
+        return parse_bool("init_bm", self.ctrl.get("init_bm", True))
 
     @property
     def check_server(self) -> bool:
-        value = self.ctrl.get("check_server", False)
-        if isinstance(value, str):
-            return value.strip().lower() in ("1", "true", "yes", "y", "on")
-        return bool(value)
+        return parse_bool("check_server", self.ctrl.get("check_server", False))
 
     @property
     def metrics_url(self) -> str | None:

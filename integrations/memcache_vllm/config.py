@@ -17,6 +17,8 @@ import dataclasses
 import logging
 from typing import Any
 
+from memcache_core.config import parse_bool
+
 logger = logging.getLogger("vllm." + __name__)
 
 # Keys of vllm-ascend's AscendStoreConnector that have no effect here, accepted for compatibility.
@@ -32,13 +34,7 @@ _STORE_DEFAULTS: dict[str, Any] = {"protocol": "host_shm", "client_timeout_secon
 
 
 def _as_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    raise ValueError(f"kv_connector_extra_config.{key}: expected a boolean, got {value!r}")
+    return parse_bool(f"kv_connector_extra_config.{key}", value)
 
 
 def _as_float(key: str, value: Any, low: float) -> float:

@@ -1,12 +1,23 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import logging.handlers
 
 import pytest
 
-from memcache_core.config import LocalConfig, MetaConfig, ReplicateConfig, apply_dict, load_file, parse_size
+from memcache_core.config import (
+    LocalConfig,
+    MetaConfig,
+    ReplicateConfig,
+    apply_dict,
+    load_file,
+    parse_bool,
+    parse_size,
+)
 from memcache_core.errors import ConfigError, InvalidParameter, check_key
+from memcache_core.logs import configure_logging
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -77,3 +88,42 @@ def test_keys():
     for bad in ("", "a" * 256, "é" * 128):
         with pytest.raises(InvalidParameter):
             check_key(bad)
+
+
+@pytest.mark.parametrize("value,expected", [(True, True), (False, False), (1, True), (0, False), ("TRUE", True),
+                                            (" yes ", True), ("on", True), ("y", True), ("0", False),
+                                            ("False", False), ("off", False), ("n", False)])
+def test_one_boolean_reading(value, expected):
+    assert parse_bool("k", value) is expected
+
+
+@pytest.mark.parametrize("bad", ["maybe", "", 2, 1.0, None, [], "tru"])
+def test_a_boolean_that_is_neither_names_the_key(bad):
+    with pytest.raises(ConfigError, match="^my_key: expected true or false"):
+        parse_bool("my_key", bad)
+
+
+def test_a_failed_apply_dict_leaves_the_config_as_it_was():
+    cfg = MetaConfig()
+    before = dataclasses.asdict(cfg)
+    with pytest.raises(ConfigError, match="lease_ttl_ms"):
+        apply_dict(cfg, {"log_level": "debug", "lease_ttl_ms": -1})
+    assert dataclasses.asdict(cfg) == before
+    apply_dict(cfg, {"log_level": "debug", "lease_ttl_ms": 500})
+    assert (cfg.log_level, cfg.lease_ttl_ms) == ("debug", 500)
+
+
+def test_log_rotation_keys_are_honoured(tmp_path):
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("info", str(tmp_path), "meta_service", rotate_mb=3, keep=7)
+        handler = root.handlers[0]
+        assert isinstance(handler, logging.handlers.RotatingFileHandler)
+        assert (handler.maxBytes, handler.backupCount) == (3 << 20, 7)
+        handler.close()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    with pytest.raises(ConfigError, match="log_rotation_file_count"):
+        MetaConfig(log_rotation_file_count=0)
