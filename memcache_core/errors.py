@@ -1,7 +1,11 @@
 """One exception hierarchy for the whole core, each class carrying its stable MemCache return code.
 
-Inside the core everything raises; the memcache_hybrid-compatible API (``DistributedObjectStore``)
-turns exceptions into these integer codes at its boundary and nowhere else.
+The rule: a call that fails as a whole raises (bad arguments, an unreachable MetaService, a dead
+peer). The outcome of one key inside a batch is a value, because a batch partly succeeds: on the
+wire a per-key code (``Codes``, ``AllocResult.code``: the MetaService's table returns them so that
+one refused key does not fail its neighbours), inside ``LocalService`` a ``MemCacheError`` or
+``None`` per key. The memcache_hybrid-compatible API (``DistributedObjectStore``) turns both into
+integer codes at its boundary; nothing above it sees an exception.
 """
 
 from __future__ import annotations
