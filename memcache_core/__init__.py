@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import LocalConfig, MetaConfig, ReplicateConfig
     from .errors import MemCacheError
-    from .local.store import AUTO, G2H, G2L, H2G, L2G, DistributedObjectStore, KeyInfo
+    from .local.store import AUTO, G2H, G2L, H2G, L2G, DistributedObjectStore, KeyInfo, open_store
     from .meta_service import MetaService
 
 _WHERE = {"LocalConfig": "config", "MetaConfig": "config", "ReplicateConfig": "config",
           "MemCacheError": "errors", "MetaService": "meta_service",
-          **{n: "local.store" for n in ("AUTO", "G2H", "G2L", "H2G", "L2G", "DistributedObjectStore", "KeyInfo")}}
+          **{n: "local.store" for n in ("AUTO", "G2H", "G2L", "H2G", "L2G", "DistributedObjectStore", "KeyInfo",
+                                     "open_store")}}
 
 __all__ = ["AUTO", "G2H", "G2L", "H2G", "L2G", "DistributedObjectStore", "KeyInfo", "LocalConfig",
-           "MemCacheError", "MetaConfig", "MetaService", "ReplicateConfig"]
+           "MemCacheError", "MetaConfig", "MetaService", "ReplicateConfig", "open_store"]
 __version__ = "0.1.0"
 
 

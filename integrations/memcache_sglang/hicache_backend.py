@@ -73,7 +73,7 @@ class NpuMemcacheStore(HiCacheStorage):
     """HiCache storage backend backed by a MemCache pool (``memcache_core``)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig | None = None, mem_pool: Any = None) -> None:
-        from memcache_core import DistributedObjectStore, LocalConfig
+        from memcache_core import LocalConfig, MemCacheError, open_store
 
         self.storage_config = storage_config or _default_storage_config()
         self.config = BackendConfig.from_sources(self.storage_config.extra_config)
@@ -102,15 +102,10 @@ class NpuMemcacheStore(HiCacheStorage):
             logger.warning("ignoring unknown MemCache LocalConfig keys: %s", unknown)
         sc = self.storage_config
         device_id = self.config.device_id(sc.tp_rank, sc.tp_size)
-        store = DistributedObjectStore()
-        rc = store.setup(local_cfg)
-        if rc != 0:
-            raise RuntimeError(f"MemCache DistributedObjectStore.setup failed (rc={rc}); is the MetaService "
-                               f"at {getattr(local_cfg, 'meta_service_url', '?')} running?")
-        rc = store.init(device_id, self.config.init_bm)
-        if rc != 0:
-            store.close()
-            raise RuntimeError(f"MemCache DistributedObjectStore.init failed (rc={rc})")
+        try:
+            store = open_store(local_cfg, device_id, self.config.init_bm)
+        except MemCacheError as e:
+            raise RuntimeError(f"MemCache store cannot join the pool: {e}") from e
         self.store: Any = store
         logger.info("MemCache store ready (tp_rank=%s pp_rank=%s cp_rank=%s device_id=%s init_bm=%s)",
                     sc.tp_rank, sc.pp_rank, sc.attn_cp_rank, device_id, self.config.init_bm)

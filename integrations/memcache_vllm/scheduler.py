@@ -88,17 +88,11 @@ class PoolClient:
         self._down_until = 0.0
 
     def _connect(self) -> Any:
-        from memcache_core import DistributedObjectStore
+        from memcache_core import open_store
 
         local = self._cfg.local_config()
         local.client_timeout_seconds = min(float(local.client_timeout_seconds), LOOKUP_TIMEOUT_S)
-        store = DistributedObjectStore()
-        rc = store.setup(local)
-        if rc == 0:
-            rc = store.init(0, init_bm=False)
-        if rc != 0:
-            store.close()
-            raise ConnectionError(f"pool client init failed with code {rc}")
+        store = open_store(local, 0, init_bm=False)
         logger.info("MemCacheConnector: scheduler lookups through %s", local.meta_service_url)
         return store
 

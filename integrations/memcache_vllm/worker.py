@@ -224,19 +224,13 @@ class MemCacheWorker:
             return self._mover
 
     def _join_pool(self, layout: BlockLayout) -> _Mover:
-        from memcache_core import DistributedObjectStore
+        from memcache_core import open_store
 
         local = self._cfg.local_config()
-        store = DistributedObjectStore()
         # dram_size 0: this instance contributes no memory; its blocks go to the other segments of
         # the pool (e.g. standalone ``memcache local-service`` processes) and outlive it.
         contributes = local.dram_bytes > 0
-        rc = store.setup(local)
-        if rc == 0:
-            rc = store.init(self._local_rank, init_bm=contributes)
-        if rc != 0:
-            store.close()
-            raise ConnectionError(f"store init failed with code {rc}")
+        store = open_store(local, self._local_rank, init_bm=contributes)
         mover = _Mover(store, layout, self._stats)
         for ptr, size in mover.regions():
             rc = store.register_buffer(ptr, size)

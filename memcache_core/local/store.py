@@ -306,3 +306,19 @@ class DistributedObjectStore:
 
     def get_key_info(self, key: str) -> KeyInfo:
         return self.batch_get_key_info([key])[0]
+
+
+def open_store(config: LocalConfig, device_id: int = 0, init_bm: bool = True) -> DistributedObjectStore:
+    """``setup`` then ``init``, closing the half-made store if either fails: how the engine
+    integrations join the pool. Raises the ``MemCacheError`` of the failing step's code (for
+    example ``MetaServiceUnavailable``), naming the step and the MetaService."""
+    store = DistributedObjectStore()
+    steps = (("setup", lambda: store.setup(config)), ("init", lambda: store.init(device_id, init_bm)))
+    for step, call in steps:
+        rc = call()
+        if rc != errors.SUCCESS:
+            store.close()
+            raise errors.error_from_code(rc, f"DistributedObjectStore.{step} failed with code {rc} "
+                                             f"(MetaService {config.meta_service_url})")
+    return store
+

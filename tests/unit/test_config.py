@@ -127,3 +127,16 @@ def test_log_rotation_keys_are_honoured(tmp_path):
         root.setLevel(saved[1])
     with pytest.raises(ConfigError, match="log_rotation_file_count"):
         MetaConfig(log_rotation_file_count=0)
+
+
+def test_open_store_names_the_failing_step():
+    from memcache_core import open_store
+    from memcache_core.errors import MemCacheError, MetaServiceUnavailable
+    from memcache_core.testing import free_port
+
+    with pytest.raises(MemCacheError, match="setup failed with code -3000"):
+        open_store(LocalConfig())   # host_rdma needs Ascend hardware: setup refuses it
+    down = LocalConfig(protocol="host_shm", meta_service_url=f"tcp://127.0.0.1:{free_port()}",
+                       client_timeout_seconds=1, dram_size="0")
+    with pytest.raises(MetaServiceUnavailable, match="init failed with code -3017"):
+        open_store(down, init_bm=False)
