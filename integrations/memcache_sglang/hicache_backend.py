@@ -77,7 +77,7 @@ class NpuMemcacheStore(HiCacheStorage):
 
         self.storage_config = storage_config or _default_storage_config()
         self.config = BackendConfig.from_sources(self.storage_config.extra_config)
-        self.mem_pool_host = None
+        self.mem_pool_host: Any = None
         self.registered_pools: dict[Any, Any] = {}
         # The key scheme follows the served weights: (weights it was built for, scheme), swapped
         # as a whole by _scheme(); every call reads it once.

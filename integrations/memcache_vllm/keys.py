@@ -116,7 +116,7 @@ class Namespace:
         mc = vllm_config.model_config
         cc = vllm_config.cache_config
         pc = vllm_config.parallel_config
-        factors = {
+        factors: dict[str, Any] = {
             "model": model_config_factors(mc),
             "kv_cache_dtype": str(cc.cache_dtype),
             "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
@@ -191,7 +191,7 @@ class AdapterDigests:
         for p in files:
             h.update(str(p.relative_to(root) if p != root else p.name).encode() + b"\0")
             with open(p, "rb") as f:
-                for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                while chunk := f.read(1 << 20):
                     h.update(chunk)
         digest = h.hexdigest()[:16]
         self._cache[lora_path] = (stamp, digest)
