@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from memcache_core import DistributedObjectStore
+from memcache_core.testing import wait_for
 
 from .conftest import DSR1_LAYOUT
 from .store_worker import pattern
@@ -107,17 +108,15 @@ def test_pure_client_writes_into_a_standalone_local_service(meta, tmp_path):
     import json
     import subprocess
     import sys
-    import time
     cfg = tmp_path / "local.json"
     cfg.write_text(json.dumps({"meta_service_url": meta.meta_service_url, "protocol": "host_shm",
                                "dram_size": "64MB", "heartbeat_interval_ms": 200}))
     provider = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service",
                                  "--config_path", str(cfg)])
     try:
-        deadline = time.monotonic() + 20
-        while not meta.http("/get_all_segments")["segments"]:
-            assert provider.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: provider.poll() is not None or meta.http("/get_all_segments")["segments"], 20,
+                 "the provider's segment")
+        assert provider.poll() is None, "the provider exited"
         for i in range(2):
             c = DistributedObjectStore()
             assert c.setup(meta.local_config()) == 0 and c.init(0, init_bm=False) == 0

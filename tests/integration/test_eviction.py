@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from memcache_core.testing import running_meta_service
+from memcache_core.testing import running_meta_service, wait_for
 
 from .conftest import StoreProcess
 
@@ -58,8 +58,8 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
                 for c in got["codes"]:
                     if c == 0:
                         reads["hits"] += 1
-                    elif c == -3007:
-                        reads["misses"] += 1
+                    elif c in (-3007, -3101, -3110):   # gone; or, on a loaded machine, a read that
+                        reads["misses"] += 1           # outlived its 500 ms lease: a miss, never bytes
                     else:
                         failures.append(f"unexpected get code {c}")
 
@@ -79,11 +79,9 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
             assert reads["hits"] > 100 and reads["misses"] > 0
             # leased objects may hold a segment above its high-water mark for a moment; once the
             # leases end, the periodic check brings every segment down again
-            deadline = time.monotonic() + 10
-            while any(s["used_bytes"] > 0.8 * s["capacity_bytes"]
-                      for s in ms.http("/api/v1/capacity/usage")["segments"]):
-                assert time.monotonic() < deadline, ms.http("/api/v1/capacity/usage")
-                time.sleep(0.1)
+            wait_for(lambda: all(s["used_bytes"] <= 0.8 * s["capacity_bytes"]
+                                 for s in ms.http("/api/v1/capacity/usage")["segments"]), 10,
+                     "every segment back under its low-water mark")
             # the oldest keys are gone; recent ones survive (LRU skips leased objects, so under this
             # much read traffic a few unread new keys can go before leased old ones)
             assert sum(readers[0]("exist", keys=written[-32:])["codes"]) >= 8

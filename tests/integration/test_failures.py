@@ -53,8 +53,7 @@ def test_meta_service_restart_recovers_the_table(meta, stores):
     keys = [f"persist-{i}" for i in range(20)]
     assert a("put", keys=keys[:10], layout=layout)["codes"] == [0] * 10
     assert b("put", keys=keys[10:], layout=layout)["codes"] == [0] * 10
-    time.sleep(0.6)   # the owners learn about their objects on the next heartbeats
-    meta.kill()
+    meta.kill()       # at once: a put that returned is in its segment's object headers, heartbeat or not
     got = a("exist", keys=keys[:1])["codes"]
     assert got[0] == -3017
     meta.start()
@@ -161,7 +160,8 @@ def test_stalled_reader_never_reports_bytes_of_a_reused_space():
 
         def stalled_read(ops):
             assert owner.remove("K") == 0
-            time.sleep(0.8)                          # the lease (300 ms) ends, the space is freed
+            wait_for(lambda: ms.http("/api/v1/capacity/usage")["used_bytes"] == 0, 10,
+                     "the lease (300 ms) to end and K's space to be freed")
             assert owner.put("J", b"j" * 65536) == 0  # best fit: J lands where K was
             real_read(ops)
         svc.engine.read = stalled_read
