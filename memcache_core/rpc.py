@@ -173,8 +173,12 @@ class RpcClient:
                                                  f"{timeout_s:g}s")
             if self._closed:
                 raise MetaServiceUnavailable("client is closed")
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                c = self._idle.pop()
+                if c.url == self.endpoints.url:
+                    return c
+                self._open -= 1   # to a MetaService this client has moved away from
+                c.close()
             self._open += 1
         url, addr = self.endpoints.url, self.endpoints.addr
         try:
