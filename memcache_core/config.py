@@ -64,6 +64,50 @@ def parse_url(value: str, key: str, schemes: tuple[str, ...]) -> tuple[str, int]
     return host, port
 
 
+_CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaTarget:
+    """Where a client finds the MetaService: URLs tried in turn, or the HA leader key in etcd."""
+
+    urls: tuple[str, ...] = ()
+    etcd: tuple[tuple[str, int], ...] = ()
+    cluster_id: str = ""
+
+
+def parse_etcd_endpoints(value: Any, key: str) -> tuple[tuple[str, int], ...]:
+    """``"h1:2379,http://h2:2379"`` -> ((h1, 2379), (h2, 2379)); raise naming ``key`` if malformed."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}: expected etcd endpoints such as 'http://127.0.0.1:2379,host2:2379', got {value!r}")
+    out = []
+    for item in value.split(","):
+        item = item.strip()
+        out.append(parse_url(item if "://" in item else "http://" + item, key, ("http",)))
+    return tuple(out)
+
+
+def check_cluster_id(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not _CLUSTER_ID_RE.match(value):
+        raise ConfigError(f"{key}: expected 1-64 letters, digits, '_', '.' or '-', got {value!r}")
+    return value
+
+
+def parse_meta_target(value: Any, key: str = "meta_service_url") -> MetaTarget:
+    """``tcp://h:p``, ``tcp://a:p,tcp://b:p`` (tried in turn) or ``etcd://h1:2379,h2:2379/<cluster_id>``."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a URL string, got {value!r}")
+    if value.startswith("etcd://"):
+        hosts, sep, cluster = value[len("etcd://"):].rpartition("/")
+        if not sep:
+            raise ConfigError(f"{key}: expected etcd://HOST:PORT[,HOST:PORT...]/CLUSTER_ID, got {value!r}")
+        return MetaTarget(etcd=parse_etcd_endpoints(hosts, key), cluster_id=check_cluster_id(cluster, key))
+    urls = tuple(u.strip() for u in value.split(","))
+    for u in urls:
+        parse_url(u, key, ("tcp",))
+    return MetaTarget(urls=urls)
+
+
 def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
         raise ConfigError(f"{key}: expected a number in [{lo}, {hi}], got {value!r}")
@@ -80,7 +124,14 @@ class MetaConfig:
     metrics_url: str = "http://127.0.0.1:8000"
     """HTTP admin server: /health, /metrics (Prometheus), key and segment queries."""
     ha_enable: bool = False
-    """Several MetaServices with one leader. Not supported yet: must stay false."""
+    """Several MetaServices, one leader elected through etcd; the others stand by (docs/operations.md)."""
+    ha_etcd_endpoints: str = ""
+    """etcd client endpoints with ``ha_enable``: ``http://h1:2379,http://h2:2379`` (tried in turn)."""
+    ha_cluster_id: str = "default"
+    """Names this pool in etcd: the leader key is ``/memcache/<ha_cluster_id>/leader``."""
+    ha_lease_ttl_ms: int = 5000
+    """TTL of the leader's etcd lease (whole seconds, at least 2 s): a standby takes over this long after
+    the leader stops renewing; the leader stops serving once 3/4 of it passed without a renewal."""
     log_level: str = "info"
     """debug, info, warning or error."""
     log_path: str = ""
@@ -137,8 +188,13 @@ class MetaConfig:
         parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
         parse_url(self.metrics_url, "metrics_url", ("http", "https"))
+        _check_bool("ha_enable", self.ha_enable)
         if self.ha_enable:
-            raise ConfigError("ha_enable: HA (several MetaServices) is not supported yet; set it to false")
+            parse_etcd_endpoints(self.ha_etcd_endpoints, "ha_etcd_endpoints")
+            check_cluster_id(self.ha_cluster_id, "ha_cluster_id")
+            _check_range("ha_lease_ttl_ms", self.ha_lease_ttl_ms, 2000, 600_000)
+            if self.ha_lease_ttl_ms % 1000:
+                raise ConfigError(f"ha_lease_ttl_ms: etcd leases count whole seconds; got {self.ha_lease_ttl_ms}")
         _check_log_level(self.log_level)
         _check_range("log_rotation_file_size", self.log_rotation_file_size, 1, 10240)
         _check_range("log_rotation_file_count", self.log_rotation_file_count, 1, 1000)
@@ -166,7 +222,8 @@ class LocalConfig:
     """Settings of a LocalService (the store inside an inference process, or a standalone one)."""
 
     meta_service_url: str = "tcp://127.0.0.1:5000"
-    """Where the MetaService listens."""
+    """Where the MetaService listens: one URL, several (``tcp://a:5000,tcp://b:5000``, tried in turn),
+    or ``etcd://h1:2379,h2:2379/<ha_cluster_id>`` to follow the HA leader."""
     config_store_url: str = "tcp://127.0.0.1:6000"
     """The MetaService's config store."""
     log_level: str = "info"
@@ -238,7 +295,7 @@ class LocalConfig:
         return parse_size(self.dram_size, "dram_size")
 
     def validate(self) -> None:
-        parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
+        parse_meta_target(self.meta_service_url, "meta_service_url")
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
         parse_url(self.hcom_url, "hcom_url", ("tcp",))
         _check_log_level(self.log_level)

@@ -30,6 +30,7 @@ CLIENT_NOT_INITIALIZED = -3019
 STATE_MISMATCH = -3101
 WRITE_IN_PROGRESS = -3102      # project code: another writer's put of the key is not committed yet
 CHECKSUM_MISMATCH = -3110      # project code: the bytes read do not match the object's checksum
+NOT_LEADER = -3120             # project code: this MetaService is a standby (HA), or answered with an old term
 LEASE_NOT_EXPIRED = -3104
 
 MAX_KEY_BYTES = 256
@@ -106,6 +107,12 @@ class MetaServiceUnavailable(Unavailable):
     code = META_NOT_CONNECTED
 
 
+class NotLeader(MetaServiceUnavailable):
+    """The MetaService asked is not the HA leader (a standby, or a fenced old leader): ask the leader."""
+
+    code = NOT_LEADER
+
+
 class PeerUnavailable(Unavailable):
     """The LocalService that owns a segment cannot be reached (dead or unreachable)."""
 
@@ -141,6 +148,7 @@ _BY_CODE: dict[int, type[MemCacheError]] = {
     CLIENT_NOT_INITIALIZED: NotAMember,
     CHECKSUM_MISMATCH: ChecksumMismatch,
     META_NOT_CONNECTED: MetaServiceUnavailable,
+    NOT_LEADER: NotLeader,
     LOCAL_NOT_CONNECTED: PeerUnavailable,
     NOT_INITIALIZED: NotInitialized,
 }

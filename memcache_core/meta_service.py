@@ -45,6 +45,9 @@ class MetaService:
         except OSError as e:
             logger.error("MetaService cannot start: %s", e)
             return errors.SERVICE_NOT_STARTED
+        except MemCacheError as e:   # e.g. ha_enable without the etcd client installed
+            logger.error("MetaService cannot start: %s", e)
+            return e.code
         return errors.SUCCESS
 
 

@@ -157,16 +157,24 @@ Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | 
 
 # ---- replies ----------------------------------------------------------------------------------
 
-class Error(msgspec.Struct, tag=True):
+class _Reply(msgspec.Struct, tag=True, kw_only=True):
+    """Every reply carries the term of the HA leader that sent it (0 without HA). Clients remember
+    the highest term seen and refuse replies of an older one (a paused old leader). Decoders of
+    either side ignore the field's absence or presence, so the wire stays compatible."""
+
+    term: int = 0
+
+
+class Error(_Reply):
     code: int
     message: str
 
 
-class Ok(msgspec.Struct, tag=True):
+class Ok(_Reply):
     pass
 
 
-class Joined(msgspec.Struct, tag=True):
+class Joined(_Reply):
     client_id: int                 # issued by the MetaService; also the id of the member's segment
     meta_epoch: int
     lease_ttl_ms: int
@@ -174,7 +182,7 @@ class Joined(msgspec.Struct, tag=True):
     token: bytes = b""             # the member's token: requests acting as this member must carry it
 
 
-class HeartbeatReply(msgspec.Struct, tag=True):
+class HeartbeatReply(_Reply):
     meta_epoch: int
     known: bool
     journal: list[JournalEntry] = []
@@ -186,7 +194,7 @@ class AllocResult(msgspec.Struct, array_like=True):
     locations: list[Location] = []
 
 
-class AllocReply(msgspec.Struct, tag=True):
+class AllocReply(_Reply):
     results: list[AllocResult]
 
 
@@ -197,24 +205,24 @@ class Found(msgspec.Struct, array_like=True):
     checksum: int = 0
 
 
-class LookupReply(msgspec.Struct, tag=True):
+class LookupReply(_Reply):
     results: list[Found | None]
     lease_ttl_ms: int = 0
 
 
-class Codes(msgspec.Struct, tag=True):
+class Codes(_Reply):
     codes: list[int]
 
 
-class Flags(msgspec.Struct, tag=True):
+class Flags(_Reply):
     flags: list[bool]
 
 
-class Segments(msgspec.Struct, tag=True):
+class Segments(_Reply):
     segments: list[SegmentInfo]
 
 
-class Value(msgspec.Struct, tag=True):
+class Value(_Reply):
     value: bytes | None
 
 

@@ -11,6 +11,11 @@ A MetaService that is down costs a clear error quickly, never a hang: every call
 ``timeout_s``; once a call or the heartbeat has seen the MetaService fail, later calls fail at once
 with ``MetaServiceUnavailable`` (one call in ``RETRY_DOWN_S`` tries the MetaService again) until an
 exchange gets through again, and calls already waiting are woken by that too. Only idempotent calls (lookup, exist) are retried, within ``retry_ms``.
+
+HA: the URL may name several MetaServices or the leader key in etcd (``endpoints.py``). A call that
+reached no MetaService, or one that answered "not the leader", moves on to the next at once (the
+request was not executed). Every reply carries the leader's term; the client keeps the highest seen
+and refuses a reply of an older term, so a paused old leader that wakes up is never believed.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ import msgspec
 
 from . import protocol as p
 from .auth import AuthFailed, ServerHandshake, client_handshake
-from .config import parse_url
-from .errors import MemCacheError, MetaServiceUnavailable, error_from_code
+from .endpoints import MetaEndpoints
+from .errors import NOT_LEADER, MemCacheError, MetaServiceUnavailable, NotLeader, error_from_code
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,9 @@ class Backoff:
 
 
 class _Conn:
-    def __init__(self, addr: tuple[str, int], timeout_s: float, secret: bytes | None,
+    def __init__(self, url: str, addr: tuple[str, int], timeout_s: float, secret: bytes | None,
                  tls: ssl.SSLContext | None = None) -> None:
+        self.url = url
         self.sock = socket.create_connection(addr, timeout=timeout_s)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -85,8 +91,8 @@ class RpcClient:
     def __init__(self, url: str, timeout_s: float, retry_ms: int = 0, secret: bytes | None = None,
                  max_connections: int = MAX_CLIENT_CONNECTIONS, tls: ssl.SSLContext | None = None) -> None:
         self.tls = tls
-        self.url = url
-        self.addr = parse_url(url, "meta_service_url", ("tcp",))
+        self.endpoints = MetaEndpoints(url, timeout_s)
+        self.max_term = 0   # highest HA leader term seen in a reply
         self.timeout_s = timeout_s
         self.retry_ms = retry_ms
         self.secret = secret
@@ -99,16 +105,27 @@ class RpcClient:
         self._closed = False
 
     @property
+    def url(self) -> str:
+        """The MetaService this client talks to now (empty: no HA leader known)."""
+        return self.endpoints.url
+
+    @property
     def down(self) -> bool:
         """True after a failed exchange and until one succeeds again."""
         return self._down
 
-    def mark_down(self, why: str) -> None:
+    def mark_down(self, why: str, url: str | None = None) -> None:
         if not self._down:
             logger.warning("MetaService at %s is unreachable (%s); calls fail fast until it answers",
                            self.url, why)
         self._down = True
         self._down_at = time.monotonic()
+        self._move_on(self.url if url is None else url)
+
+    def _move_on(self, url: str) -> None:
+        """The MetaService at ``url`` failed: the next call goes to the next endpoint, at once."""
+        if (self.endpoints.count > 1 or self.endpoints.target.etcd) and self.endpoints.advance(url):
+            self._down_at = 0.0
 
     def call(self, req: p.Request, *, timeout_s: float | None = None, probe: bool = False,
              idempotent: bool = False) -> p.Reply:
@@ -118,21 +135,32 @@ class RpcClient:
         """
         deadline = time.monotonic() + self.retry_ms / 1000.0
         backoff = Backoff()
+        t = self.timeout_s if timeout_s is None else timeout_s
         while True:
             try:
-                return self._call_once(req, self.timeout_s if timeout_s is None else timeout_s, probe)
-            except _StaleConnection:
-                # this thread's connection was to a MetaService that has since restarted: the request
-                # never reached a live service, so sending it once more on a new connection is safe
-                try:
-                    return self._call_once(req, self.timeout_s if timeout_s is None else timeout_s, probe)
-                except _StaleConnection as e:
-                    err: MetaServiceUnavailable = e
+                return self._call_moving(req, t, probe)
             except MetaServiceUnavailable as e:
                 err = e
             if not idempotent or time.monotonic() + backoff.cap_s > deadline:
                 raise err
             time.sleep(backoff.next())
+
+    def _call_moving(self, req: p.Request, timeout_s: float, probe: bool) -> p.Reply:
+        """One exchange; where it reached no MetaService or a standby (so nothing was executed),
+        the next endpoint at once, each at most once."""
+        for left in range(self.endpoints.count - 1, -1, -1):
+            try:
+                try:
+                    return self._call_once(req, timeout_s, probe)
+                except _StaleConnection:
+                    # this thread's connection was to a MetaService that has since restarted: the request
+                    # never reached a live service, so sending it once more on a new connection is safe
+                    return self._call_once(req, timeout_s, probe)
+            except (NotLeader, _Unreached, _StaleConnection):
+                if left == 0:
+                    raise
+                probe = True
+        raise AssertionError("unreachable")
 
     def _conn(self, timeout_s: float) -> _Conn:
         """An idle connection, a new one while fewer than the cap are open, else wait for one."""
@@ -145,19 +173,26 @@ class RpcClient:
                                                  f"{timeout_s:g}s")
             if self._closed:
                 raise MetaServiceUnavailable("client is closed")
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                c = self._idle.pop()
+                if c.url == self.endpoints.url:
+                    return c
+                self._open -= 1   # to a MetaService this client has moved away from
+                c.close()
             self._open += 1
+        url, addr = self.endpoints.url, self.endpoints.addr
         try:
-            return _Conn(self.addr, timeout_s, self.secret, self.tls)
+            if addr is None:
+                raise OSError("no HA leader is known (etcd holds no leader key, or is unreachable)")
+            return _Conn(url, addr, timeout_s, self.secret, self.tls)
         except (OSError, AuthFailed) as e:
             self._discard(None)
-            self.mark_down(str(e))
-            raise MetaServiceUnavailable(f"cannot connect to MetaService at {self.url}: {e}") from e
+            self.mark_down(str(e), url)
+            raise _Unreached(f"cannot connect to MetaService at {url or '(none)'}: {e}") from e
 
     def _give_back(self, c: _Conn) -> None:
         with self._cond:
-            if self._closed:
+            if self._closed or c.url != self.endpoints.url:
                 c.close()
                 self._open -= 1
             else:
@@ -194,8 +229,9 @@ class RpcClient:
                     if got_id != rid:
                         continue  # cannot happen on an in-order connection; be safe anyway
                     reply = p.reply_decoder.decode(body)
-                    self._down = False
                     ok = True
+                    self._check_term(reply, c.url)
+                    self._down = False
                     if isinstance(reply, p.Error):
                         raise error_from_code(reply.code, reply.message)
                     return reply
@@ -214,14 +250,24 @@ class RpcClient:
             stale = c.used and isinstance(e, (ConnectionResetError, BrokenPipeError)) and not c.buf
             if stale:
                 raise _StaleConnection(str(e)) from e
-            self.mark_down(str(e))
-            raise MetaServiceUnavailable(f"MetaService at {self.url}: {e}") from e
+            self.mark_down(str(e), c.url)
+            raise MetaServiceUnavailable(f"MetaService at {c.url}: {e}") from e
         finally:
             c.used = True
             if ok and not c.buf:
                 self._give_back(c)
             else:
                 self._discard(c)
+
+    def _check_term(self, reply: p.Reply, url: str) -> None:
+        """Refuse a reply of an older leader term, and move on from a MetaService that is no leader."""
+        if reply.term < self.max_term:
+            self._move_on(url)
+            raise NotLeader(f"MetaService at {url} answered with term {reply.term}, older than term "
+                            f"{self.max_term} already seen: a deposed leader; ignored")
+        self.max_term = reply.term
+        if isinstance(reply, p.Error) and reply.code == NOT_LEADER:
+            self._move_on(url)
 
     def close(self) -> None:
         with self._cond:
@@ -235,6 +281,10 @@ class RpcClient:
 
 class _StaleConnection(MetaServiceUnavailable):
     """A kept-alive connection turned out to be closed by a MetaService that went away."""
+
+
+class _Unreached(MetaServiceUnavailable):
+    """No connection to the MetaService could be made: the request was never sent."""
 
 
 def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:

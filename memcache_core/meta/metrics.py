@@ -59,6 +59,11 @@ class Metrics:
         metric("objects", "gauge", "Committed objects.", [("", len(t.objects) - t.pending)])
         metric("pending_objects", "gauge", "Objects allocated and not yet committed.", [("", t.pending)])
         metric("members", "gauge", "LocalServices and clients joined.", [("", len(core.members))])
+        leading = core.ha is None or core.ha.serving()
+        metric("meta_is_leader", "gauge", "1 when this MetaService serves (the HA leader, or HA is off).",
+               [("", 1 if leading else 0)])
+        metric("meta_term", "gauge", "The HA leader term this MetaService serves under (0: standby, or HA off).",
+               [("", core.ha.term if core.ha is not None and leading else 0)])
         c = t.counters
         for name, value, help_ in (
                 ("puts_total", c.allocs, "Objects asked to be put (alloc)."),

@@ -15,6 +15,8 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -64,6 +66,7 @@ class MetaServiceCore:
         self.metrics = Metrics()
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
+        self.ha: Any = None            # the LeaderElection with ha_enable (meta/ha.py)
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
@@ -159,6 +162,8 @@ class MetaServiceCore:
         grow = len(key) + len(value) - (len(key) + len(old) if old is not None else 0)
         if self.config_store_bytes + grow > cfg.config_store_max_total_bytes:
             return p.Error(errors.OUT_OF_MEMORY, "config store is full (config_store_max_total_bytes)")
+        if self.ha is not None:
+            self.ha.store_config(key, value)   # HA: the store lives in etcd, so it survives failover
         self.config_store[key] = value
         self.config_store_bytes += grow
         return p.Ok()
@@ -251,15 +256,18 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     secret = load_secret(config.auth_secret_path, create=True) if config.auth_enable else None
     if secret is None:
         logger.warning("auth_enable is false: anyone who reaches these ports controls the pool")
+    handler = _handler(core)
     server = FrameServer([parse_url(config.meta_service_url, "meta_service_url", ("tcp",)),
                           parse_url(config.config_store_url, "config_store_url", ("tcp",))],
-                         lambda body: _answer(core, body), secret, config.max_connections,
+                         handler, secret, config.max_connections,
                          config.idle_timeout_seconds, tls.server_context(config))
     admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
     if threading.current_thread() is threading.main_thread():   # before /health answers: a SIGTERM
         for sig in (signal.SIGTERM, signal.SIGINT):               # right after it must stop cleanly
             signal.signal(sig, lambda *_: stop.set())
     admin.start()
+    if core.ha is not None:
+        core.ha.start()
     logger.info("MetaService (pid %d, epoch %d) serving %s, config store %s, admin %s",
                 os.getpid(), core.epoch, config.meta_service_url, config.config_store_url,
                 config.metrics_url)
@@ -273,9 +281,21 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
                     core.housekeeping(time.monotonic())
                 next_house = time.monotonic() + interval
     finally:
+        if core.ha is not None:
+            core.ha.stop()
         admin.stop()
         server.close()
         logger.info("MetaService stopped")
+
+
+def _handler(core: MetaServiceCore) -> Callable[[bytes], bytes]:
+    """The control-plane handler; with ha_enable, fenced by the leader election (meta/ha.py)."""
+    if not core.config.ha_enable:
+        return lambda body: _answer(core, body)
+    from . import ha
+    election = ha.LeaderElection(core.config, lambda won: ha.reset(core, election, won))
+    core.ha = election
+    return ha.fenced(election, lambda body, term: _answer(core, body, term))
 
 
 def _raise_fd_limit() -> None:
@@ -288,7 +308,7 @@ def _raise_fd_limit() -> None:
             logger.warning("could not raise the open-file limit from %d: %s", soft, e)
 
 
-def _answer(core: MetaServiceCore, payload: bytes) -> bytes:
+def _answer(core: MetaServiceCore, payload: bytes, term: int = 0) -> bytes:
     t0 = time.perf_counter()
     try:
         req = p.request_decoder.decode(payload)
@@ -307,8 +327,9 @@ def _answer(core: MetaServiceCore, payload: bytes) -> bytes:
                 logger.exception("request %s failed", name)
                 reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
         core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
+    reply.term = term
     try:
         return p.request_encoder.encode(reply)
     except Exception as e:  # noqa: BLE001 - an unencodable reply must not stop the service
         logger.exception("reply to %s could not be encoded", name)
-        return p.request_encoder.encode(p.Error(errors.ERROR, f"reply could not be encoded: {e}"))
+        return p.request_encoder.encode(p.Error(errors.ERROR, f"reply could not be encoded: {e}", term=term))

@@ -47,7 +47,7 @@ def test_defaults_match_memcache_hybrid():
 
 @pytest.mark.parametrize("key,value", [("evict_threshold_high", 150), ("evict_threshold_low", 95),
                                        ("metrics_url", "tcp://x:1"), ("lease_ttl_ms", 0), ("log_level", "loud"),
-                                       ("ha_enable", True)])
+                                       ("ha_enable", "yes")])
 def test_invalid_meta_values_name_the_key(key, value):
     with pytest.raises(ConfigError, match=key):
         apply_dict(MetaConfig(), {key: value})
@@ -140,3 +140,25 @@ def test_open_store_names_the_failing_step():
                        client_timeout_seconds=1, dram_size="0")
     with pytest.raises(MetaServiceUnavailable, match="init failed with code -3017"):
         open_store(down, init_bm=False)
+
+
+@pytest.mark.parametrize("key,value", [("ha_etcd_endpoints", ""), ("ha_etcd_endpoints", "tcp://h:1"),
+                                       ("ha_etcd_endpoints", "h"), ("ha_cluster_id", "a/b"),
+                                       ("ha_cluster_id", ""), ("ha_lease_ttl_ms", 1000),
+                                       ("ha_lease_ttl_ms", 2500)])
+def test_invalid_ha_values_name_the_key(key, value):
+    good = {"ha_enable": True, "ha_etcd_endpoints": "http://127.0.0.1:2379", "ha_cluster_id": "c1"}
+    apply_dict(MetaConfig(), good)
+    with pytest.raises(ConfigError, match=key):
+        apply_dict(MetaConfig(), {**good, key: value})
+
+
+def test_meta_service_url_forms():
+    from memcache_core.config import parse_meta_target
+    assert parse_meta_target("tcp://a:1").urls == ("tcp://a:1",)
+    assert parse_meta_target("tcp://a:1, tcp://b:2").urls == ("tcp://a:1", "tcp://b:2")
+    t = parse_meta_target("etcd://h1:2379,http://h2:2380/pool-1")
+    assert (t.etcd, t.cluster_id, t.urls) == ((("h1", 2379), ("h2", 2380)), "pool-1", ())
+    for bad in ("etcd://h1:2379", "etcd://h1:2379/a b", "tcp://a:1,", "http://a:1"):
+        with pytest.raises(ConfigError, match="meta_service_url"):
+            apply_dict(LocalConfig(protocol="host_shm"), {"meta_service_url": bad})

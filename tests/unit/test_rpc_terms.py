@@ -1,0 +1,93 @@
+"""The client side of HA fencing, over real sockets: replies of an older leader term are refused,
+"not the leader" moves a URL-list client on to the next MetaService at once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from memcache_core import errors
+from memcache_core import protocol as p
+from memcache_core.rpc import FrameServer, RpcClient
+from memcache_core.testing import free_port
+
+
+class Server:
+    """A FrameServer answering Exist with a fixed term (or NOT_LEADER), in a thread."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.term = 0
+        self.leader = True
+        self.calls = 0
+        self.srv = FrameServer([("127.0.0.1", self.port)], self.answer)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def answer(self, body: bytes) -> bytes:
+        self.calls += 1
+        if not self.leader:
+            return p.request_encoder.encode(p.Error(errors.NOT_LEADER, "standby", term=self.term))
+        return p.request_encoder.encode(p.Flags([True], term=self.term))
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            self.srv.poll(0.05)
+        self.srv.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    made = [Server(), Server()]
+    yield made
+    for s in made:
+        s.stop.set()
+        s.thread.join(5)
+
+
+def test_a_reply_of_an_older_term_is_refused(servers):
+    s = servers[0]
+    rpc = RpcClient(s.url, 2.0)
+    try:
+        s.term = 7
+        assert rpc.call(p.Exist(["k"])).flags == [True]
+        assert rpc.max_term == 7
+        s.term = 5   # a deposed leader whose answers still arrive
+        with pytest.raises(errors.NotLeader, match="older than term 7"):
+            rpc.call(p.Exist(["k"]))
+        s.term = 9
+        assert rpc.call(p.Exist(["k"])).flags == [True] and rpc.max_term == 9
+    finally:
+        rpc.close()
+
+
+def test_a_list_client_moves_past_a_standby_at_once(servers):
+    standby, leader = servers
+    standby.leader, leader.term = False, 3
+    rpc = RpcClient(f"{standby.url},{leader.url}", 2.0)
+    try:
+        assert rpc.call(p.Exist(["k"])).flags == [True]   # one call: refused by the standby, then the leader
+        assert (standby.calls, leader.calls, rpc.url) == (1, 1, leader.url)
+        leader.leader, standby.leader, standby.term = False, True, 4   # roles swap
+        assert rpc.call(p.Exist(["k"])).flags == [True] and rpc.url == standby.url
+    finally:
+        rpc.close()
+
+
+def test_a_single_url_client_reports_not_leader(servers):
+    s = servers[0]
+    s.leader = False
+    rpc = RpcClient(s.url, 2.0)
+    try:
+        with pytest.raises(errors.NotLeader) as e:
+            rpc.call(p.Exist(["k"]))
+        assert e.value.code == errors.NOT_LEADER == -3120
+    finally:
+        rpc.close()
