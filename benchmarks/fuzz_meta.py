@@ -19,7 +19,6 @@ import argparse
 import os
 import random
 import socket
-import struct
 import sys
 import threading
 import time
@@ -28,10 +27,9 @@ import msgspec
 
 from memcache_core import protocol as p
 from memcache_core.auth import client_handshake, load_secret
-from memcache_core.rpc import RpcClient, expect
+from memcache_core.rpc import FRAME_HEAD, RpcClient, expect
 from memcache_core.testing import running_meta_service
 
-_HEAD = struct.Struct("<IQ")
 EXTREME_INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)]
 
 
@@ -144,7 +142,7 @@ class Fuzzer(threading.Thread):
                     frame = rng.randbytes(rng.randint(0, 64))          # raw bytes: framing itself
                 else:
                     body = rand_request(rng) if k < 0.6 else mutate(rng, rand_request(rng))
-                    frame = _HEAD.pack(len(body), rng.getrandbits(64)) + body
+                    frame = FRAME_HEAD.pack(len(body), rng.getrandbits(64)) + body
                 s.sendall(frame)
                 self.frames += 1
                 if self.reads:

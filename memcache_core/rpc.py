@@ -41,7 +41,7 @@ from .errors import NOT_LEADER, MemCacheError, MetaServiceUnavailable, NotLeader
 
 logger = logging.getLogger(__name__)
 
-_HEAD = struct.Struct("<IQ")
+FRAME_HEAD = struct.Struct("<IQ")   # body length, request id: before every control-plane frame
 MAX_FRAME = 256 << 20             # a Join of a segment with ~1M objects; only after authentication
 MAX_CLIENT_CONNECTIONS = 8
 MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
@@ -220,10 +220,10 @@ class RpcClient:
         ok = False
         try:
             c.sock.settimeout(max(0.001, deadline - time.monotonic()))   # the whole send, not a slice
-            c.sock.sendall(_HEAD.pack(len(payload), rid) + payload)
+            c.sock.sendall(FRAME_HEAD.pack(len(payload), rid) + payload)
             c.sock.settimeout(_SLICE_S)
             while True:
-                frame = _take_frame(c.buf)
+                frame = take_frame(c.buf)
                 if frame is not None:
                     got_id, body = frame
                     if got_id != rid:
@@ -287,16 +287,18 @@ class _Unreached(MetaServiceUnavailable):
     """No connection to the MetaService could be made: the request was never sent."""
 
 
-def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:
-    if len(buf) < _HEAD.size:
+def take_frame(buf: bytearray) -> tuple[int, bytes] | None:
+    """Cut one whole frame (request id, body) off the front of ``buf``; None until one is complete.
+    A header announcing more than ``MAX_FRAME`` bytes raises ValueError (the peer is dropped)."""
+    if len(buf) < FRAME_HEAD.size:
         return None
-    n, rid = _HEAD.unpack_from(buf)
+    n, rid = FRAME_HEAD.unpack_from(buf)
     if n > MAX_FRAME:
         raise ValueError(f"frame of {n} bytes")
-    end = _HEAD.size + n
+    end = FRAME_HEAD.size + n
     if len(buf) < end:
         return None
-    body = bytes(buf[_HEAD.size:end])
+    body = bytes(buf[FRAME_HEAD.size:end])
     del buf[:end]
     return rid, body
 
@@ -470,10 +472,10 @@ class FrameServer:
         out = bytearray()
         waiting = len(peer.out) if peer.out is not None else 0
         try:
-            while (frame := _take_frame(buf)) is not None:
+            while (frame := take_frame(buf)) is not None:
                 rid, body = frame
                 reply = self.handler(body)
-                out += _HEAD.pack(len(reply), rid)
+                out += FRAME_HEAD.pack(len(reply), rid)
                 out += reply
                 if waiting + len(out) > MAX_PENDING_REPLY:
                     # one 64 KiB read can hold thousands of small requests for big replies: stop here,

@@ -102,9 +102,9 @@ class TransferEngine:
         jobs: list[tuple[str | None, list[CopyOp]]] = []
         nthreads = self._threads[reading] if sum(op.nbytes for op in ops) >= INLINE_BYTES else 1
         if shm_ops:
-            jobs.extend((None, chunk) for chunk in _split(shm_ops, nthreads))
+            jobs.extend((None, chunk) for chunk in split_by_bytes(shm_ops, nthreads))
         for addr, peer_ops in by_peer.items():
-            jobs.extend((addr, chunk) for chunk in _split(peer_ops, nthreads))
+            jobs.extend((addr, chunk) for chunk in split_by_bytes(peer_ops, nthreads))
         if len(jobs) == 1:
             self._job(jobs[0], reading)
             return
@@ -202,7 +202,7 @@ def _verify(op: CopyOp, got: int) -> None:
                                f"committed {op.checksum:#018x}")
 
 
-def _split(ops: list[CopyOp], n: int) -> list[list[CopyOp]]:
+def split_by_bytes(ops: list[CopyOp], n: int) -> list[list[CopyOp]]:
     """Split ops into at most n lists of about equal bytes, keeping their order."""
     if n <= 1 or len(ops) <= 1:
         return [ops]

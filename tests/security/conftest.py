@@ -4,18 +4,17 @@ that speak (or fail to speak) the pool's handshake, the way an attacker on the s
 from __future__ import annotations
 
 import socket
-import struct
 from typing import Any
 
 import msgspec
 
 from memcache_core import protocol as p
 from memcache_core.auth import client_handshake, load_secret, recv_exact
-from memcache_core.rpc import RpcClient
+from memcache_core.rpc import FRAME_HEAD, RpcClient
 from memcache_core.testing import wait_for  # noqa: F401 - re-exported for the tests here
 from tests.integration.conftest import StoreProcess, meta, stores  # noqa: F401 - fixtures re-exported
 
-HEAD = struct.Struct("<IQ")
+HEAD = FRAME_HEAD
 LAYOUT = [64 << 10, 16 << 10, 16 << 10]
 
 

@@ -170,7 +170,7 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
 
     from memcache_core import protocol as p
     from memcache_core.auth import client_handshake, load_secret
-    from memcache_core.rpc import _HEAD, FrameServer, RpcClient
+    from memcache_core.rpc import FRAME_HEAD, FrameServer, RpcClient
     from memcache_core.testing import wait_for
 
     secret = load_secret("")
@@ -186,7 +186,7 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
         for _ in range(4):                       # 4 x 3 MiB of a 200 MiB frame: over the 8 MiB budget
             s = socket_.create_connection(("127.0.0.1", port))
             client_handshake(s, secret)
-            s.sendall(_HEAD.pack(200 << 20, 1) + bytes(3 << 20))
+            s.sendall(FRAME_HEAD.pack(200 << 20, 1) + bytes(3 << 20))
             socks.append(s)
         honest = RpcClient(f"tcp://127.0.0.1:{port}", 5.0, 0, secret)
         assert isinstance(honest.call(p.Exist(["k"])), p.Ok)
