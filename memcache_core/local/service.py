@@ -393,8 +393,10 @@ class LocalService:
         replicas as (key, generation, segment id)."""
         assert self.engine is not None
         ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
-        attempt = {i: self._replica_order(found[i]) for i in todo}  # type: ignore[arg-type]
         corrupt: list[tuple[str, int, int]] = []
+        attempt = {i: list(found[i].locations) for i in todo}  # type: ignore[union-attr]
+        self._know_segments([loc for locs in attempt.values() if len(locs) > 1 for loc in locs])
+        attempt = {i: self._replica_order(locs) for i, locs in attempt.items()}
         while todo:
             ops, owners = [], []
             for i in todo:
@@ -419,6 +421,14 @@ class LocalService:
                     todo.append(i)
         return corrupt
 
+    def _know_segments(self, locs: list[p.Location]) -> None:
+        """Fetch the segment table once when replicas lie in segments not known here (to rank them)."""
+        if any(loc.segment_id not in self._segments for loc in locs):
+            try:
+                self._refresh_segments()
+            except MemCacheError as e:
+                logger.debug("segment table not refreshed: %s", e)
+
     def _next_replica(self, left: list[p.Location], results: list[MemCacheError | None],
                       i: int) -> tuple[p.SegmentInfo, int] | None:
         """The next replica of key ``i`` whose segment is in the pool, as (segment, offset)."""
@@ -437,11 +447,10 @@ class LocalService:
         except MemCacheError as e:
             logger.warning("could not report %d corrupt objects: %s", len(corrupt), e)
 
-    def _replica_order(self, f: p.Found) -> list[p.Location]:
+    def _replica_order(self, locs: list[p.Location]) -> list[p.Location]:
         """Our own segment first, then segments on this host (shared memory, or TCP over loopback),
         then the others in the MetaService's order."""
-        locs = list(f.locations)
-        if self.engine is None or len(locs) == 1:
+        if len(locs) == 1:
             return locs
         return sorted(locs, key=lambda loc: replica_distance(self._segments.get(loc.segment_id),
                                                             self.segment, self.host_id))

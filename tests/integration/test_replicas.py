@@ -155,3 +155,29 @@ def test_spread_policy_spreads_a_pure_clients_objects_over_the_providers():
         finally:
             for h in holders:
                 h.close()
+
+
+def test_reads_prefer_a_same_host_replica_and_fall_back_to_the_other_host():
+    """Scenario: holders on hosts A and B (distinct host ids: B is reached over TCP), replicaNum 2,
+    and every replica on B damaged in memory. A reader on host A reads A's replicas only (no
+    integrity failure is seen); a reader on host B tries its own host first, finds the bytes bad and
+    falls back to A: every read byte-exact, each damaged copy counted and dropped."""
+    with running_meta_service(lease_ttl_ms=2000) as ms:
+        on_a = _store(ms, True, dram_size="8MB", host_id="hostA")
+        on_b = _store(ms, True, dram_size="8MB", host_id="hostB")
+        readers = {h: _store(ms, False, host_id=h) for h in ("hostA", "hostB")}
+        try:
+            data = {f"h{i}": bytes([i + 1]) * 30_000 for i in range(10)}
+            assert readers["hostA"].put_batch(list(data), list(data.values()), ReplicateConfig(2)) == 0
+            b_id, b_seg = on_b.get_local_service_id(), on_b._service().segment
+            for k in data:
+                (loc,) = [x for x in ms.http(f"/query_key?key={k}")["locations"] if x["segment"] == b_id]
+                b_seg.view(loc["offset"] + HEADER_BYTES + 7, 1)[0] ^= 0xFF
+            assert readers["hostA"].get_batch(list(data)) == list(data.values())
+            assert gauge(ms, "integrity_failures_total") == 0
+            assert readers["hostB"].get_batch(list(data)) == list(data.values())
+            assert gauge(ms, "integrity_failures_total") == 10
+            assert all(segments_of(ms, k) == [on_a.get_local_service_id()] for k in data)
+        finally:
+            for s in (*readers.values(), on_a, on_b):
+                s.close()

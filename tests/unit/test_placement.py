@@ -167,3 +167,16 @@ def test_placement_policy_is_validated_naming_the_key():
 def test_over_capacity_and_out_of_memory_still_reported_with_replicas():
     t = make(["a", "b"], size=2 * MB)
     assert t.alloc(1, "huge", 4 * MB, 2, [1, 2], 0.0)[0] == errors.OVER_CAPACITY
+
+
+def test_replica_distance_orders_own_then_same_host_then_others():
+    from memcache_core.local.service import replica_distance
+
+    class Own:
+        path = "/dev/shm/memcache-1-ab"
+
+    seg = lambda sid, host, path: SegmentInfo(sid, MB, host, path, "127.0.0.1:1")  # noqa: E731
+    assert replica_distance(seg(1, "a", Own.path), Own(), "a") == 0    # type: ignore[arg-type]
+    assert replica_distance(seg(2, "a", "/dev/shm/memcache-2-cd"), Own(), "a") == 1  # type: ignore[arg-type]
+    assert replica_distance(seg(3, "b", "/dev/shm/memcache-3-ef"), None, "a") == 2
+    assert replica_distance(None, None, "a") == 3
