@@ -18,8 +18,9 @@ The random source is the MetaService's own, seeded from the OS, never an applica
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from .table import Segment
 
@@ -29,26 +30,33 @@ def free_ratio(seg: Segment) -> float:
     return a.free / a.size if a.size else 0.0
 
 
-def spread(segments: Mapping[int, Segment], rng: random.Random) -> list[int]:
-    """Segment ids, each place the freer (by ratio) of two random picks among those left."""
-    left = list(segments)
-    rng.shuffle(left)
-    order: list[int] = []
+def spread(segments: Mapping[int, Segment], rng: random.Random, skip: int | None = None) -> Iterator[int]:
+    """Segment ids, each place the freer (by ratio) of two random picks among those left. Lazy: a put
+    usually needs the first one or two, so that is all it pays for (O(1) each)."""
+    left = [s for s in segments if s != skip] if skip is not None else list(segments)
     while len(left) > 1:
-        a, b = left[-1], left[-2]
-        pick = -1 if free_ratio(segments[a]) >= free_ratio(segments[b]) else -2
-        order.append(left.pop(pick))
-    return order + left
+        i = rng.randrange(len(left))
+        j = rng.randrange(len(left) - 1)
+        j += j >= i
+        pick = i if free_ratio(segments[left[i]]) >= free_ratio(segments[left[j]]) else j
+        left[pick], left[-1] = left[-1], left[pick]
+        yield left.pop()
+    yield from left
 
 
-def order(policy: str, segments: Mapping[int, Segment], own: int | None, rng: random.Random) -> list[int]:
-    """The order in which segments are tried for one new object (before pinned/preferred ones)."""
+def shuffled(segments: Mapping[int, Segment], rng: random.Random) -> Iterator[int]:
+    """Segment ids in a uniformly random order, drawn lazily."""
+    left = list(segments)
+    while left:
+        i = rng.randrange(len(left))
+        left[i], left[-1] = left[-1], left[i]
+        yield left.pop()
+
+
+def order(policy: str, segments: Mapping[int, Segment], own: int | None, rng: random.Random) -> Iterator[int]:
+    """The order in which segments are tried for one new object (after the preferred ones)."""
     if policy == "random":
-        ids = list(segments)
-        rng.shuffle(ids)
-        return ids
-    ids = spread(segments, rng)
+        return shuffled(segments, rng)
     if policy == "local_first" and own is not None and own in segments:
-        ids.remove(own)
-        ids.insert(0, own)
-    return ids
+        return itertools.chain((own,), spread(segments, rng, skip=own))
+    return spread(segments, rng)

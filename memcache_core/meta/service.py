@@ -118,10 +118,10 @@ class MetaServiceCore:
         match req:
             case p.Alloc(keys=keys, sizes=sizes, replicas=replicas, preferred=preferred):
                 validate.alloc(req)
-                pinned = self._preferred(preferred)
+                pref = self._preferred(preferred)
                 policy, own, segs, rng = self.config.placement_policy, member.segment_id, t.segments, self.rng
                 return p.AllocReply([p.AllocResult(*t.alloc(cid, k, s, replicas,
-                                                             placement.order(policy, segs, own, rng), now, pinned))
+                                                             placement.order(policy, segs, own, rng), now, pref))
                                      for k, s in zip(keys, sizes, strict=True)])
             case p.Commit(keys=keys, generations=gens, checksums=sums):
                 sums = sums or [0] * len(keys)
@@ -219,10 +219,10 @@ class MetaServiceCore:
             journal = self.table.segments[m.segment_id].journal_since(ack)
         return p.HeartbeatReply(self.epoch, known=True, journal=journal)
 
-    def _preferred(self, preferred: list[int]) -> frozenset[int]:
+    def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""
         ms = (self.members.get(c) for c in preferred)
-        return frozenset(m.segment_id for m in ms if m is not None and m.segment_id is not None)
+        return [m.segment_id for m in ms if m is not None and m.segment_id is not None]
 
     def _drop_member(self, cid: int, why: str) -> None:
         m = self.members.pop(cid, None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
 from .. import errors
 from ..layout import footprint
@@ -69,6 +69,25 @@ class Segment:
             keep = next((i for i, e in enumerate(self.journal) if e.seq > ack), len(self.journal))
             del self.journal[:keep]
         return list(self.journal)
+
+
+class _Drawn:
+    """An iterator's items, drawn only as far as some pass needs them and kept for the next passes."""
+
+    def __init__(self, it: Iterator[Segment]) -> None:
+        self._it = it
+        self._seen: list[Segment] = []
+
+    def __iter__(self) -> Iterator[Segment]:
+        i = 0
+        while True:
+            if i == len(self._seen):
+                nxt = next(self._it, None)
+                if nxt is None:
+                    return
+                self._seen.append(nxt)
+            yield self._seen[i]
+            i += 1
 
 
 @dataclasses.dataclass
@@ -159,14 +178,14 @@ class ObjectTable:
 
     # ---- put: alloc / commit / abort -------------------------------------------------------------
 
-    def alloc(self, client_id: int, key: str, size: int, replicas: int, order: list[int],
-              now: float, pinned: frozenset[int] = frozenset()) -> tuple[int, int, list[Location]]:
+    def alloc(self, client_id: int, key: str, size: int, replicas: int, order: Iterable[int],
+              now: float, preferred: Sequence[int] = ()) -> tuple[int, int, list[Location]]:
         """Reserve space for a new object. Returns (code, generation, locations).
 
-        ``order`` is the placement policy's segment order; segments in ``pinned`` (the writer's
-        preferred ones) are taken first whatever their host. Fewer segments with room than
+        ``order`` is the placement policy's segment order (drawn lazily, as far as needed); the
+        ``preferred`` segments are taken first whatever their host. Fewer segments with room than
         ``replicas``: the object is placed on those there are (partial placement, counted as
-        under-replicated once committed); none: OUT_OF_MEMORY.
+        under-replicated once committed); none: OUT_OF_MEMORY, or OVER_CAPACITY when it fits in none.
         """
         self.counters.allocs += 1
         cur = self.objects.get(key)
@@ -175,18 +194,15 @@ class ObjectTable:
         if size <= 0:
             return errors.INVALID_PARAM, 0, []
         size_in_segment = footprint(size)
-        candidates = [self.segments[s] for s in order if s in self.segments
-                      and self.segments[s].alloc_after <= now]
-        if not candidates:
-            self.counters.alloc_failures += 1
-            return errors.OUT_OF_MEMORY, 0, []
-        if all(aligned(size_in_segment) > s.allocator.size for s in candidates):
-            self.counters.alloc_failures += 1
-            return errors.OVER_CAPACITY, 0, []
-        chosen = self._choose(candidates, pinned, replicas, size_in_segment, now)
+        accepts = lambda ids: (self.segments[s] for s in ids  # noqa: E731
+                               if s in self.segments and self.segments[s].alloc_after <= now)
+        candidates = _Drawn(accepts(order))
+        chosen = self._choose(list(accepts(preferred)), candidates, replicas, size_in_segment, now)
         if not chosen:
             self.counters.alloc_failures += 1
-            return errors.OUT_OF_MEMORY, 0, []
+            segs = list(candidates)
+            too_big = segs and all(aligned(size_in_segment) > s.allocator.size for s in segs)
+            return (errors.OVER_CAPACITY if too_big else errors.OUT_OF_MEMORY), 0, []
         self._next_gen += 1
         locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
         self.objects[key] = Obj(key, size, self._next_gen, locs, client_id,
@@ -194,27 +210,29 @@ class ObjectTable:
         self.pending += 1
         return errors.SUCCESS, self._next_gen, locs
 
-    def _choose(self, candidates: list[Segment], pinned: frozenset[int], replicas: int, size: int,
+    def _choose(self, pinned: list[Segment], candidates: Iterable[Segment], replicas: int, size: int,
                 now: float) -> list[tuple[Segment, int]]:
         """Up to ``replicas`` distinct segments with room, in this order of passes: pinned ones (without,
-        then with eviction); then segments on hosts not yet holding a replica; then any segment."""
+        then with eviction); then segments on hosts not yet holding a replica; then any segment.
+        Segments smaller than the object are skipped (never evicted for nothing)."""
         chosen: list[tuple[Segment, int]] = []
         hosts: set[str] = set()
+        need = aligned(size)
 
-        def take(segs: list[Segment], evict: bool, distinct_host: bool) -> None:
+        def take(segs: Iterable[Segment], evict: bool, distinct_host: bool) -> None:
             for seg in segs:
                 if len(chosen) == replicas:
                     return
-                if any(seg is c for c, _ in chosen) or (distinct_host and seg.info.host_id in hosts):
+                if seg.allocator.size < need or any(seg is c for c, _ in chosen) \
+                        or (distinct_host and seg.info.host_id in hosts):
                     continue
                 off = self._alloc_in(seg, size, now, evict)
                 if off is not None:
                     chosen.append((seg, off))
                     hosts.add(seg.info.host_id)
 
-        if pinned:
-            for evict in (False, True):
-                take([s for s in candidates if s.info.segment_id in pinned], evict, False)
+        for evict in (False, True):
+            take(pinned, evict, False)
         for distinct_host in (True, False):
             for evict in (False, True):
                 take(candidates, evict, distinct_host)
