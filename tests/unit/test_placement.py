@@ -180,3 +180,18 @@ def test_replica_distance_orders_own_then_same_host_then_others():
     assert replica_distance(seg(2, "a", "/dev/shm/memcache-2-cd"), Own(), "a") == 1  # type: ignore[arg-type]
     assert replica_distance(seg(3, "b", "/dev/shm/memcache-3-ef"), None, "a") == 2
     assert replica_distance(None, None, "a") == 3
+
+
+def test_a_segment_too_small_for_the_object_is_never_evicted_for_it():
+    """Scenario: a 4 MB segment and a 10 MB one, both too full to take a 6 MB object without
+    evicting; the object can only ever fit the second. The eviction pass evicts there and leaves the
+    small segment's objects alone (it used to empty the small segment's LRU first, for nothing)."""
+    t = make(["a", "b"])
+    t.add_segment(SegmentInfo(3, 4 * MB, "c", "/dev/shm/x3", "127.0.0.1:1"))
+    fill(t, 3, 3)
+    fill(t, 1, 9)
+    code, _, locs = t.alloc(1, "big", 6 * MB, 1, [3, 1], 0.0)
+    assert code == 0 and [loc.segment_id for loc in locs] == [1]
+    assert len(t.segments[3].lru) == 3
+    assert t.alloc(1, "huge", 20 * MB, 1, [3, 1, 2], 0.0)[0] == errors.OVER_CAPACITY
+    assert len(t.segments[3].lru) == 3
