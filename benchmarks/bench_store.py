@@ -341,12 +341,13 @@ class Worker:
 
     def replica_sets(self, layout: str, batch: int, prefix: str, counts: list[int], op: str) -> dict[str, Any]:
         """Put (op "put") or remove one batch per replica count, unstamped (readers compare with
-        ``expected``)."""
+        ``expected``); the first copy always in the writer's own segment."""
         ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)
         keys, pieces = self._batch(layout, batch, prefix)
         for n in counts:
             k = [f"{key}/n{n}" for key in keys]
-            codes = self.client.put(k, pieces, None, n) if op == "put" else (self.client.remove(k), [0])[1]
+            codes = (self.client.put(k, pieces, self.client.ident, n) if op == "put"
+                     else (self.client.remove(k), [0])[1])
             if any(c != 0 for c in codes):
                 return {"error": f"replica set {prefix} n{n}: codes {sorted(set(codes))}"}
         return {}
@@ -358,6 +359,7 @@ class Worker:
         keys (removed after); gets read the sets ``replica_sets`` put and are checked byte for byte."""
         ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)
         keys, pieces = self._batch(layout, batch, prefix)
+        own = self.client.ident   # the first copy always in the writer's own segment, the others beyond
         times: dict[str, list[float]] = {str(n): [] for n in counts}
         nbytes = batch * OBJ_BYTES
         for rep in range(reps):
@@ -366,7 +368,7 @@ class Worker:
                 if op == "get":
                     self.data[:nbytes] = 0
                 t = time.perf_counter()
-                codes = self.client.put(k, pieces, None, n) if op == "put" else self.client.get(k, pieces)
+                codes = self.client.put(k, pieces, own, n) if op == "put" else self.client.get(k, pieces)
                 times[str(n)].append(time.perf_counter() - t)
                 if any(c != 0 for c in codes):
                     return {"error": f"paired replicas {op} {prefix}: codes {sorted(set(codes))}"}
@@ -663,8 +665,11 @@ def auth_cost(out: list[dict[str, Any]]) -> None:
 def replica_cost(protocol: str, args: argparse.Namespace, writer: Proc, reader: Proc,
                  out: list[dict[str, Any]]) -> None:
     """What replicas cost: put (by the writer) and get (by the reader) of the same batch with each
-    replica count, alternately; ratio = median over repetitions of (time with n / time with the first)."""
+    replica count, alternately; ratio = median over repetitions of (time with n / time with the first).
+    The first copy is pinned to the writer's segment, so with two segments the second copy is in the
+    reader's: a get of a replicated object reads the reader's own copy."""
     counts, base = args.replicas, str(args.replicas[0])
+    time.sleep(args.lease_ms / 1000 + 0.2)   # space of the objects just read comes back when their lease ends
     for layout in args.layouts:
         for batch in args.batches:
             prefix = f"memcache/{protocol}/{layout}/b{batch}/replicas"
