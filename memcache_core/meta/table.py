@@ -155,6 +155,7 @@ class ObjectTable:
                 self._next_gen = max(self._next_gen, r.generation + 1)
             cur.locations.append(loc)
             cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported
+            self._mark(cur)   # a holder declared dead that re-joins gives the object its replica back
             seg.lru[r.key] = cur
         return refused
 

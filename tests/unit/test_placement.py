@@ -195,3 +195,19 @@ def test_a_segment_too_small_for_the_object_is_never_evicted_for_it():
     assert len(t.segments[3].lru) == 3
     assert t.alloc(1, "huge", 20 * MB, 1, [3, 1, 2], 0.0)[0] == errors.OVER_CAPACITY
     assert len(t.segments[3].lru) == 3
+
+
+def test_a_holder_that_re_joins_gives_the_object_its_replica_back():
+    """Scenario: replicas on 1 and 2; segment 2 is declared dead (under-replicated), then its owner
+    re-joins and reports the object again: two locations, no longer counted."""
+    from memcache_core.protocol import ObjectReport
+    t = make(["a", "b"])
+    put(t, "k", 2, [1, 2])
+    o = t.lookup("k", 0.0, lease=False)
+    assert o is not None
+    (loc2,) = [loc for loc in o.locations if loc.segment_id == 2]
+    t.drop_segment(2)
+    assert t.under_replicated == 1
+    t.add_segment(SegmentInfo(2, 10 * MB, "b", "/dev/shm/x2", "127.0.0.1:1"),
+                  [ObjectReport("k", loc2.offset, OBJ, o.generation, o.checksum)])
+    assert len(o.locations) == 2 and t.under_replicated == 0
