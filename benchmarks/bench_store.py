@@ -198,14 +198,14 @@ class MooncakeClient:
         if self.store.register_buffer(ptr, size) != 0:
             raise BenchError("register_buffer failed")
 
-    def _config(self, segment: str | None) -> Any:
+    def _config(self, segment: str | None, replicas: int = 1) -> Any:
         rc = self._rc()
-        rc.replica_num = 1
+        rc.replica_num = replicas
         rc.preferred_segment = segment or self.ident
         return rc
 
-    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any) -> list[int]:
-        cfg = self._config(peer)
+    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
+        cfg = self._config(peer, replicas)
         if all(len(ps) == 1 for ps in pieces):
             return self.store.batch_put_from(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces], cfg)
         return self.store.batch_put_from_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
