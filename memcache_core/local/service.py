@@ -294,8 +294,8 @@ class LocalService:
         return allocated
 
     def _note_partial(self, allocated: dict[str, p.AllocResult], replicas: int) -> None:
-        """Fewer segments with room than replicas: the put is placed partially (as memcache_hybrid
-        does) and succeeds once every placed replica is written; say so (at most once a minute)."""
+        """Fewer segments with room than replicas: the put is placed partially (``get_key_info``
+        shows where) and succeeds once every placed replica is written; say so (at most once a minute)."""
         short = [k for k, r in allocated.items() if len(r.locations) < replicas]
         if short and time.monotonic() >= self._partial_warned:
             self._partial_warned = time.monotonic() + 60.0
