@@ -181,3 +181,40 @@ def test_reads_prefer_a_same_host_replica_and_fall_back_to_the_other_host():
         finally:
             for s in (*readers.values(), on_a, on_b):
                 s.close()
+
+
+def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(meta, stores):
+    """Scenario: a pure client keeps reading 1 MB objects (replicaNum 2) in a loop while one of the
+    two holders is killed with -9, so reads are in flight from it when it dies. Every read, before,
+    during and after (until the MetaService has declared the holder dead and a few rounds more),
+    succeeds with the right bytes: a replica that fails mid-read is followed by the other."""
+    import threading
+    a = stores(protocol="host_tcp", dram_size="64MB")
+    stores(protocol="host_tcp", dram_size="64MB")
+    client = _store(meta, False, protocol="host_tcp")
+    try:
+        data = {f"live-{i}": np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+                for i in range(12)}
+        assert client.put_batch(list(data), list(data.values()), ReplicateConfig(2)) == 0
+        stop, rounds, bad = threading.Event(), [0], []
+
+        def read_loop() -> None:
+            while not stop.is_set():
+                got = client.get_batch(list(data))
+                bad.extend(k for k, v in zip(data, got, strict=True) if v != data[k])
+                rounds[0] += 1
+
+        t = threading.Thread(target=read_loop)
+        t.start()
+        try:
+            wait_for(lambda: rounds[0] >= 3, 30, "reads before the kill")
+            a.kill()
+            wait_for(lambda: gauge(meta, "objects_under_replicated") == len(data), 15, "the holder declared dead")
+            after = rounds[0]
+            wait_for(lambda: rounds[0] >= after + 3, 30, "reads after it")
+        finally:
+            stop.set()
+            t.join(30)
+        assert bad == [], f"{len(bad)} reads failed or returned wrong bytes, first {bad[0]}"
+    finally:
+        client.close()
