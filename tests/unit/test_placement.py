@@ -211,3 +211,15 @@ def test_a_holder_that_re_joins_gives_the_object_its_replica_back():
     t.add_segment(SegmentInfo(2, 10 * MB, "b", "/dev/shm/x2", "127.0.0.1:1"),
                   [ObjectReport("k", loc2.offset, OBJ, o.generation, o.checksum)])
     assert len(o.locations) == 2 and t.under_replicated == 0
+
+
+def test_a_corrupt_report_with_mismatched_segments_is_refused():
+    from memcache_core import protocol as p
+    from memcache_core.errors import InvalidParameter
+    from memcache_core.meta import validate
+    validate.corrupt(p.Corrupt(1, b"t", ["a", "b"], [1, 2], [5, 6]))
+    validate.corrupt(p.Corrupt(1, b"t", ["a"], [1]))            # no segments: whole objects
+    with pytest.raises(InvalidParameter, match="differ in length"):
+        validate.corrupt(p.Corrupt(1, b"t", ["a", "b"], [1, 2], [5]))
+    with pytest.raises(InvalidParameter, match="segment"):
+        validate.corrupt(p.Corrupt(1, b"t", ["a"], [1], [-1]))
