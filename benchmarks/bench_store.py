@@ -147,11 +147,11 @@ class CoreClient:
         cfg = self.store._service().config
         cfg.checksum, cfg.checksum_verify_ratio = on, 1.0 if on else 0.0
 
-    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any) -> list[int]:
+    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
         rc = None
-        if peer is not None:
-            rc = self._rc()
-            rc.preferredLocalServiceIDs = [peer]
+        if peer is not None or replicas != 1:
+            rc = self._rc(replicas)
+            rc.preferredLocalServiceIDs = [peer] if peer is not None else []
         return self.store.batch_put_from_layers(keys, [[p for p, _ in ps] for ps in pieces],
                                                 [[s for _, s in ps] for ps in pieces], replicateConfig=rc)
 
@@ -198,14 +198,14 @@ class MooncakeClient:
         if self.store.register_buffer(ptr, size) != 0:
             raise BenchError("register_buffer failed")
 
-    def _config(self, segment: str | None) -> Any:
+    def _config(self, segment: str | None, replicas: int = 1) -> Any:
         rc = self._rc()
-        rc.replica_num = 1
+        rc.replica_num = replicas
         rc.preferred_segment = segment or self.ident
         return rc
 
-    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any) -> list[int]:
-        cfg = self._config(peer)
+    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
+        cfg = self._config(peer, replicas)
         if all(len(ps) == 1 for ps in pieces):
             return self.store.batch_put_from(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces], cfg)
         return self.store.batch_put_from_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
@@ -338,6 +338,45 @@ class Worker:
                 (on if flag else off).append(dt)
         self.client.set_checksum(True)
         return {"on": on, "off": off}
+
+    def replica_sets(self, layout: str, batch: int, prefix: str, counts: list[int], op: str) -> dict[str, Any]:
+        """Put (op "put") or remove one batch per replica count, unstamped (readers compare with
+        ``expected``); the first copy always in the writer's own segment."""
+        ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)
+        keys, pieces = self._batch(layout, batch, prefix)
+        for n in counts:
+            k = [f"{key}/n{n}" for key in keys]
+            codes = (self.client.put(k, pieces, self.client.ident, n) if op == "put"
+                     else (self.client.remove(k), [0])[1])
+            if any(c != 0 for c in codes):
+                return {"error": f"replica set {prefix} n{n}: codes {sorted(set(codes))}"}
+        return {}
+
+    def paired_replicas(self, op: str, layout: str, batch: int, prefix: str, reps: int,
+                        counts: list[int]) -> dict[str, Any]:
+        """Time ``op`` with each replica count in turn (the order rotates per repetition) on the same
+        pieces, so the runs of one repetition are seconds apart under the same load. Puts use new
+        keys (removed after); gets read the sets ``replica_sets`` put and are checked byte for byte."""
+        ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)
+        keys, pieces = self._batch(layout, batch, prefix)
+        own = self.client.ident   # the first copy always in the writer's own segment, the others beyond
+        times: dict[str, list[float]] = {str(n): [] for n in counts}
+        nbytes = batch * OBJ_BYTES
+        for rep in range(reps):
+            for n in counts[rep % len(counts):] + counts[:rep % len(counts)]:
+                k = [f"{key}/n{n}" + (f"/{rep}" if op == "put" else "") for key in keys]
+                if op == "get":
+                    self.data[:nbytes] = 0
+                t = time.perf_counter()
+                codes = self.client.put(k, pieces, own, n) if op == "put" else self.client.get(k, pieces)
+                times[str(n)].append(time.perf_counter() - t)
+                if any(c != 0 for c in codes):
+                    return {"error": f"paired replicas {op} {prefix}: codes {sorted(set(codes))}"}
+                if op == "put":
+                    self.client.remove(k)
+                elif not np.array_equal(self.data[:nbytes], self.expected[:nbytes]):
+                    return {"error": f"paired replicas get {prefix} n{n}: bytes differ from what was written"}
+        return {"s": times}
 
     def small_ops(self, op: str, prefix: str, n: int) -> dict[str, Any]:
         lat, c = [], self.client
@@ -514,6 +553,8 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
                     _print_row(row)
         if args.checksum == "both" and engine == "memcache":
             checksum_cost(protocol, args, writer, reader, out)
+        if len(args.replicas) > 1 and engine == "memcache":
+            replica_cost(protocol, args, writer, reader, out)
         small = f"{engine}/{protocol}/small"
         res = {"put": writer.call("small_ops", op="put", prefix=small, n=max(args.small_n, 1000)),
                "get": reader.call("small_ops", op="get", prefix=small, n=args.small_n),
@@ -621,6 +662,37 @@ def auth_cost(out: list[dict[str, Any]]) -> None:
               f" x{on / off:.2f}", flush=True)
 
 
+def replica_cost(protocol: str, args: argparse.Namespace, writer: Proc, reader: Proc,
+                 out: list[dict[str, Any]]) -> None:
+    """What replicas cost: put (by the writer) and get (by the reader) of the same batch with each
+    replica count, alternately; ratio = median over repetitions of (time with n / time with the first).
+    The first copy is pinned to the writer's segment, so with two segments the second copy is in the
+    reader's: a get of a replicated object reads the reader's own copy."""
+    counts, base = args.replicas, str(args.replicas[0])
+    time.sleep(args.lease_ms / 1000 + 0.2)   # space of the objects just read comes back when their lease ends
+    for layout in args.layouts:
+        for batch in args.batches:
+            prefix = f"memcache/{protocol}/{layout}/b{batch}/replicas"
+            writer.call("replica_sets", layout=layout, batch=batch, prefix=prefix, counts=counts, op="put")
+            for op, proc in (("get", reader), ("put", writer)):
+                r = proc.call("paired_replicas", op=op, layout=layout, batch=batch, prefix=prefix,
+                              reps=len(counts) * args.reps, counts=counts)["s"]
+                nbytes = batch * OBJ_BYTES
+                row: dict[str, Any] = {"engine": "memcache", "protocol": protocol, "layout": layout, "batch": batch,
+                                       "op": f"{op} replicas"}
+                for n in map(str, counts):
+                    row[f"gbps_{n}"] = round(nbytes / statistics.median(r[n]) / 1e9, 3)
+                    row[f"ms_{n}"] = round(statistics.median(r[n]) * 1e3, 2)
+                    row[f"time_{n}_over_{base}"] = round(statistics.median(
+                        a / b for a, b in zip(r[n], r[base], strict=True)), 3)
+                out.append(row)
+                print(f"memcache {protocol:8} {layout:10} {batch:>3} {op + ' repl':9} "
+                      + ", ".join(f"{n}: {row[f'gbps_{n}']:6.2f} GB/s {row[f'ms_{n}']:7.2f} ms "
+                                  f"(time x{row[f'time_{n}_over_{base}']:.2f})" for n in map(str, counts))
+                      + f"  (median of paired ratios against {base})", flush=True)
+            writer.call("replica_sets", layout=layout, batch=batch, prefix=prefix, counts=counts, op="remove")
+
+
 def print_table(paths: list[str]) -> None:
     """Side by side: one column per (engine, protocol) found in the JSON files of earlier runs."""
     cols: list[tuple[str, str]] = []
@@ -669,6 +741,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auth", choices=("on", "off", "both"), default="on",
                     help="pool authentication; 'both': every figure from pools with it and without it "
                          "(on, off, off, on) and the ratios of their medians (its cost)")
+    ap.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                    help="comma-separated replicaNum values, e.g. 1,2: besides the figures, each put and get "
+                         "timed with every count alternately on the same batch (the cost of replicas; "
+                         "memcache only; each segment is 1 GB, so keep batches at 8 or below)")
     ap.add_argument("--table", nargs="+", metavar="JSON",
                     help="print a side-by-side table of earlier --json results (e.g. memcache and mooncake) and exit")
     args = ap.parse_args(argv)

@@ -33,6 +33,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 2
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 HOST_PROTOCOLS = ("host_shm", "host_tcp")
+PLACEMENT_POLICIES = ("local_first", "spread", "random")
 ASCEND_PROTOCOLS = ("host_rdma", "host_urma", "device_rdma", "device_sdma", "device_urma")
 
 
@@ -180,6 +181,10 @@ class MetaConfig:
     """Connections the control plane keeps open at once; more are refused."""
     idle_timeout_seconds: float = 600
     """A control-plane connection silent this long is closed (a client reconnects on its next call)."""
+    placement_policy: str = "local_first"
+    """Where new objects go: local_first (the writer's own segment, then as spread; a writer without a
+    segment gets spread), spread (most free ratio first, the better of two random picks), or random.
+    A put's preferredLocalServiceIDs come first under every policy (docs/design.md, Allocation)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -189,6 +194,9 @@ class MetaConfig:
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
         parse_url(self.metrics_url, "metrics_url", ("http", "https"))
         _check_bool("ha_enable", self.ha_enable)
+        if self.placement_policy not in PLACEMENT_POLICIES:
+            raise ConfigError(f"placement_policy: expected one of {', '.join(PLACEMENT_POLICIES)}, "
+                              f"got {self.placement_policy!r}")
         if self.ha_enable:
             parse_etcd_endpoints(self.ha_etcd_endpoints, "ha_etcd_endpoints")
             check_cluster_id(self.ha_cluster_id, "ha_cluster_id")

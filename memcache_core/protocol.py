@@ -128,12 +128,17 @@ class RemovePrefix(msgspec.Struct, tag=True):
 
 
 class Corrupt(msgspec.Struct, tag=True):
-    """A reader found these objects' bytes do not match their checksums: count them, drop them."""
+    """A reader found these objects' bytes do not match their checksums: count them, drop them.
+
+    ``segments``: the segment of each bad replica; only that replica is dropped when the object has
+    others. Empty: the whole objects.
+    """
 
     client_id: int
     token: bytes
     keys: list[str]
     generations: list[int]
+    segments: list[int] = []
 
 
 class GetSegments(msgspec.Struct, tag=True):

@@ -81,6 +81,7 @@ class LocalService:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.integrity_failures = 0
+        self._partial_warned = 0.0   # when a partial placement may be logged again
 
     @property
     def client_id(self) -> int:
@@ -243,6 +244,7 @@ class LocalService:
             return results
         sizes = {k: sum(n for _, n in pieces[i]) for k, i in todo.items()}
         allocated = self._alloc(sizes, replicas, preferred, results, todo)
+        self._note_partial(allocated, replicas)
         s = self.session   # the session the allocation was made in (a re-join may have replaced it)
         t_alloc = time.monotonic()
         ops = self._write_ops(allocated, pieces, results, todo)
@@ -290,6 +292,16 @@ class LocalService:
                 time.sleep(backoff.next())
             want = busy
         return allocated
+
+    def _note_partial(self, allocated: dict[str, p.AllocResult], replicas: int) -> None:
+        """Fewer segments with room than replicas: the put is placed partially (``get_key_info``
+        shows where) and succeeds once every placed replica is written; say so (at most once a minute)."""
+        short = [k for k, r in allocated.items() if len(r.locations) < replicas]
+        if short and time.monotonic() >= self._partial_warned:
+            self._partial_warned = time.monotonic() + 60.0
+            logger.warning("%d objects (first %r: %d of %d replicas) were placed on fewer segments than "
+                           "replicaNum asks for: the pool has too few segments with room",
+                           len(short), short[0], len(allocated[short[0]].locations), replicas)
 
     def _write_ops(self, allocated: dict[str, p.AllocResult], pieces: Sequence[Pieces],
                    results: list[MemCacheError | None], todo: dict[str, int]) -> list[CopyOp]:
@@ -375,53 +387,73 @@ class LocalService:
         return results, found
 
     def _read(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
-              todo: list[int], results: list[MemCacheError | None]) -> list[tuple[str, int]]:
-        """Read each key from its replicas in turn (local ones first). Returns the corrupt (key, gen)."""
+              todo: list[int], results: list[MemCacheError | None]) -> list[tuple[str, int, int]]:
+        """Read each key from its replicas in turn, nearest first; a replica that fails (a dead or
+        unknown peer, bytes failing their checksum) is followed by the next. Returns the corrupt
+        replicas as (key, generation, segment id)."""
         assert self.engine is not None
         ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
-        attempt = {i: self._replica_order(found[i]) for i in todo}  # type: ignore[arg-type]
-        corrupt: list[tuple[str, int]] = []
+        corrupt: list[tuple[str, int, int]] = []
+        attempt = {i: list(found[i].locations) for i in todo}  # type: ignore[union-attr]
+        self._know_segments([loc for locs in attempt.values() if len(locs) > 1 for loc in locs])
+        attempt = {i: self._replica_order(locs) for i, locs in attempt.items()}
         while todo:
             ops, owners = [], []
             for i in todo:
-                f = found[i]
-                assert f is not None
-                loc = attempt[i].pop(0)
-                try:
-                    seg = self._segment(loc.segment_id)
-                except MemCacheError as e:
-                    results[i] = e
+                f, seg = found[i], self._next_replica(attempt[i], results, i)
+                if seg is None or f is None:
                     continue
                 verify = ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
-                ops.append(CopyOp(seg, loc.offset, _clip(pieces[i], f.size), f.size, keys[i], f.generation,
+                ops.append(CopyOp(seg[0], seg[1], _clip(pieces[i], f.size), f.size, keys[i], f.generation,
                                   f.checksum, hash=verify))
                 owners.append(i)
             self.engine.read(ops)
-            retry = []
+            todo = []
             for i, op in zip(owners, ops, strict=True):
                 results[i] = op.error
                 if isinstance(op.error, errors.ChecksumMismatch):
                     self.integrity_failures += 1
                     logger.error("integrity failure: %s", op.error)
-                    corrupt.append((op.key, op.generation))
+                    corrupt.append((op.key, op.generation, op.segment.segment_id))
                 if op.error is not None and attempt[i]:
-                    retry.append(i)
-            todo = retry
+                    logger.info("reading %r from segment %d failed (%s); trying another replica", op.key,
+                                op.segment.segment_id, op.error)
+                    todo.append(i)
         return corrupt
 
-    def _report_corrupt(self, corrupt: list[tuple[str, int]]) -> None:
+    def _know_segments(self, locs: list[p.Location]) -> None:
+        """Fetch the segment table once when replicas lie in segments not known here (to rank them)."""
+        if any(loc.segment_id not in self._segments for loc in locs):
+            try:
+                self._refresh_segments()
+            except MemCacheError as e:
+                logger.debug("segment table not refreshed: %s", e)
+
+    def _next_replica(self, left: list[p.Location], results: list[MemCacheError | None],
+                      i: int) -> tuple[p.SegmentInfo, int] | None:
+        """The next replica of key ``i`` whose segment is in the pool, as (segment, offset)."""
+        while left:
+            loc = left.pop(0)
+            try:
+                return self._segment(loc.segment_id), loc.offset
+            except MemCacheError as e:
+                results[i] = e
+        return None
+
+    def _report_corrupt(self, corrupt: list[tuple[str, int, int]]) -> None:
         try:
-            self._member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _ in corrupt],
-                                                  [g for _, g in corrupt]))
+            self._member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _, _ in corrupt],
+                                                  [g for _, g, _ in corrupt], [sid for _, _, sid in corrupt]))
         except MemCacheError as e:
             logger.warning("could not report %d corrupt objects: %s", len(corrupt), e)
 
-    def _replica_order(self, f: p.Found) -> list[p.Location]:
-        locs = list(f.locations)
-        if self.engine is None or len(locs) == 1:
+    def _replica_order(self, locs: list[p.Location]) -> list[p.Location]:
+        """Our own segment first, then segments on this host (shared memory, or TCP over loopback),
+        then the others in the MetaService's order."""
+        if len(locs) == 1:
             return locs
-        return sorted(locs, key=lambda loc: 0 if loc.segment_id in self._segments
-                      and self.engine.local(self._segments[loc.segment_id]) else 1)  # type: ignore[union-attr]
+        return sorted(locs, key=lambda loc: replica_distance(self._segments.get(loc.segment_id),
+                                                            self.segment, self.host_id))
 
     def _confirm(self, keys: Sequence[str], found: list[p.Found | None],
                  results: list[MemCacheError | None]) -> None:
@@ -459,6 +491,15 @@ class LocalService:
 
     def remove_all(self) -> int:
         return expect(self.rpc.call(p.RemoveAll()), p.Codes).codes[0]
+
+
+def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: str) -> int:
+    """How near a replica is: 0 in our own segment, 1 on this host, 2 elsewhere, 3 not known here."""
+    if seg is None:
+        return 3
+    if own is not None and seg.shm_path == own.path:
+        return 0
+    return 1 if seg.host_id == host_id else 2
 
 
 def _valid_key(key: str, results: list[MemCacheError | None], i: int) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from .. import errors
-from ..config import LocalConfig, local_config_from_env
+from ..config import LocalConfig, ReplicateConfig, local_config_from_env
 from ..errors import InvalidParameter, MemCacheError, NotInitialized
 from .buffers import BufferRegistry, buffer_address
 from .service import LocalService
@@ -68,6 +68,16 @@ def _codes(n: int, fn: Callable[[], list[int]]) -> list[int]:
     except (TypeError, ValueError) as e:
         logger.debug("batch call refused: %s", e)
         return [errors.INVALID_PARAM] * n
+
+
+def _replication(rc: Any) -> tuple[int, list[int]]:
+    """(replicaNum, preferredLocalServiceIDs) of a put's replicateConfig: ours, memcache_hybrid's, or
+    any object with those attributes; validated (-3000 naming the field)."""
+    if rc is None:
+        return 1, []
+    cfg = ReplicateConfig(getattr(rc, "replicaNum", 1), list(getattr(rc, "preferredLocalServiceIDs", None) or []))
+    cfg.validate()
+    return cfg.replicaNum, list(cfg.preferredLocalServiceIDs)
 
 
 def _as_code(e: MemCacheError | None) -> int:
@@ -175,10 +185,7 @@ class DistributedObjectStore:
 
     def _put(self, keys: Sequence[str], pieces: list[list[tuple[int, int]]], errs: list[MemCacheError | None],
              rc: Any) -> list[int]:
-        replicas, preferred = 1, []
-        if rc is not None:
-            rc.validate()
-            replicas, preferred = rc.replicaNum, list(rc.preferredLocalServiceIDs)
+        replicas, preferred = _replication(rc)
         ok = [i for i, e in enumerate(errs) if e is None]
         res = self._service().put([keys[i] for i in ok], [pieces[i] for i in ok], replicas, preferred)
         for i, e in zip(ok, res, strict=True):

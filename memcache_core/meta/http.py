@@ -173,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
                 out.append({"key": k, "exists": False})
             else:
                 out.append({"key": k, "exists": True, "size": o.size, "generation": o.generation,
-                            "leased": o.lease_until > now,
+                            "leased": o.lease_until > now, "replicas_wanted": o.replicas,
                             "locations": [{"segment": loc.segment_id, "offset": loc.offset} for loc in o.locations]})
         if len(out) == 1:
             return {"success": out[0]["exists"], **out[0],

@@ -57,6 +57,9 @@ class Metrics:
         metric("pool_used_bytes", "gauge", "Bytes allocated in the whole pool.",
                [("", sum(s.allocator.used for _, s in segs))])
         metric("objects", "gauge", "Committed objects.", [("", len(t.objects) - t.pending)])
+        metric("objects_under_replicated", "gauge",
+               "Committed objects holding fewer replicas than their put asked for (placed partially, or a "
+               "replica's segment died or failed its checksum).", [("", t.under_replicated)])
         metric("pending_objects", "gauge", "Objects allocated and not yet committed.", [("", t.pending)])
         metric("members", "gauge", "LocalServices and clients joined.", [("", len(core.members))])
         leading = core.ha is None or core.ha.serving()

@@ -10,6 +10,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import random
 import resource
 import secrets
 import signal
@@ -25,7 +26,7 @@ from .. import protocol as p
 from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
-from . import validate
+from . import placement, validate
 from .http import AdminServer
 from .metrics import Metrics
 from .table import ObjectTable
@@ -67,6 +68,7 @@ class MetaServiceCore:
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
         self.ha: Any = None            # the LeaderElection with ha_enable (meta/ha.py)
+        self.rng = random.Random(secrets.randbits(64))   # placement's randomness, never the app's seed
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
@@ -119,8 +121,10 @@ class MetaServiceCore:
         match req:
             case p.Alloc(keys=keys, sizes=sizes, replicas=replicas, preferred=preferred):
                 validate.alloc(req)
-                order = self._placement(member, preferred)
-                return p.AllocReply([p.AllocResult(*t.alloc(cid, k, s, replicas, order, now))
+                pref = self._preferred(preferred)
+                policy, own, segs, rng = self.config.placement_policy, member.segment_id, t.segments, self.rng
+                return p.AllocReply([p.AllocResult(*t.alloc(cid, k, s, replicas,
+                                                             placement.order(policy, segs, own, rng), now, pref))
                                      for k, s in zip(keys, sizes, strict=True)])
             case p.Commit(keys=keys, generations=gens, checksums=sums):
                 sums = sums or [0] * len(keys)
@@ -134,11 +138,12 @@ class MetaServiceCore:
                     t.abort(cid, k, g)
                 return p.Ok()
             case p.Corrupt(keys=keys, generations=gens):
-                validate.batch(keys, gens)
-                for k, g in zip(keys, gens, strict=True):
-                    dropped = t.corrupt(k, g, now)
-                    logger.error("client %d read %r (generation %d) with a wrong checksum; %s", cid, k, g,
-                                 "removed it from the pool" if dropped else "it was already gone")
+                validate.corrupt(req)
+                sids: list[int | None] = list(req.segments) or [None] * len(keys)
+                for k, g, sid in zip(keys, gens, sids, strict=True):
+                    dropped = t.corrupt(k, g, now, sid)
+                    logger.error("client %d read %r (generation %d) with a wrong checksum in segment %s; %s",
+                                 cid, k, g, sid, "dropped that copy (the object, if it was the last)" if dropped else "it was already gone")
                 return p.Ok()
             case p.Leave():
                 self._drop_member(cid, "left")
@@ -219,18 +224,10 @@ class MetaServiceCore:
             journal = self.table.segments[m.segment_id].journal_since(ack)
         return p.HeartbeatReply(self.epoch, known=True, journal=journal)
 
-    def _placement(self, member: Member, preferred: list[int]) -> list[int]:
-        """Segment order for a new object: preferred ids, the writer's own segment, then most free."""
-        segs = self.table.segments
-        order: list[int] = []
-        for c in preferred:
-            m = self.members.get(c)
-            if m is not None and m.segment_id is not None:
-                order.append(m.segment_id)
-        if member.segment_id is not None:
-            order.append(member.segment_id)
-        order += sorted(segs, key=lambda s: segs[s].allocator.free, reverse=True)
-        return list(dict.fromkeys(order))
+    def _preferred(self, preferred: list[int]) -> list[int]:
+        """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""
+        ms = (self.members.get(c) for c in preferred)
+        return [m.segment_id for m in ms if m is not None and m.segment_id is not None]
 
     def _drop_member(self, cid: int, why: str) -> None:
         m = self.members.pop(cid, None)

@@ -10,6 +10,9 @@ Invariants (docs/design.md explains each):
 * A key whose put is PENDING is neither free nor present: a second writer is told so
   (WRITE_IN_PROGRESS), never that its put succeeded.
 * Space holds the object's header and payload (``layout.footprint``); sizes here are payload sizes.
+* Replicas of an object are on distinct segments, on distinct hosts when the pool has them; an object
+  keeps living while one replica is left. ``under_replicated`` counts committed objects holding fewer
+  replicas than their put asked for (placed partially, or a replica's segment died or was corrupt).
 Time is passed in (``now``, monotonic seconds) so the logic is testable without sleeping.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
 from .. import errors
 from ..layout import footprint
@@ -41,6 +44,8 @@ class Obj:
     committed: bool = False
     pending_deadline: float = 0.0
     lease_until: float = 0.0
+    replicas: int = 1               # replicas the put asked for
+    under: bool = False             # committed with fewer locations than ``replicas`` (counted)
 
 
 class Segment:
@@ -64,6 +69,25 @@ class Segment:
             keep = next((i for i, e in enumerate(self.journal) if e.seq > ack), len(self.journal))
             del self.journal[:keep]
         return list(self.journal)
+
+
+class _Drawn:
+    """An iterator's items, drawn only as far as some pass needs them and kept for the next passes."""
+
+    def __init__(self, it: Iterator[Segment]) -> None:
+        self._it = it
+        self._seen: list[Segment] = []
+
+    def __iter__(self) -> Iterator[Segment]:
+        i = 0
+        while True:
+            if i == len(self._seen):
+                nxt = next(self._it, None)
+                if nxt is None:
+                    return
+                self._seen.append(nxt)
+            yield self._seen[i]
+            i += 1
 
 
 @dataclasses.dataclass
@@ -96,6 +120,7 @@ class ObjectTable:
         self.quarantine: list[tuple[float, Obj]] = []   # reclaimed from stalled writers: freed later
         self.counters = Counters()
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
+        self.under_replicated = 0       # committed objects with fewer replicas than asked for
         self._next_gen = first_generation
 
     # ---- segments -------------------------------------------------------------------------------
@@ -129,6 +154,8 @@ class ObjectTable:
                 self.objects[r.key] = cur
                 self._next_gen = max(self._next_gen, r.generation + 1)
             cur.locations.append(loc)
+            cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported
+            self._mark(cur)   # a holder declared dead that re-joins gives the object its replica back
             seg.lru[r.key] = cur
         return refused
 
@@ -144,15 +171,23 @@ class ObjectTable:
                 if not obj.locations:
                     self._unlink(obj)
                     lost += 1
+                else:
+                    self._mark(obj)   # lives on in its other replicas
         self.doomed = [o for o in self.doomed if any(loc.segment_id in self.segments for loc in o.locations)]
         self.quarantine = [q for q in self.quarantine if any(loc.segment_id in self.segments for loc in q[1].locations)]
         return lost
 
     # ---- put: alloc / commit / abort -------------------------------------------------------------
 
-    def alloc(self, client_id: int, key: str, size: int, replicas: int, order: list[int],
-              now: float) -> tuple[int, int, list[Location]]:
-        """Reserve space for a new object. Returns (code, generation, locations)."""
+    def alloc(self, client_id: int, key: str, size: int, replicas: int, order: Iterable[int],
+              now: float, preferred: Sequence[int] = ()) -> tuple[int, int, list[Location]]:
+        """Reserve space for a new object. Returns (code, generation, locations).
+
+        ``order`` is the placement policy's segment order (drawn lazily, as far as needed); the
+        ``preferred`` segments are taken first whatever their host. Fewer segments with room than
+        ``replicas``: the object is placed on those there are (partial placement, counted as
+        under-replicated once committed); none: OUT_OF_MEMORY, or OVER_CAPACITY when it fits in none.
+        """
         self.counters.allocs += 1
         cur = self.objects.get(key)
         if cur is not None:
@@ -160,33 +195,49 @@ class ObjectTable:
         if size <= 0:
             return errors.INVALID_PARAM, 0, []
         size_in_segment = footprint(size)
-        candidates = [self.segments[s] for s in order if s in self.segments
-                      and self.segments[s].alloc_after <= now]
-        if not candidates:
-            self.counters.alloc_failures += 1
-            return errors.OUT_OF_MEMORY, 0, []
-        if all(aligned(size_in_segment) > s.allocator.size for s in candidates):
-            self.counters.alloc_failures += 1
-            return errors.OVER_CAPACITY, 0, []
-        chosen: list[tuple[Segment, int]] = []
-        for evict in (False, True):
-            for seg in candidates:
-                if len(chosen) == replicas:
-                    break
-                if any(seg is c for c, _ in chosen):
-                    continue
-                off = self._alloc_in(seg, size_in_segment, now, evict)
-                if off is not None:
-                    chosen.append((seg, off))
+        accepts = lambda ids: (self.segments[s] for s in ids  # noqa: E731
+                               if s in self.segments and self.segments[s].alloc_after <= now)
+        candidates = _Drawn(accepts(order))
+        chosen = self._choose(list(accepts(preferred)), candidates, replicas, size_in_segment, now)
         if not chosen:
             self.counters.alloc_failures += 1
-            return errors.OUT_OF_MEMORY, 0, []
+            segs = list(candidates)
+            too_big = segs and all(aligned(size_in_segment) > s.allocator.size for s in segs)
+            return (errors.OVER_CAPACITY if too_big else errors.OUT_OF_MEMORY), 0, []
         self._next_gen += 1
         locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
         self.objects[key] = Obj(key, size, self._next_gen, locs, client_id,
-                                pending_deadline=now + self.pending_timeout_s)
+                                pending_deadline=now + self.pending_timeout_s, replicas=replicas)
         self.pending += 1
         return errors.SUCCESS, self._next_gen, locs
+
+    def _choose(self, pinned: list[Segment], candidates: Iterable[Segment], replicas: int, size: int,
+                now: float) -> list[tuple[Segment, int]]:
+        """Up to ``replicas`` distinct segments with room, in this order of passes: pinned ones (without,
+        then with eviction); then segments on hosts not yet holding a replica; then any segment.
+        Segments smaller than the object are skipped (never evicted for nothing)."""
+        chosen: list[tuple[Segment, int]] = []
+        hosts: set[str] = set()
+        need = aligned(size)
+
+        def take(segs: Iterable[Segment], evict: bool, distinct_host: bool) -> None:
+            for seg in segs:
+                if len(chosen) == replicas:
+                    return
+                if seg.allocator.size < need or any(seg is c for c, _ in chosen) \
+                        or (distinct_host and seg.info.host_id in hosts):
+                    continue
+                off = self._alloc_in(seg, size, now, evict)
+                if off is not None:
+                    chosen.append((seg, off))
+                    hosts.add(seg.info.host_id)
+
+        for evict in (False, True):
+            take(pinned, evict, False)
+        for distinct_host in (True, False):
+            for evict in (False, True):
+                take(candidates, evict, distinct_host)
+        return chosen
 
     def _alloc_in(self, seg: Segment, size: int, now: float, evict: bool) -> int | None:
         a = seg.allocator
@@ -213,6 +264,7 @@ class ObjectTable:
         obj.pending_deadline = 0.0
         for loc in obj.locations:
             self.segments[loc.segment_id].lru[key] = obj
+        self._mark(obj)
         self.counters.commits += 1
         return errors.SUCCESS
 
@@ -282,14 +334,35 @@ class ObjectTable:
         self.counters.removes += len(keys)
         return len(keys)
 
-    def corrupt(self, key: str, generation: int, now: float) -> bool:
-        """A reader saw this object's bytes fail their checksum: count it and drop the object."""
+    def corrupt(self, key: str, generation: int, now: float, segment_id: int | None = None) -> bool:
+        """A reader saw this object's bytes fail their checksum: count it and drop the object, or only
+        the replica in ``segment_id`` when others are left (the reader moves on to them)."""
         self.counters.integrity_failures += 1
         obj = self.objects.get(key)
         if obj is None or not obj.committed or obj.generation != generation:
             return False
-        self._unlink(obj, now)
+        bad = [loc for loc in obj.locations if loc.segment_id == segment_id]
+        if bad and len(obj.locations) > 1:
+            self._drop_replica(obj, bad[0], now)
+        else:
+            self._unlink(obj, now)
         return True
+
+    def _drop_replica(self, obj: Obj, loc: Location, now: float) -> None:
+        """Take one replica out of a committed object; its space is freed once the object's lease ends."""
+        obj.locations = [x for x in obj.locations if x != loc]
+        seg = self.segments.get(loc.segment_id)
+        if seg is not None:
+            if seg.lru.get(obj.key) is obj:
+                del seg.lru[obj.key]
+            seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
+        gone = Obj(obj.key, obj.size, obj.generation, [loc], obj.owner, committed=True,
+                   lease_until=obj.lease_until)
+        if gone.lease_until > now:
+            self.doomed.append(gone)
+        else:
+            self._free_space(gone)
+        self._mark(obj)
 
     def remove_all(self, now: float) -> int:
         keys = [k for k, o in self.objects.items() if o.committed]
@@ -324,12 +397,20 @@ class ObjectTable:
 
     # ---- internals -----------------------------------------------------------------------------------
 
+    def _mark(self, obj: Obj) -> None:
+        """Keep ``under_replicated`` in step with this object's replica count."""
+        under = obj.committed and len(obj.locations) < obj.replicas and self.objects.get(obj.key) is obj
+        if under != obj.under:
+            obj.under = under
+            self.under_replicated += 1 if under else -1
+
     def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None:
         """Take the object out of the table; free its space now, or when its lease ends."""
         if self.objects.get(obj.key) is obj:
             del self.objects[obj.key]
             if not obj.committed:
                 self.pending -= 1
+        self._mark(obj)
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)
             if seg is None:

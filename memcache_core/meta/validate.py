@@ -83,6 +83,12 @@ def alloc(req: p.Alloc) -> None:
         _int("size", s, 1, MAX_OBJECT_BYTES)
 
 
+def corrupt(req: p.Corrupt) -> None:
+    batch(req.keys, req.generations, *([req.segments] if req.segments else []))
+    for sid in req.segments:
+        _int("segment", sid, 0, MAX_U63)
+
+
 def generations(gens: list[int]) -> None:
     for g in gens:
         _int("generation", g, 0, MAX_U63)

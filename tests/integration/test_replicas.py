@@ -1,0 +1,220 @@
+"""Replicas and placement against real processes: a holder killed with -9, a corrupt replica, every
+put path with replicaNum 2, and the spread policy."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from memcache_core import DistributedObjectStore, ReplicateConfig
+from memcache_core.layout import HEADER_BYTES
+from memcache_core.testing import running_meta_service, wait_for
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = [64 << 10, 16 << 10]
+
+
+def gauge(ms, name: str) -> float:
+    m = re.search(rf"^memcache_{name} (\S+)$", ms.http("/metrics"), re.M)
+    assert m, f"memcache_{name} not in /metrics"
+    return float(m.group(1))
+
+
+def segments_of(ms, key: str) -> list[int]:
+    return [loc["segment"] for loc in ms.http(f"/query_key?key={key}")["locations"]]
+
+
+def _store(ms, init_bm: bool, **cfg) -> DistributedObjectStore:
+    s = DistributedObjectStore()
+    assert s.setup(ms.local_config(heartbeat_interval_ms=200, **cfg)) == 0
+    assert s.init(0, init_bm) == 0
+    return s
+
+
+def test_kill9_of_one_of_two_holders_leaves_every_object_readable(meta, stores):
+    """Scenario: replicaNum 2, two providers holding segments and a pure client writing and reading
+    over TCP. One provider is killed with -9: every object is still read byte-exact, at once (the
+    reader moves past the dead peer to the other replica) and after the MetaService has declared the
+    provider dead; the objects are then counted under-replicated."""
+    a = stores(protocol="host_tcp", dram_size="64MB")
+    b = stores(protocol="host_tcp", dram_size="64MB")
+    client = stores(protocol="host_tcp", init_bm=False)
+    keys = [f"r2-{i}" for i in range(40)]
+    assert client("put", keys=keys, layout=LAYOUT, replicas=2)["codes"] == [0] * 40
+    ids = {a("id")["id"], b("id")["id"]}
+    assert all(set(segments_of(meta, k)) == ids for k in keys)
+    assert gauge(meta, "objects_under_replicated") == 0
+    a.kill()
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 40 and got["mismatches"] == []
+    wait_for(lambda: gauge(meta, "objects_under_replicated") == 40, 15, "the dead holder's replicas to leave")
+    assert len(meta.http("/get_all_segments")["segments"]) == 1
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 40 and got["mismatches"] == []
+    # negative control: with both holders gone the objects are misses, never wrong bytes
+    b.kill()
+    wait_for(lambda: client("exist", keys=keys)["codes"] == [0] * 40, 15, "the last holder's objects to leave")
+    assert gauge(meta, "objects_under_replicated") == 0
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert all(c == -3007 for c in got["codes"]) and got["mismatches"] == []
+
+
+def test_a_corrupt_replica_is_read_around_and_dropped_alone():
+    """Scenario: replicaNum 2; the bytes of the replica the reader tries first are damaged in shared
+    memory. The read still succeeds byte-exact from the other replica; the MetaService drops only
+    the damaged copy (the object now has one location, counted under-replicated)."""
+    with running_meta_service(lease_ttl_ms=2000, heartbeat_timeout_ms=3000) as ms:
+        holders = [_store(ms, True, dram_size="8MB") for _ in range(2)]
+        client = _store(ms, False)
+        try:
+            data = np.random.default_rng(1).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+            assert client.put("K", data, ReplicateConfig(2)) == 0
+            locs = ms.http("/query_key?key=K")["locations"]
+            assert len(locs) == 2
+            first = next(h._service() for h in holders if h.get_local_service_id() == locs[0]["segment"])
+            view = first.segment.view(locs[0]["offset"] + HEADER_BYTES + 1000, 1)
+            view[0] ^= 0xFF
+            assert client.get("K") == data
+            assert segments_of(ms, "K") == [locs[1]["segment"]]
+            assert gauge(ms, "objects_under_replicated") == 1
+            assert gauge(ms, "integrity_failures_total") == 1
+            assert client.get("K") == data
+        finally:
+            client.close()
+            for h in holders:
+                h.close()
+
+
+def test_every_put_path_honours_replica_num():
+    """Scenario: each public put of DistributedObjectStore with replicaNum 2 (and with an object that
+    only has memcache_hybrid's attribute names) places two replicas on distinct segments; a
+    replicaNum beyond what the pool has is a partial placement (success, under-replicated); a
+    replicaNum out of 1..8 is -3000."""
+    with running_meta_service() as ms:
+        holders = [_store(ms, True, dram_size="16MB") for _ in range(2)]
+        s = _store(ms, False)
+        try:
+            buf = np.arange(4096, dtype=np.uint8)
+            assert s.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+            p, rc = buf.ctypes.data, ReplicateConfig(2)
+
+            class Hybrid:   # memcache_hybrid's ReplicateConfig has the same attributes
+                replicaNum = 2  # noqa: N815
+                preferredLocalServiceIDs: list[int] = []  # noqa: N815
+
+            assert s.put("put", b"x" * 100, rc) == 0
+            assert s.put_batch(["pb1", "pb2"], [b"a" * 10, b"b" * 20], Hybrid()) == 0
+            assert s.put_from("pf", p, 256, replicateConfig=rc) == 0
+            assert s.batch_put_from(["bpf1", "bpf2"], [p, p + 512], [128, 128], replicateConfig=rc) == [0, 0]
+            assert s.put_from_layers("pfl", [p, p + 1024], [64, 64], replicateConfig=rc) == 0
+            assert s.batch_put_from_layers(["bpfl"], [[p, p + 2048]], [[32, 32]], replicateConfig=rc) == [0]
+            keys = ["put", "pb1", "pb2", "pf", "bpf1", "bpf2", "pfl", "bpfl"]
+            for k in keys:
+                assert len(set(s.get_key_info(k).loc_list())) == 2, k
+            assert s.get("pfl") == bytes(buf[:64]) + bytes(buf[1024:1088])
+            assert gauge(ms, "objects_under_replicated") == 0
+            assert s.put("four", b"y" * 100, ReplicateConfig(4)) == 0
+            assert len(s.get_key_info("four").loc_list()) == 2
+            assert gauge(ms, "objects_under_replicated") == 1
+            bad = ReplicateConfig()
+            bad.replicaNum = 9
+            assert s.put("nine", b"z", bad) == -3000
+        finally:
+            s.close()
+            for h in holders:
+                h.close()
+
+
+def test_spread_policy_spreads_a_pure_clients_objects_over_the_providers():
+    """Scenario: ``placement_policy: spread``, three providers and a pure client: 60 objects land on
+    all three providers, none holding more than half; under ``local_first`` a provider's own puts
+    stay in its own segment."""
+    with running_meta_service(placement_policy="spread") as ms:
+        holders = [_store(ms, True, dram_size="16MB") for _ in range(3)]
+        client = _store(ms, False)
+        try:
+            for i in range(60):
+                assert client.put(f"s{i}", bytes([i]) * 50_000) == 0
+            counts = [seg["objects"] for seg in ms.http("/get_all_segments")["segments"]]
+            assert sum(counts) == 60 and min(counts) > 0 and max(counts) <= 30, counts
+            assert all(client.get(f"s{i}") == bytes([i]) * 50_000 for i in range(60))
+        finally:
+            client.close()
+            for h in holders:
+                h.close()
+    with running_meta_service(placement_policy="local_first") as ms:
+        holders = [_store(ms, True, dram_size="16MB") for _ in range(2)]
+        try:
+            for i in range(10):
+                assert holders[0].put(f"l{i}", b"l" * 1000) == 0
+            own = holders[0].get_local_service_id()
+            assert all(segments_of(ms, f"l{i}") == [own] for i in range(10))
+        finally:
+            for h in holders:
+                h.close()
+
+
+def test_reads_prefer_a_same_host_replica_and_fall_back_to_the_other_host():
+    """Scenario: holders on hosts A and B (distinct host ids: B is reached over TCP), replicaNum 2,
+    and every replica on B damaged in memory. A reader on host A reads A's replicas only (no
+    integrity failure is seen); a reader on host B tries its own host first, finds the bytes bad and
+    falls back to A: every read byte-exact, each damaged copy counted and dropped."""
+    with running_meta_service(lease_ttl_ms=2000) as ms:
+        on_a = _store(ms, True, dram_size="8MB", host_id="hostA")
+        on_b = _store(ms, True, dram_size="8MB", host_id="hostB")
+        readers = {h: _store(ms, False, host_id=h) for h in ("hostA", "hostB")}
+        try:
+            data = {f"h{i}": bytes([i + 1]) * 30_000 for i in range(10)}
+            assert readers["hostA"].put_batch(list(data), list(data.values()), ReplicateConfig(2)) == 0
+            b_id, b_seg = on_b.get_local_service_id(), on_b._service().segment
+            for k in data:
+                (loc,) = [x for x in ms.http(f"/query_key?key={k}")["locations"] if x["segment"] == b_id]
+                b_seg.view(loc["offset"] + HEADER_BYTES + 7, 1)[0] ^= 0xFF
+            assert readers["hostA"].get_batch(list(data)) == list(data.values())
+            assert gauge(ms, "integrity_failures_total") == 0
+            assert readers["hostB"].get_batch(list(data)) == list(data.values())
+            assert gauge(ms, "integrity_failures_total") == 10
+            assert all(segments_of(ms, k) == [on_a.get_local_service_id()] for k in data)
+        finally:
+            for s in (*readers.values(), on_a, on_b):
+                s.close()
+
+
+def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(meta, stores):
+    """Scenario: a pure client keeps reading 1 MB objects (replicaNum 2) in a loop while one of the
+    two holders is killed with -9, so reads are in flight from it when it dies. Every read, before,
+    during and after (until the MetaService has declared the holder dead and a few rounds more),
+    succeeds with the right bytes: a replica that fails mid-read is followed by the other."""
+    import threading
+    a = stores(protocol="host_tcp", dram_size="64MB")
+    stores(protocol="host_tcp", dram_size="64MB")
+    client = _store(meta, False, protocol="host_tcp")
+    try:
+        data = {f"live-{i}": np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+                for i in range(12)}
+        assert client.put_batch(list(data), list(data.values()), ReplicateConfig(2)) == 0
+        stop, rounds, bad = threading.Event(), [0], []
+
+        def read_loop() -> None:
+            while not stop.is_set():
+                got = client.get_batch(list(data))
+                bad.extend(k for k, v in zip(data, got, strict=True) if v != data[k])
+                rounds[0] += 1
+
+        t = threading.Thread(target=read_loop)
+        t.start()
+        try:
+            wait_for(lambda: rounds[0] >= 3, 30, "reads before the kill")
+            a.kill()
+            wait_for(lambda: gauge(meta, "objects_under_replicated") == len(data), 15, "the holder declared dead")
+            after = rounds[0]
+            wait_for(lambda: rounds[0] >= after + 3, 30, "reads after it")
+        finally:
+            stop.set()
+            t.join(30)
+        assert bad == [], f"{len(bad)} reads failed or returned wrong bytes, first {bad[0]}"
+    finally:
+        client.close()
