@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import protocol as p
-from ..errors import MemCacheError
+from ..errors import MemCacheError, TransferFailed
 from ..layout import footprint, payload_offset
 from ..rpc import Backoff, expect
 from ..transfer import CopyOp, TransferEngine
@@ -98,7 +98,7 @@ class Drainer:
                 deadline = min(deadline, theirs) if own_bound else theirs
                 learnt = True
                 if batch.moves:
-                    self._copy(engine, batch.moves)
+                    self._copy(engine, batch.moves, time.monotonic())
                 else:
                     time.sleep(IDLE_WAIT_S)
         finally:
@@ -114,8 +114,11 @@ class Drainer:
         return TransferEngine(cfg.protocol, svc.host_id, svc.segment, peer_timeout, 1, threads, svc.secret,
                               svc._tls_client)
 
-    def _copy(self, engine: TransferEngine, moves: list[p.DrainMove]) -> None:
+    def _copy(self, engine: TransferEngine, moves: list[p.DrainMove], planned: float) -> None:
         ops = [self._op(m) for m in moves]
+        if time.monotonic() - planned >= self.svc.session.pending_timeout_s / 2:
+            for op in ops:   # as a put: too late to start, the MetaService may give the space away
+                op.error = op.error or TransferFailed("drain copy started later than half the pending timeout")
         engine.write([op for op in ops if op.error is None])
         for m, op in zip(moves, ops, strict=True):
             if op.error is not None:

@@ -13,7 +13,7 @@ Invariants:
   is readable at its source only. Targets: segments that take new objects, hold no replica of the
   object and stay under the high-water mark (no eviction), most free ratio first.
 * A move commits only if the object is still the one planned (same generation, the same source and
-  target segments) and the bytes the owner copied have the committed checksum. Then the target
+  target segments, the target's owner still heartbeating) and the bytes the owner copied have the committed checksum. Then the target
   replaces the source among the object's locations, with a new generation and the carried checksum,
   and only after that is the source space released (after the readers' leases end).
 * A move that fails or is refused gives its target space back (quarantined when its writer may still
@@ -99,8 +99,10 @@ class Totals:
 class Drains:
     """Every drain of one MetaService; called under the MetaService lock with ``now`` passed in."""
 
-    def __init__(self, table: ObjectTable, timeout_s: float, move_timeout_s: float) -> None:
+    def __init__(self, table: ObjectTable, timeout_s: float, move_timeout_s: float,
+                 answering: Callable[[int, float], bool] = lambda sid, now: True) -> None:
         self.table = table
+        self.answering = answering     # is the segment's owner heartbeating? (a silent one may be dead)
         self.timeout_s = timeout_s
         self.move_timeout_s = move_timeout_s
         self.active: dict[int, Drain] = {}
@@ -184,7 +186,8 @@ class Drains:
         need = aligned(footprint(obj.size))
         holders = {loc.segment_id for loc in obj.locations} | d.avoid
         segs = [s for sid, s in self.table.segments.items() if sid not in holders and s.alloc_after <= now
-                and s.allocator.size and s.allocator.used + need <= self.table.high * s.allocator.size]
+                and s.allocator.size and s.allocator.used + need <= self.table.high * s.allocator.size
+                and self.answering(sid, now)]
         segs.sort(key=lambda s: s.allocator.free / s.allocator.size, reverse=True)
         for s in segs:
             off = s.allocator.alloc(need)
@@ -204,16 +207,18 @@ class Drains:
         t = self.table
         obj = t.objects.get(m.key)
         src = p.Location(d.segment_id, m.source_offset)
-        live = t.segments.get(d.segment_id) is d.segment and t.segments.get(m.target.info.segment_id) is m.target
+        tid = m.target.info.segment_id
+        live = t.segments.get(d.segment_id) is d.segment and t.segments.get(tid) is m.target
         same = obj is not None and obj.committed and obj.generation == m.generation and src in obj.locations
-        if not (ok and live and same):
+        silent = not self.answering(tid, now)   # the target's owner may be dead: the copy would die with it
+        if not ok or silent or not live or not same:
             self._release_target(m, now, quarantine=False)
-            if not ok:
+            if not ok or silent:                  # plan it again, on another target
                 d.failed_moves += 1
                 self.totals.failed_moves += 1
                 d.attempts[m.key] += 1
-                d.avoid.add(m.target.info.segment_id)
-            return errors.ERROR if not ok else errors.STATE_MISMATCH
+                d.avoid.add(tid)
+            return errors.ERROR if not ok or silent else errors.STATE_MISMATCH
         assert obj is not None
         if m.checksum and checksum != m.checksum:    # the source bytes are not the committed ones
             self._release_target(m, now, quarantine=False)

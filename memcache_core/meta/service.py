@@ -63,7 +63,8 @@ class MetaServiceCore:
         self.config_store: dict[str, bytes] = {}
         self.config_store_bytes = 0
         self.metrics = Metrics()
-        self.drains = Drains(self.table, config.drain_timeout_ms / 1000.0, config.pending_timeout_ms / 1000.0)
+        self.drains = Drains(self.table, config.drain_timeout_ms / 1000.0, config.pending_timeout_ms / 1000.0,
+                             self._answering)
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
 
@@ -230,6 +231,11 @@ class MetaServiceCore:
             order.append(member.segment_id)
         order += sorted(segs, key=lambda s: segs[s].allocator.free, reverse=True)
         return list(dict.fromkeys(order))
+
+    def _answering(self, segment_id: int, now: float) -> bool:
+        """Has the segment's owner been heard from within half the heartbeat timeout?"""
+        m = self.members.get(segment_id)   # a segment's id is its owner's id
+        return m is not None and now - m.last_seen <= self.config.heartbeat_timeout_ms / 2000.0
 
     def _drop_member(self, cid: int, why: str) -> None:
         m = self.members.pop(cid, None)

@@ -96,6 +96,21 @@ def test_a_target_that_dies_mid_copy_is_avoided_and_the_object_goes_elsewhere():
     assert done(d, b) == [0]
 
 
+def test_a_target_whose_owner_went_silent_gets_no_commit_and_no_new_moves():
+    t, d = make()
+    silent: set[int] = set()
+    d.answering = lambda sid, now: sid not in silent
+    put(t, "k", 1)
+    b = d.next_batch(1, 0, 0.0)
+    first = b.moves[0].target.segment_id
+    silent.add(first)                   # stopped heartbeating while the owner copied: may be dead
+    assert done(d, b) == [errors.ERROR]
+    assert t.objects["k"].locations[0].segment_id == 1 and t.segments[first].allocator.used == 0
+    b = d.next_batch(1, 0, 0.0)
+    assert b.moves[0].target.segment_id not in (1, first)
+    assert done(d, b) == [0]
+
+
 def test_failed_copies_are_retried_on_other_targets_then_dropped():
     t, d = make((10, 10, 10, 10, 10))
     put(t, "k", 1)
