@@ -217,7 +217,8 @@ class Drains:
                 d.failed_moves += 1
                 self.totals.failed_moves += 1
                 d.attempts[m.key] += 1
-                d.avoid.add(tid)
+                if not ok:                        # (a silent one is skipped only while it stays silent)
+                    d.avoid.add(tid)
             return errors.ERROR if not ok or silent else errors.STATE_MISMATCH
         assert obj is not None
         if m.checksum and checksum != m.checksum:    # the source bytes are not the committed ones
