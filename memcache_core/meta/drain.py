@@ -18,8 +18,9 @@ Invariants:
   and only after that is the source space released (after the readers' leases end).
 * A move that fails or is refused gives its target space back (quarantined when its writer may still
   be copying); the object is planned again to another target, at most ``MAX_ATTEMPTS`` times.
-* An object no segment has room for is dropped at once and counted; so is what remains in the
-  segment when its owner leaves. A drain ends ``done`` (segment empty), ``timed_out`` or ``left``.
+* An object no segment has room for is dropped at once and counted (unless room may come soon:
+  members re-joining a MetaService that just started, or a segment in its re-join grace); so is
+  what remains in the segment when its owner leaves. A drain ends ``done`` (segment empty), ``timed_out`` or ``left``.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ class Drains:
     """Every drain of one MetaService; called under the MetaService lock with ``now`` passed in."""
 
     def __init__(self, table: ObjectTable, timeout_s: float, move_timeout_s: float,
-                 answering: Callable[[int, float], bool] = lambda sid, now: True) -> None:
+                 answering: Callable[[int, float], bool] = lambda sid, now: True, settle_until: float = 0.0) -> None:
         self.table = table
+        self.settle_until = settle_until   # until then members may still be re-joining (a MetaService start)
         self.answering = answering     # is the segment's owner heartbeating? (a silent one may be dead)
         self.timeout_s = timeout_s
         self.move_timeout_s = move_timeout_s
@@ -166,12 +168,14 @@ class Drains:
             if len(keys) >= BATCH_OBJECTS or nbytes >= BATCH_BYTES:
                 break
         out = []
+        wait = self._room_may_come(now)
         for key in keys:
             obj = d.segment.lru[key]
             src = next(loc for loc in obj.locations if loc.segment_id == d.segment_id)
             placed = self._place(d, obj, now) if d.attempts[key] < MAX_ATTEMPTS else None
             if placed is None:
-                self._drop(d, obj, src, now)
+                if not wait or d.attempts[key] >= MAX_ATTEMPTS:
+                    self._drop(d, obj, src, now)
                 continue
             target, off = placed
             m = Move(key, obj.size, obj.generation, obj.checksum, src.offset, self.table.issue_generation(),
@@ -194,6 +198,11 @@ class Drains:
             if off is not None:
                 return s, off
         return None
+
+    def _room_may_come(self, now: float) -> bool:
+        """Could a target appear soon? Right after a MetaService start (members still re-joining), or
+        while a re-joined segment waits out its grace. Then an object without room waits, not dropped."""
+        return now < self.settle_until or any(now < s.alloc_after < math.inf for s in self.table.segments.values())
 
     def _pending_in(self, d: Drain) -> bool:
         """Is a put into the segment still uncommitted (it would commit into the draining segment)?"""

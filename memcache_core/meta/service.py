@@ -64,7 +64,7 @@ class MetaServiceCore:
         self.config_store_bytes = 0
         self.metrics = Metrics()
         self.drains = Drains(self.table, config.drain_timeout_ms / 1000.0, config.pending_timeout_ms / 1000.0,
-                             self._answering)
+                             self._answering, time.monotonic() + config.heartbeat_timeout_ms / 1000.0)
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
 

@@ -67,6 +67,18 @@ def test_objects_without_room_are_dropped_and_counted_and_the_drain_ends():
     assert (d.totals.moved_objects, d.totals.dropped_objects) == (2, 4)
 
 
+def test_right_after_a_meta_service_start_an_object_without_room_waits_for_members_to_rejoin():
+    t, d = make((10,))
+    d.settle_until = 1.0                # members of the previous MetaService may still be re-joining
+    put(t, "k", 1)
+    b = d.next_batch(1, 0, 0.5)
+    assert b.moves == [] and not b.done and "k" in t.objects
+    t.add_segment(p.SegmentInfo(2, 10 * MB, "h", "/dev/shm/x2", "127.0.0.1:1"), alloc_after=1.5)
+    assert d.next_batch(1, 0, 1.2).moves == []      # settled, but segment 2 is in its re-join grace
+    b = d.next_batch(1, 0, 1.6)
+    assert [m.target.segment_id for m in b.moves] == [2] and done(d, b, now=1.6) == [0]
+
+
 def test_a_remove_or_a_reput_racing_a_move_wins_and_the_target_space_comes_back():
     t, d = make()
     put(t, "gone", 1)
