@@ -172,11 +172,11 @@ class Drains:
         for key in keys:
             obj = d.segment.lru[key]
             src = next(loc for loc in obj.locations if loc.segment_id == d.segment_id)
-            placed = self._place(d, obj, now) if d.attempts[key] < MAX_ATTEMPTS else None
-            if placed is None:
-                if not wait or d.attempts[key] >= MAX_ATTEMPTS:
+            placed = self._place(d, obj, now) if d.attempts[key] < MAX_ATTEMPTS else False
+            if not isinstance(placed, tuple):
+                if placed is False and (not wait or d.attempts[key] >= MAX_ATTEMPTS):
                     self._drop(d, obj, src, now)
-                continue
+                continue                                  # room may come: ask again later
             target, off = placed
             m = Move(key, obj.size, obj.generation, obj.checksum, src.offset, self.table.issue_generation(),
                      target, off, now + self.move_timeout_s)
@@ -185,19 +185,23 @@ class Drains:
                                    p.Location(target.info.segment_id, off)))
         return out
 
-    def _place(self, d: Drain, obj: Obj, now: float) -> tuple[Segment, int] | None:
-        """Space in the segment with the most free ratio that has room and holds no replica."""
+    def _place(self, d: Drain, obj: Obj, now: float) -> tuple[Segment, int] | bool:
+        """Space in the segment with the most free ratio that has room and holds no replica; else True
+        when only segments whose owners are silent right now have room (wait for them), False if none."""
         need = aligned(footprint(obj.size))
         holders = {loc.segment_id for loc in obj.locations} | d.avoid
         segs = [s for sid, s in self.table.segments.items() if sid not in holders and s.alloc_after <= now
-                and s.allocator.size and s.allocator.used + need <= self.table.high * s.allocator.size
-                and self.answering(sid, now)]
+                and s.allocator.size and s.allocator.used + need <= self.table.high * s.allocator.size]
         segs.sort(key=lambda s: s.allocator.free / s.allocator.size, reverse=True)
+        silent = False
         for s in segs:
+            if not self.answering(s.info.segment_id, now):   # a loaded host's heartbeat, or a dead owner
+                silent = True
+                continue
             off = s.allocator.alloc(need)
             if off is not None:
                 return s, off
-        return None
+        return silent
 
     def _room_may_come(self, now: float) -> bool:
         """Could a target appear soon? Right after a MetaService start (members still re-joining), or

@@ -123,6 +123,17 @@ def test_a_target_whose_owner_went_silent_gets_no_commit_and_no_new_moves():
     assert done(d, b) == [0]
 
 
+def test_when_every_segment_with_room_is_silent_the_object_waits_instead_of_being_dropped():
+    t, d = make()
+    silent = {2, 3}                     # a loaded host: heartbeats late, not dead
+    d.answering = lambda sid, now: sid not in silent
+    put(t, "j", 1)
+    b = d.next_batch(1, 0, 0.0)
+    assert b.moves == [] and not b.done and "j" in t.objects
+    silent.clear()
+    assert done(d, d.next_batch(1, 0, 0.0)) == [0]
+
+
 def test_failed_copies_are_retried_on_other_targets_then_dropped():
     t, d = make((10, 10, 10, 10, 10))
     put(t, "k", 1)
