@@ -9,7 +9,8 @@ and releases the source. Nothing here changes what readers see until that commit
 A drain runs on a thread of its own when the MetaService asks (an admin drain, seen on a heartbeat)
 and in ``close()`` before the member leaves (``LocalConfig.drain_timeout_ms``). Both are bounded:
 the owner stops at its deadline, which it tightens to the MetaService's; copies use their own
-transfer engine whose peer timeout never exceeds what is left. A MetaService restart mid-drain
+transfer engine whose peer timeout is a quarter of the drain's time (a peer that stalls mid-copy
+makes the drain overrun by that much at most). A MetaService restart mid-drain
 (calls fail, then this member re-joins) is ridden out: the next ``DrainNext`` starts the drain again
 on the new MetaService with the time that is left.
 """
@@ -110,7 +111,7 @@ class Drainer:
         """A transfer engine of the drain's own, whose peer timeout fits the drain's bound."""
         svc, cfg = self.svc, self.svc.config
         threads = max(1, min(os.cpu_count() or 1, 8, cfg.write_thread_pool_size))
-        peer_timeout = max(0.5, min(cfg.client_timeout_seconds, timeout_s))
+        peer_timeout = max(0.5, min(cfg.client_timeout_seconds, timeout_s / 4))   # a stalled peer: 1/4 over at most
         return TransferEngine(cfg.protocol, svc.host_id, svc.segment, peer_timeout, 1, threads, svc.secret,
                               svc._tls_client)
 
