@@ -208,3 +208,27 @@ def test_drain_of_a_full_pool_drops_and_counts_without_hanging(meta, stores):
     assert got["codes"] == [-3007] * 20 and got["mismatches"] == []
     got = b("get", keys=full["b"] + full["c"], layout=LAYOUT)
     assert got["codes"] == [0] * 28 and got["mismatches"] == []
+
+
+def test_a_target_that_stalls_mid_copy_costs_a_retry_elsewhere_never_a_wrong_byte(meta, stores, providers):
+    """Scenario: target B is frozen (SIGSTOP) just as provider P starts draining over TCP. The copies
+    to B time out (a quarter of P's drain_timeout_ms), B is avoided, and those objects go to C: P
+    exits in time and every object is readable, byte-exact, from C."""
+    p = providers(drain_timeout_ms=8000, protocol="host_tcp")
+    client = stores(init_bm=False)
+    keys = [f"stall-{i}" for i in range(8)]
+    assert client("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 8
+    b, c = providers(), providers()                 # equally empty: B, having joined first, is picked first
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(15) == 0
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    state = meta.http(f"/drain/{p.id}")
+    assert state["moved_objects"] + state["dropped_objects"] == 8 and state["failed_moves"] >= 1
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["mismatches"] == []
+    on_c = [k for k, locs in segments_of(meta, keys).items() if locs == [c.id]]
+    assert [got["codes"][keys.index(k)] for k in on_c] == [0] * len(on_c)
+    assert len(on_c) == state["moved_objects"] == 8
