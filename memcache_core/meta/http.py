@@ -93,11 +93,8 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         core = self.core
-        if url.path != "/health" and self.token is not None and not hmac.compare_digest(
-                self.headers.get("Authorization", ""), f"Bearer {self.token}"):
-            return self._send(401, json.dumps({"success": False, "error_message": "authentication required: "
-                                               "Authorization: Bearer <admin token of the pool secret>"}).encode(),
-                              "application/json")
+        if url.path != "/health" and not self._authorized():
+            return
         if url.path == "/get_all_keys":
             with core.lock:
                 objs = list(core.table.objects.items())
@@ -118,17 +115,23 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        if self.token is not None and not hmac.compare_digest(self.headers.get("Authorization", ""),
-                                                              f"Bearer {self.token}"):
-            return self._send(401, json.dumps({"success": False, "error_message": "authentication required: "
-                                               "Authorization: Bearer <admin token of the pool secret>"}).encode(),
-                              "application/json")
+        if not self._authorized():
+            return
         if not url.path.startswith("/drain/"):
             return self._send(404, json.dumps({"success": False, "error_message": f"no route POST {url.path}"})
                               .encode(), "application/json")
         with self.core.lock:
             result = _start_drain(self.core, url.path.removeprefix("/drain/"), q.get("timeout_ms", "0"))
         self._send(200, json.dumps(result).encode(), "application/json")
+
+    def _authorized(self) -> bool:
+        """The admin bearer token is there (or auth is off); otherwise answer 401 and say False."""
+        if self.token is None or hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {self.token}"):
+            return True
+        self._send(401, json.dumps({"success": False, "error_message": "authentication required: "
+                                    "Authorization: Bearer <admin token of the pool secret>"}).encode(),
+                   "application/json")
+        return False
 
     def _route(self, path: str, q: dict[str, str]) -> dict[str, Any] | None:
         core, t = self.core, self.core.table
