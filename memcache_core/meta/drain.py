@@ -100,9 +100,12 @@ class Totals:
 class Drains:
     """Every drain of one MetaService; called under the MetaService lock with ``now`` passed in."""
 
-    def __init__(self, table: ObjectTable, timeout_s: float, move_timeout_s: float,
-                 answering: Callable[[int, float], bool] = lambda sid, now: True, settle_until: float = 0.0) -> None:
-        self.table = table
+    def __init__(self, table_of: Callable[[], ObjectTable], timeout_s: float, move_timeout_s: float,
+                 answering: Callable[[int, float], bool] = lambda sid, now: True, settle_s: float = 0.0,
+                 settle_until: float = 0.0) -> None:
+        self._table_of = table_of          # the MetaService's table, which an HA leader change replaces
+        self.table = table_of()
+        self.settle_s = settle_s
         self.settle_until = settle_until   # until then members may still be re-joining (a MetaService start)
         self.answering = answering     # is the segment's owner heartbeating? (a silent one may be dead)
         self.timeout_s = timeout_s
@@ -113,8 +116,17 @@ class Drains:
 
     # ---- starting, asking, reporting -----------------------------------------------------------------
 
+    def _sync(self, now: float) -> None:
+        """Follow the MetaService's table: a new one (an HA leader's reset) knows no drain yet (their
+        owners ask again), and its members are still re-joining for a while."""
+        t = self._table_of()
+        if t is not self.table:
+            self.table, self.settle_until = t, now + self.settle_s
+            self.active.clear()
+
     def start(self, segment_id: int, now: float, timeout_s: float = 0.0, reason: str = "admin") -> Drain:
         """Start draining a segment (an unfinished drain of it goes on as it is)."""
+        self._sync(now)
         seg = self.table.segments.get(segment_id)
         if seg is None:
             raise errors.KeyNotFound(f"segment {segment_id} is not in the pool")
@@ -145,6 +157,7 @@ class Drains:
 
     def report(self, segment_id: int, req: p.DrainDone, now: float) -> list[int]:
         """The owner copied (or failed to copy) its moves: commit each, or give its space back."""
+        self._sync(now)
         d = self.active.get(segment_id)
         out = []
         for key, gen, checksum, ok in zip(req.keys, req.generations, req.checksums, req.ok, strict=True):
@@ -295,6 +308,7 @@ class Drains:
 
     def segment_left(self, segment_id: int, now: float) -> None:
         """The segment leaves the pool (before the table drops it): what is still in it is dropped."""
+        self._sync(now)
         d = self.active.pop(segment_id, None)
         if d is None:
             return
@@ -310,6 +324,7 @@ class Drains:
 
     def housekeeping(self, now: float) -> None:
         """End drains past their deadline; give back the space of moves nobody reported in time."""
+        self._sync(now)
         for d in self.active.values():
             if d.state == "draining" and now >= d.deadline:
                 self._end(d, "timed_out", now)

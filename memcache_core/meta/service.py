@@ -63,8 +63,9 @@ class MetaServiceCore:
         self.config_store: dict[str, bytes] = {}
         self.config_store_bytes = 0
         self.metrics = Metrics()
-        self.drains = Drains(self.table, config.drain_timeout_ms / 1000.0, config.pending_timeout_ms / 1000.0,
-                             self._answering, time.monotonic() + config.heartbeat_timeout_ms / 1000.0)
+        settle_s = config.heartbeat_timeout_ms / 1000.0   # how long members may take to re-join a new table
+        self.drains = Drains(lambda: self.table, config.drain_timeout_ms / 1000.0,
+                             config.pending_timeout_ms / 1000.0, self._answering, settle_s, time.monotonic() + settle_s)
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
 

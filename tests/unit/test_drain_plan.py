@@ -18,7 +18,7 @@ def make(sizes: tuple[int, ...] = (10, 10, 10)) -> tuple[ObjectTable, Drains]:
     t = ObjectTable(90, 50, 1.0, pending_timeout_s=5.0, first_generation=7 << 32)
     for i, mb in enumerate(sizes, start=1):
         t.add_segment(p.SegmentInfo(i, mb * MB, "h", f"/dev/shm/x{i}", "127.0.0.1:1"))
-    return t, Drains(t, timeout_s=10.0, move_timeout_s=5.0)
+    return t, Drains(lambda: t, timeout_s=10.0, move_timeout_s=5.0)
 
 
 def put(t: ObjectTable, key: str, seg: int, now: float = 0.0, checksum: int = 0) -> None:
@@ -77,6 +77,24 @@ def test_right_after_a_meta_service_start_an_object_without_room_waits_for_membe
     assert d.next_batch(1, 0, 1.2).moves == []      # settled, but segment 2 is in its re-join grace
     b = d.next_batch(1, 0, 1.6)
     assert [m.target.segment_id for m in b.moves] == [2] and done(d, b, now=1.6) == [0]
+
+
+def test_a_new_table_forgets_its_drains_and_gives_members_time_to_rejoin():
+    """Scenario: an HA leader change replaces the MetaService's table; the drains of the old one mean
+    nothing there (their owners ask again), and the new table's members are still re-joining."""
+    t, _ = make()
+    tables = [t]
+    d = Drains(lambda: tables[-1], timeout_s=10.0, move_timeout_s=5.0, settle_s=2.0)
+    put(t, "k", 1)
+    assert d.next_batch(1, 0, 0.0).moves and d.draining(1)
+    fresh, _ = make((10,))
+    tables.append(fresh)
+    put(fresh, "k", 1)                  # the owner re-joined the new leader with its object
+    b = d.next_batch(1, 0, 10.0)
+    assert not d.find(1, 10.0)["moves_in_flight"] and b.moves == [] and not b.done   # others not back yet
+    fresh.add_segment(p.SegmentInfo(2, 10 * MB, "h", "/dev/shm/x2", "127.0.0.1:1"))
+    b = d.next_batch(1, 0, 11.0)
+    assert [m.target.segment_id for m in b.moves] == [2] and done(d, b, now=11.0) == [0]
 
 
 def test_a_remove_or_a_reput_racing_a_move_wins_and_the_target_space_comes_back():
