@@ -185,6 +185,9 @@ class MetaConfig:
     """Where new objects go: local_first (the writer's own segment, then as spread; a writer without a
     segment gets spread), spread (most free ratio first, the better of two random picks), or random.
     A put's preferredLocalServiceIDs come first under every policy (docs/design.md, Allocation)."""
+    drain_timeout_ms: int = 60000
+    """Longest a drain started with ``POST /drain/<segment_id>`` may take (a drain a leaving
+    LocalService starts is bounded by its own ``drain_timeout_ms``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -223,6 +226,7 @@ class MetaConfig:
         _check_range("max_connections", self.max_connections, 16, 1 << 20)
         tls.check(self)
         _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
+        _check_int("drain_timeout_ms", self.drain_timeout_ms, 100, 86_400_000)
 
 
 @dataclasses.dataclass
@@ -294,6 +298,10 @@ class LocalConfig:
     checksum_verify_ratio: float = 1.0
     """Fraction of reads whose bytes are verified against the checksum, in [0, 1]; a mismatch is a
     miss, counted and logged, and the object is dropped from the pool."""
+    drain_timeout_ms: int = 0
+    """On close (``store.close()``, SIGTERM of ``memcache local-service``) move this LocalService's
+    objects to other segments with room for at most this long before leaving; 0: leave at once (its
+    objects leave the pool with it)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -334,6 +342,7 @@ class LocalConfig:
             raise ConfigError(f"hcom_url: {self.hcom_url} binds every interface; set hcom_advertise_url to the "
                               f"address peers should use")
         _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
+        _check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
 
@@ -357,6 +366,11 @@ class ReplicateConfig:
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _check_int(key: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}")
 
 
 def _check_bool(key: str, value: Any) -> None:

@@ -141,6 +141,28 @@ class Corrupt(msgspec.Struct, tag=True):
     segments: list[int] = []
 
 
+class DrainNext(msgspec.Struct, tag=True):
+    """The owner of a draining segment asks for the next objects to copy out of it. Starts a drain of
+    the caller's own segment when none runs (bounded by ``timeout_ms``; 0: the MetaService's
+    ``drain_timeout_ms``)."""
+
+    client_id: int
+    token: bytes
+    timeout_ms: int = 0
+
+
+class DrainDone(msgspec.Struct, tag=True):
+    """The copies of ``DrainNext``'s moves: ``ok`` per move, the payload checksum the owner computed
+    while copying, and the new generations the moves were planned with."""
+
+    client_id: int
+    token: bytes
+    keys: list[str]
+    generations: list[int]
+    checksums: list[int]
+    ok: list[bool]
+
+
 class GetSegments(msgspec.Struct, tag=True):
     segment_ids: list[int] = []
 
@@ -154,10 +176,10 @@ class ConfigGet(msgspec.Struct, tag=True):
     key: str
 
 
-MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt")
+MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt", "DrainNext", "DrainDone")
 
 Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
-           | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet)
+           | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone)
 
 
 # ---- replies ----------------------------------------------------------------------------------
@@ -191,6 +213,26 @@ class HeartbeatReply(_Reply):
     meta_epoch: int
     known: bool
     journal: list[JournalEntry] = []
+    drain: bool = False            # the member's segment is being drained: it should copy its objects out
+
+
+class DrainMove(msgspec.Struct, array_like=True, frozen=True):
+    """Copy one committed object from the owner's segment (``source_offset``) to ``target``, where
+    space is reserved for it; ``generation`` and ``checksum`` are the committed object's."""
+
+    key: str
+    size: int
+    source_offset: int
+    generation: int
+    checksum: int
+    new_generation: int
+    target: Location
+
+
+class DrainBatch(_Reply):
+    moves: list[DrainMove]
+    done: bool = False             # nothing is left to move, or the drain ended: stop asking
+    left_ms: int = 0               # time left before the drain's deadline
 
 
 class AllocResult(msgspec.Struct, array_like=True):
@@ -232,7 +274,7 @@ class Value(_Reply):
 
 
 Reply = (Error | Ok | Joined | HeartbeatReply | AllocReply | LookupReply | Codes | Flags | Segments
-         | Value)
+         | Value | DrainBatch)
 
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

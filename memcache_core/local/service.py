@@ -35,6 +35,7 @@ from ..transfer import CopyOp, TransferEngine
 from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
 from . import recovery
+from .drain import Drainer
 from .segment import create_segment
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class LocalService:
         self._heartbeat: threading.Thread | None = None
         self.integrity_failures = 0
         self._partial_warned = 0.0   # when a partial placement may be logged again
+        self.drainer = Drainer(self)
 
     @property
     def client_id(self) -> int:
@@ -124,6 +126,7 @@ class LocalService:
     def close(self) -> None:
         if self._stop.is_set():
             return
+        unmap = self._drain_before_leaving()
         self._stop.set()
         if self._heartbeat is not None:
             s = self.session
@@ -138,8 +141,24 @@ class LocalService:
             self.data_server.close()
         if self.engine is not None:
             self.engine.close()
-        if self.segment is not None:
+        if self.segment is not None and unmap:
             self.segment.close()
+
+    def _drain_before_leaving(self) -> bool:
+        """With ``drain_timeout_ms``, move our objects to other segments before we leave (local/drain.py).
+
+        False when a drain's copy out of our segment outlived its bound: the segment stays mapped.
+        """
+        if not self.drainer.stop(self.config.client_timeout_seconds + 1.0):
+            logger.error("a drain copy is still running; the segment stays mapped until the process exits")
+            return False
+        timeout_s = self.config.drain_timeout_ms / 1000.0
+        if timeout_s > 0 and self.segment is not None and self._heartbeat is not None:
+            try:
+                self.drainer.run(timeout_s, own_bound=True)
+            except Exception:   # a bug in the drain must not keep us from leaving
+                logger.exception("drain before leaving failed; leaving without it")
+        return True
 
     def _join(self, recover: bool) -> None:
         """Join (or re-join) and install the new session in one step."""
@@ -179,6 +198,7 @@ class LocalService:
                     self._rejoin(s)
                     continue
                 self._apply_journal(r.journal)
+                self.drainer.on_heartbeat(r.drain)
             except MetaServiceUnavailable:
                 continue
             except MemCacheError as e:

@@ -7,7 +7,8 @@ outside it, so a client polling /get_all_keys does not stall the control plane.
 
 GET /health, /role, /leader (HA), /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
 /get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
-/api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
+/api/v1/segments/status, /drains, /drain/<segment_id>; POST /drain/<segment_id>[?timeout_ms=] starts
+draining a segment (``meta/drain.py``). Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
 as memcache_hybrid answers.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import ssl
 import threading
 import time
@@ -104,11 +106,8 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         core = self.core
-        if url.path != "/health" and self.token is not None and not hmac.compare_digest(
-                self.headers.get("Authorization", ""), f"Bearer {self.token}"):
-            return self._send(401, json.dumps({"success": False, "error_message": "authentication required: "
-                                               "Authorization: Bearer <admin token of the pool secret>"}).encode(),
-                              "application/json")
+        if url.path != "/health" and not self._authorized():
+            return
         if url.path == "/get_all_keys":
             return self._send(200, _all_keys_body(core), "application/json")
         if url.path == "/metrics":
@@ -121,6 +120,27 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, json.dumps({"success": False, "error_message": f"no route {url.path}"})
                               .encode(), "application/json")
         self._send(200, json.dumps(result).encode(), "application/json")
+
+    def do_POST(self) -> None:  # noqa: N802 - stdlib name
+        url = urlparse(self.path)
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if not self._authorized():
+            return
+        if not url.path.startswith("/drain/"):
+            return self._send(404, json.dumps({"success": False, "error_message": f"no route POST {url.path}"})
+                              .encode(), "application/json")
+        with self.core.lock:
+            result = _start_drain(self.core, url.path.removeprefix("/drain/"), q.get("timeout_ms", "0"))
+        self._send(200, json.dumps(result).encode(), "application/json")
+
+    def _authorized(self) -> bool:
+        """The admin bearer token is there (or auth is off); otherwise answer 401 and say False."""
+        if self.token is None or hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {self.token}"):
+            return True
+        self._send(401, json.dumps({"success": False, "error_message": "authentication required: "
+                                    "Authorization: Bearer <admin token of the pool secret>"}).encode(),
+                   "application/json")
+        return False
 
     def _route(self, path: str, q: dict[str, str]) -> dict[str, Any] | None:
         core, t = self.core, self.core.table
@@ -163,6 +183,12 @@ class _Handler(BaseHTTPRequestHandler):
             case "/metrics/summary":
                 c = t.counters
                 return {"success": True, **{k: getattr(c, k) for k in c.__dataclass_fields__}}
+            case "/drains":
+                return {"success": True, "drains": core.drains.all(now)}
+        if path.startswith("/drain/"):
+            drained = _segment_id(path.removeprefix("/drain/"))
+            found = core.drains.find(drained, now) if drained is not None else None
+            return {"success": True, **found} if found else _error(f"no drain of segment {path[7:]!r}")
         return None
 
     def _keys(self, keys: list[str], now: float) -> dict[str, Any]:
@@ -183,12 +209,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _segment(self, sid: int) -> dict[str, Any]:
         s = self.core.table.segments[sid]
         owner = next((m for m in self.core.members.values() if m.segment_id == sid), None)
-        wait = max(0.0, s.alloc_after - time.monotonic())
+        draining = math.isinf(s.alloc_after)    # being drained (meta/drain.py): never again
+        wait = 0.0 if draining else max(0.0, s.alloc_after - time.monotonic())
         return {"segment_id": sid, "host_id": s.info.host_id, "tag": s.info.tag, "data_addr": s.info.data_addr,
                 "pid": owner.pid if owner else None, "capacity_bytes": s.allocator.size,
                 "used_bytes": s.allocator.used, "objects": len(s.lru),
                 "largest_free_bytes": s.allocator.largest_free,
-                "accepts_new_objects": wait == 0.0, "accepts_new_objects_in_s": round(wait, 3)}
+                "accepts_new_objects": not draining and wait == 0.0,
+                "accepts_new_objects_in_s": None if draining else round(wait, 3), "draining": draining}
 
     def _send(self, status: int, body: bytes, ctype: str) -> None:
         self.send_response(status)
@@ -196,6 +224,31 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def _segment_id(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _start_drain(core: MetaServiceCore, sid_text: str, timeout_text: str) -> dict[str, Any]:
+    sid = _segment_id(sid_text)
+    if sid is None:
+        return _error(f"segment id: expected an integer, got {sid_text!r}")
+    try:
+        timeout_ms = int(timeout_text)
+    except ValueError:
+        timeout_ms = -1
+    if not 0 <= timeout_ms <= 86_400_000:
+        return _error(f"timeout_ms: expected an integer in [0, 86400000], got {timeout_text!r}")
+    if sid not in core.table.segments:
+        return _error(f"segment {sid} not found")
+    now = time.monotonic()
+    drain = core.drains.start(sid, now, timeout_ms / 1000.0)
+    logger.info("admin: draining segment %d (timeout %.1fs)", sid, drain.deadline - drain.started)
+    return {"success": True, **drain.snapshot(now)}
 
 
 def _error(msg: str) -> dict[str, Any]:

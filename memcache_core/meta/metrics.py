@@ -82,6 +82,7 @@ class Metrics:
                 ("integrity_failures_total", c.integrity_failures,
                  "Reads whose bytes failed the checksum (reported by readers; each object is dropped).")):
             metric(name, "counter", help_, [("", value)])
+        core.drains.render_metrics(metric)
         reqs = sorted(self.requests.items())
         out.append("# HELP memcache_request_seconds Time the MetaService spent on a request.")
         out.append("# TYPE memcache_request_seconds histogram")

@@ -27,6 +27,7 @@ from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
 from . import placement, validate
+from .drain import Drains
 from .http import AdminServer
 from .metrics import Metrics
 from .table import ObjectTable
@@ -65,6 +66,9 @@ class MetaServiceCore:
         self.config_store: dict[str, bytes] = {}
         self.config_store_bytes = 0
         self.metrics = Metrics()
+        settle_s = config.heartbeat_timeout_ms / 1000.0   # how long members may take to re-join a new table
+        self.drains = Drains(lambda: self.table, config.drain_timeout_ms / 1000.0,
+                             config.pending_timeout_ms / 1000.0, self._answering, settle_s, time.monotonic() + settle_s)
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
         self.ha: Any = None            # the LeaderElection with ha_enable (meta/ha.py)
@@ -111,7 +115,7 @@ class MetaServiceCore:
                 return self._config_put(k, v)
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
-            case p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave():
+            case p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone():
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
 
@@ -148,6 +152,8 @@ class MetaServiceCore:
             case p.Leave():
                 self._drop_member(cid, "left")
                 return p.Ok()
+            case p.DrainNext() | p.DrainDone():
+                return self.drains.handle(req, member.segment_id, now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
 
     def _member(self, cid: int, token: bytes, now: float) -> Member:
@@ -222,17 +228,24 @@ class MetaServiceCore:
         journal: list[p.JournalEntry] = []
         if m.segment_id is not None:
             journal = self.table.segments[m.segment_id].journal_since(ack)
-        return p.HeartbeatReply(self.epoch, known=True, journal=journal)
+        return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id))
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""
         ms = (self.members.get(c) for c in preferred)
         return [m.segment_id for m in ms if m is not None and m.segment_id is not None]
 
+    def _answering(self, segment_id: int, now: float) -> bool:
+        """Has the segment's owner been heard from within half the heartbeat timeout?"""
+        m = self.members.get(segment_id)   # a segment's id is its owner's id
+        return m is not None and now - m.last_seen <= self.config.heartbeat_timeout_ms / 2000.0
+
     def _drop_member(self, cid: int, why: str) -> None:
         m = self.members.pop(cid, None)
         if m is None:
             return
+        if m.segment_id is not None:
+            self.drains.segment_left(m.segment_id, time.monotonic())
         lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
         self.table.reclaim(time.monotonic(), {cid})
         logger.info("client %d %s; %d objects left the pool with its segment", cid, why, lost)
@@ -243,6 +256,7 @@ class MetaServiceCore:
             self._drop_member(cid, f"missed heartbeats for {dead_after:g}s, declared dead")
         self.table.reclaim(now)
         self.table.evict_all(now)
+        self.drains.housekeeping(now)
 
 
 def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:

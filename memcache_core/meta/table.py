@@ -430,3 +430,14 @@ class ObjectTable:
             seg = self.segments.get(loc.segment_id)
             if seg is not None:
                 seg.allocator.free_range(loc.offset, footprint(obj.size))
+
+    # ---- for drains (meta/drain.py) ------------------------------------------------------------------
+
+    def issue_generation(self) -> int:
+        """A new generation, as an allocation gets (a drained object's copy at its new place)."""
+        self._next_gen += 1
+        return self._next_gen
+
+    def drop(self, obj: Obj, now: float) -> None:
+        """Take a committed object out of the pool (a drain could not place it anywhere)."""
+        self._unlink(obj, now)

@@ -97,3 +97,7 @@ def generations(gens: list[int]) -> None:
 def checksums(sums: list[int]) -> None:
     for c in sums:
         _int("checksum", c, 0, MAX_U64)
+
+
+def timeout_ms(v: int) -> None:
+    _int("timeout_ms", v, 0, 86_400_000)

@@ -53,12 +53,13 @@ class Worker:
             sizes.append(list(layout))
         return ptrs, sizes, per
 
-    def put(self, keys: list[str], layout: list[int], replicas: int = 1) -> dict:
+    def put(self, keys: list[str], layout: list[int], replicas: int = 1, preferred: list[int] | None = None) -> dict:
         ptrs, sizes, per = self._layout(keys, layout)
         for i, k in enumerate(keys):
             self.buf[i * per:(i + 1) * per] = pattern(k, per)
+        rc = ReplicateConfig(replicas, preferred or [])
         t = time.perf_counter()
-        codes = self.store.batch_put_from_layers(keys, ptrs, sizes, replicateConfig=ReplicateConfig(replicas))
+        codes = self.store.batch_put_from_layers(keys, ptrs, sizes, replicateConfig=rc)
         return {"codes": codes, "seconds": time.perf_counter() - t}
 
     def get(self, keys: list[str], layout: list[int]) -> dict:
@@ -74,7 +75,7 @@ class Worker:
     def handle(self, cmd: dict) -> dict:
         op = cmd["op"]
         if op == "put":
-            return self.put(cmd["keys"], cmd["layout"], cmd.get("replicas", 1))
+            return self.put(cmd["keys"], cmd["layout"], cmd.get("replicas", 1), cmd.get("preferred"))
         if op == "get":
             return self.get(cmd["keys"], cmd["layout"])
         if op == "exist":
@@ -84,7 +85,8 @@ class Worker:
         if op == "id":
             return {"id": self.store.get_local_service_id()}
         if op == "close":
-            return {"rc": self.store.close()}
+            t = time.perf_counter()
+            return {"rc": self.store.close(), "seconds": time.perf_counter() - t}
         raise ValueError(f"unknown op {op}")
 
 

@@ -46,7 +46,8 @@ VALUE = st.recursive(LEAF, lambda inner: st.one_of(st.lists(inner, max_size=8),
                                                    st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                      max_leaves=20)
 TAGS = ["Join", "Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Lookup", "Exist", "Validate", "Remove",
-        "RemoveAll", "RemovePrefix", "Corrupt", "GetSegments", "ConfigPut", "ConfigGet", "Unknown"]
+        "RemoveAll", "RemovePrefix", "Corrupt", "GetSegments", "ConfigPut", "ConfigGet", "DrainNext", "DrainDone",
+        "Unknown"]
 FIELDS = {
     "client_id": INTS, "token": st.one_of(st.binary(max_size=32), VALUE), "pid": INTS, "host_id": TEXT,
     "keys": st.lists(TEXT, max_size=20), "sizes": st.lists(INTS, max_size=20),
@@ -56,7 +57,7 @@ FIELDS = {
         "segment_id": INTS, "size": INTS, "host_id": TEXT, "shm_path": TEXT, "data_addr": TEXT, "tag": TEXT})),
     "objects": st.lists(st.tuples(TEXT, INTS, INTS, INTS, INTS).map(list), max_size=10),
     "key": TEXT, "value": st.one_of(st.binary(max_size=256), VALUE), "prefix": TEXT, "lease": VALUE,
-    "journal_ack": INTS,
+    "journal_ack": INTS, "timeout_ms": INTS, "ok": st.lists(VALUE, max_size=20),
 }
 
 
@@ -113,6 +114,9 @@ TYPED = st.one_of(
     st.builds(p.Validate, KEYS, st.lists(U64, max_size=12)), st.builds(p.Remove, KEYS),
     st.builds(p.RemovePrefix, TEXT), st.builds(p.GetSegments, st.lists(I64, max_size=12)),
     st.builds(p.ConfigPut, TEXT, st.binary(max_size=256)), st.builds(p.ConfigGet, TEXT),
+    st.builds(p.DrainNext, I64, st.binary(max_size=32), I64),
+    st.builds(p.DrainDone, I64, st.binary(max_size=32), KEYS, st.lists(U64, max_size=12), st.lists(U64, max_size=12),
+              st.lists(st.booleans(), max_size=12)),
 )
 
 
@@ -230,7 +234,8 @@ def admin(core):
 
 PATHS = st.one_of(st.sampled_from(["/health", "/metrics", "/metrics/summary", "/get_all_keys", "/get_all_segments",
                                    "/query_key", "/batch_query_keys", "/query_segment", "/api/v1/capacity/usage",
-                                   "/api/v1/segments/status", "/role", "//", "/..", "/%00"]),
+                                   "/api/v1/segments/status", "/role", "/drains", "/drain/1", "/drain/x", "//", "/..",
+                                   "/%00"]),
                   st.text(max_size=64).map(lambda t: "/" + t))
 QUERIES = st.dictionaries(st.sampled_from(["key", "keys", "segment", "x", ""]),
                           st.one_of(st.text(max_size=64), st.sampled_from(["-1", "9" * 40, "1e308", ",,,"])),

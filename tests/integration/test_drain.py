@@ -1,0 +1,234 @@
+"""Graceful drain against real processes: three providers and a reader; one provider is drained
+(admin POST, SIGTERM of ``memcache local-service``, ``close()``) while the reader keeps reading."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from memcache_core.testing import MetaServiceProcess, wait_for
+
+from .conftest import StoreProcess
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = [256 << 10] * 4          # 1 MiB objects in 4 pieces
+MB_OBJECTS = 24
+
+
+def post(meta: MetaServiceProcess, path: str) -> Any:
+    req = urllib.request.Request(meta.metrics_url + path, method="POST", headers=meta.admin_headers())
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def segments_of(meta: MetaServiceProcess, keys: list[str]) -> dict[str, list[int]]:
+    got = meta.http("/batch_query_keys?keys=" + ",".join(keys))
+    out = got["keys"] if "keys" in got else [got]     # one key: the /query_key answer
+    return {o["key"]: [loc["segment"] for loc in o.get("locations", [])] for o in out}
+
+
+class Reader(threading.Thread):
+    """Reads ``keys`` byte-exact in a loop until stopped; records every round's codes and mismatches."""
+
+    def __init__(self, proc: StoreProcess, keys: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.keys = proc, keys
+        self.rounds: list[dict[str, Any]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                t0 = time.monotonic()
+                got = self.proc("get", keys=self.keys, layout=LAYOUT)
+                self.rounds.append({**got, "span": (t0, time.monotonic())})
+            except RuntimeError as e:       # the reader process went away (a failed test's teardown)
+                self.rounds.append({"codes": [], "mismatches": [str(e)], "span": (0.0, 0.0)})
+                return
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.halt.set()
+        self.join(30)
+        return self.rounds
+
+
+class Provider:
+    """``memcache local-service`` in its own process (a standalone memory provider)."""
+
+    def __init__(self, meta: MetaServiceProcess, directory: str, **cfg: Any) -> None:
+        conf = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
+                "protocol": "host_shm", "dram_size": "64MB", "heartbeat_interval_ms": 200,
+                "client_timeout_seconds": 5, "hcom_url": "tcp://127.0.0.1:0", **cfg}
+        path = os.path.join(directory, f"provider-{id(self)}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(conf, f)
+        self.proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path",
+                                      path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.id = 0
+
+        def joined() -> bool:
+            segs = [s for s in meta.http("/get_all_segments")["segments"] if s["pid"] == self.proc.pid]
+            self.id = segs[0]["segment_id"] if segs else 0
+            return bool(segs) or self.proc.poll() is not None
+        wait_for(joined, 20, "the provider to join")
+        assert self.id, "the provider exited before joining"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def providers(meta, tmp_path):
+    started: list[Provider] = []
+
+    def start(**cfg: Any) -> Provider:
+        p = Provider(meta, str(tmp_path), **cfg)
+        started.append(p)
+        return p
+    yield start
+    for p in started:
+        p.stop()
+
+
+def _all_read(rounds: list[dict[str, Any]], during: tuple[float, float]) -> None:
+    """Every round hit every key with the right bytes, and some round ran while the drain did."""
+    assert any(r["span"][0] < during[1] and r["span"][1] > during[0] for r in rounds), "no read during the drain"
+    assert all(r["mismatches"] == [] for r in rounds), "a read returned wrong bytes"
+    assert all(set(r["codes"]) == {0} for r in rounds), [r["codes"] for r in rounds if set(r["codes"]) != {0}][:1]
+
+
+def test_admin_drain_moves_every_object_while_a_reader_reads(meta, stores):
+    """Scenario: provider A holds 24 objects; POST /drain/A while a reader reads them in a loop.
+    Every read is a hit with the right bytes, A takes no new object from the start, and at the end
+    every object lives, byte-exact, in B or C; the drain's state and the metrics count 24 moved."""
+    a, b, c = (stores(dram_size="64MB") for _ in range(3))
+    a_id = a("id")["id"]
+    keys = [f"drain-{i}" for i in range(MB_OBJECTS)]
+    assert a("put", keys=keys, layout=LAYOUT, preferred=[a_id])["codes"] == [0] * MB_OBJECTS
+    assert all(locs == [a_id] for locs in segments_of(meta, keys).values())
+    reader = Reader(stores(init_bm=False), keys)
+    reader.start()
+    wait_for(lambda: len(reader.rounds) >= 1, 10, "a first round of reads")
+    t_post = time.monotonic()
+    started = post(meta, f"/drain/{a_id}")
+    assert started["success"] and started["state"] == "draining"
+    assert a("put", keys=["after-start"], layout=LAYOUT)["codes"] == [0]
+    assert segments_of(meta, ["after-start"])["after-start"] != [a_id]     # not on the draining segment
+    wait_for(lambda: meta.http(f"/drain/{a_id}")["state"] == "done", 20, "the drain to finish")
+    _all_read(reader.stop(), (t_post, time.monotonic()))
+    state = meta.http(f"/drain/{a_id}")
+    assert (state["moved_objects"], state["dropped_objects"], state["objects_left"]) == (MB_OBJECTS, 0, 0)
+    assert state["moved_bytes"] == MB_OBJECTS * sum(LAYOUT)
+    assert all(a_id not in locs and len(locs) == 1 for locs in segments_of(meta, keys).values())
+    seg = meta.http(f"/query_segment?segment={a_id}")
+    assert (seg["draining"], seg["accepts_new_objects"], seg["objects"]) == (True, False, 0)
+    got = c("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * MB_OBJECTS and got["mismatches"] == []
+    assert f"memcache_drain_moved_objects_total {MB_OBJECTS}" in meta.http("/metrics")
+    assert post(meta, "/drain/12345")["success"] is False            # an unknown segment: a clear error
+    bad = urllib.request.Request(meta.metrics_url + f"/drain/{a_id}", method="POST")
+    with pytest.raises(urllib.error.HTTPError, match="401"):          # admin routes need the token
+        urllib.request.urlopen(bad, timeout=5)
+
+
+def test_sigterm_of_a_provider_drains_it_before_it_exits(meta, stores, providers):
+    """Scenario: a standalone provider (``memcache local-service``) holds every object of a pure
+    client; it gets SIGTERM while the client reads in a loop. It moves its objects to the two other
+    providers and exits 0 within its drain_timeout_ms; no read misses or returns wrong bytes."""
+    p = providers(drain_timeout_ms=20000)
+    client = stores(init_bm=False)
+    keys = [f"term-{i}" for i in range(MB_OBJECTS)]
+    assert client("put", keys=keys, layout=LAYOUT)["codes"] == [0] * MB_OBJECTS   # the only segment
+    b, c = providers(), providers()
+    reader = Reader(client, keys)
+    reader.start()
+    wait_for(lambda: len(reader.rounds) >= 1, 10, "a first round of reads")
+    t0 = time.monotonic()
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.proc.wait(20) == 0
+    took = time.monotonic() - t0
+    _all_read(reader.stop(), (t0, t0 + took))
+    assert took < 20
+    assert all(locs and locs[0] in (b.id, c.id) for locs in segments_of(meta, keys).values())
+    state = meta.http(f"/drain/{p.id}")
+    assert (state["reason"], state["moved_objects"], state["dropped_objects"]) == ("owner", MB_OBJECTS, 0)
+
+
+def test_a_drain_rides_out_a_meta_service_restart(meta, stores, providers):
+    """Scenario: the MetaService is down when a provider gets SIGTERM; it comes back within the
+    provider's drain_timeout_ms. The provider re-joins with its objects, drains them and exits;
+    every object is then readable, byte-exact, from the others."""
+    p = providers(drain_timeout_ms=20000)
+    client = stores(init_bm=False)
+    keys = [f"restart-{i}" for i in range(8)]
+    assert client("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 8
+    b = providers()
+    meta.kill()
+    p.proc.send_signal(signal.SIGTERM)
+    meta.start()
+    assert p.proc.wait(20) == 0
+    # the client saw the MetaService down; its calls fail fast (-3017) until one gets through again
+    wait_for(lambda: client("exist", keys=keys[:1])["codes"] != [-3017], 10, "the client to reach the MetaService")
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 8 and got["mismatches"] == []
+    assert all(locs == [b.id] for locs in segments_of(meta, keys).values())
+
+
+def test_drain_of_a_full_pool_drops_and_counts_without_hanging(meta, stores):
+    """Scenario: B and C are at their high-water mark; A closes with a 3 s drain_timeout_ms. Nothing
+    has room: A's objects are dropped and counted at once (close returns well within the bound),
+    they become misses (never wrong bytes), and B's and C's objects are untouched."""
+    a = stores(dram_size="32MB", drain_timeout_ms=3000)
+    b, c = stores(dram_size="16MB"), stores(dram_size="16MB")
+    a_id, full = a("id")["id"], {}
+    for name, s in (("b", b), ("c", c)):
+        full[name] = [f"full-{name}-{i}" for i in range(14)]   # 14 x (1 MiB + header) of 16 MiB: 87.5%
+        assert s("put", keys=full[name], layout=LAYOUT, preferred=[s("id")["id"]])["codes"] == [0] * 14
+    keys = [f"doomed-{i}" for i in range(20)]
+    assert a("put", keys=keys, layout=LAYOUT, preferred=[a_id])["codes"] == [0] * 20
+    closed = a("close")
+    assert closed["rc"] == 0 and closed["seconds"] < 3
+    state = meta.http(f"/drain/{a_id}")
+    assert (state["moved_objects"], state["dropped_objects"], state["dropped_bytes"]) == (0, 20, 20 * sum(LAYOUT))
+    assert state["state"] == "done" and state["elapsed_s"] < 3
+    assert "memcache_drain_dropped_objects_total 20" in meta.http("/metrics")
+    got = b("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [-3007] * 20 and got["mismatches"] == []
+    got = b("get", keys=full["b"] + full["c"], layout=LAYOUT)
+    assert got["codes"] == [0] * 28 and got["mismatches"] == []
+
+
+def test_a_target_that_stalls_mid_copy_costs_a_retry_elsewhere_never_a_wrong_byte(meta, stores, providers):
+    """Scenario: target B is frozen (SIGSTOP) just as provider P starts draining over TCP. The copies
+    to B time out (a quarter of P's drain_timeout_ms), B is avoided, and those objects go to C: P
+    exits in time and every object is readable, byte-exact, from C."""
+    p = providers(drain_timeout_ms=8000, protocol="host_tcp")
+    client = stores(init_bm=False)
+    keys = [f"stall-{i}" for i in range(8)]
+    assert client("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 8
+    b, c = providers(), providers()                 # equally empty: B, having joined first, is picked first
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(15) == 0
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    state = meta.http(f"/drain/{p.id}")
+    assert state["moved_objects"] + state["dropped_objects"] == 8 and state["failed_moves"] >= 1
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["mismatches"] == []
+    on_c = [k for k, locs in segments_of(meta, keys).items() if locs == [c.id]]
+    assert [got["codes"][keys.index(k)] for k in on_c] == [0] * len(on_c)
+    assert len(on_c) == state["moved_objects"] == 8
