@@ -1,0 +1,66 @@
+"""The recommended deployment: a standalone provider (``memcache local-service``) holds the pool and
+SGLang servers join as pure clients (``init_bm: false``). A server that writes a prompt's pages and
+is stopped (a deploy) leaves them in the provider; a fresh server restores them from L3 with the
+first server's output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import serve_cpu
+from conftest import FULL_PAGES, generate, pool_keys, prompt, start, wait_for_new_keys
+
+from memcache_core.testing import wait_for
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+CLIENT = {"client_timeout_seconds": 5, "init_bm": False, "dram_size": "0"}
+
+
+@contextlib.contextmanager
+def provider(meta: serve_cpu.MetaHandle, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    secret_path = json.loads(Path(meta.config_path).read_text()).get("auth_secret_path", "")
+    cfg = workdir / "provider.json"
+    cfg.write_text(json.dumps({"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
+                               "protocol": "host_shm", "dram_size": "512MB", "auth_secret_path": secret_path}))
+    with open(workdir / "provider.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", str(cfg)],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is not None or meta.admin("/get_all_segments")["segments"], 60,
+                 "the provider's segment")
+        assert proc.poll() is None, (workdir / "provider.log").read_text()[-2000:]
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_a_restarted_server_finds_its_pages_in_the_provider(meta: serve_cpu.MetaHandle, model: str,
+                                                           tmp_path: Path) -> None:
+    ids = prompt(60)
+    with provider(meta, tmp_path):
+        first = start(meta, model, tmp_path, "client_1", extra_config=CLIENT)
+        try:
+            before = pool_keys(meta)
+            cold = generate(first, ids)
+            assert cold["device"] == cold["host"] == cold["storage"] == 0, cold
+            wait_for_new_keys(meta, before, FULL_PAGES)
+            warm = generate(first, ids)
+            assert warm["device"] >= (FULL_PAGES - 1) * 128, warm
+        finally:
+            first.stop()
+        second = start(meta, model, tmp_path, "client_2", extra_config=CLIENT)
+        try:
+            got = generate(second, ids)
+            assert got["device"] == 0 and got["host"] == 0, got
+            assert got["storage"] >= (FULL_PAGES - 1) * 128, got
+            assert got["text"] == warm["text"] == cold["text"]
+        finally:
+            second.stop()
