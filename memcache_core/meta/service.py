@@ -6,6 +6,7 @@ re-join and report the objects in their segments (see ``ObjectTable.add_segment`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import logging
@@ -23,7 +24,7 @@ from .. import protocol as p
 from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
-from . import validate
+from . import stats, validate
 from .http import AdminServer
 from .metrics import Metrics
 from .table import ObjectTable
@@ -62,8 +63,16 @@ class MetaServiceCore:
         self.config_store: dict[str, bytes] = {}
         self.config_store_bytes = 0
         self.metrics = Metrics()
+        self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
+        self.member_events: collections.Counter[str] = collections.Counter()
+        self.history = stats.History()
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
+
+    def stats(self) -> stats.Snapshot:
+        """The numbers every view renders, copied under the lock (rendering happens outside it)."""
+        with self.lock:
+            return stats.take(self)
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
@@ -196,11 +205,15 @@ class MetaServiceCore:
             seg = self.table.segments[seg_id]
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)
+            if req.objects:
+                self.member_events["recoveries"] += 1
+                self.member_events["recovered_objects"] += len(req.objects) - len(refused)
             logger.info("LocalService %d joined from %s pid %d: segment of %d bytes, %d objects recovered",
                         cid, req.host_id, req.pid, info.size, len(req.objects) - len(refused))
         else:
             logger.info("client %d joined from %s pid %d (no segment)", cid, req.host_id, req.pid)
         token = secrets.token_bytes(16)
+        self.member_events["joins"] += 1
         self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token)
         return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token)
 
@@ -231,6 +244,7 @@ class MetaServiceCore:
         m = self.members.pop(cid, None)
         if m is None:
             return
+        self.member_events["leaves" if why == "left" else "deaths" if "dead" in why else "rejoins"] += 1
         lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
         self.table.reclaim(time.monotonic(), {cid})
         logger.info("client %d %s; %d objects left the pool with its segment", cid, why, lost)
@@ -241,6 +255,7 @@ class MetaServiceCore:
             self._drop_member(cid, f"missed heartbeats for {dead_after:g}s, declared dead")
         self.table.reclaim(now)
         self.table.evict_all(now)
+        self.history.record(self, now)
 
 
 def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
@@ -306,6 +321,7 @@ def _answer(core: MetaServiceCore, payload: bytes) -> bytes:
             except Exception as e:  # noqa: BLE001 - a handler's bug is an error reply, never the end
                 logger.exception("request %s failed", name)
                 reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
+            stats.count_outcomes(core.outcomes, req, reply)
         core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
     try:
         return p.request_encoder.encode(reply)
