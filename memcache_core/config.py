@@ -129,6 +129,8 @@ class MetaConfig:
     """Connections the control plane keeps open at once; more are refused."""
     idle_timeout_seconds: float = 600
     """A control-plane connection silent this long is closed (a client reconnects on its next call)."""
+    stats_sample_interval_seconds: float = 5
+    """How often the counters are sampled for the status page's chart (the last 120 samples are kept)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -159,6 +161,7 @@ class MetaConfig:
         _check_range("max_connections", self.max_connections, 16, 1 << 20)
         tls.check(self)
         _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
+        _check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
 
 
 @dataclasses.dataclass

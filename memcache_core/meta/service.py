@@ -65,7 +65,7 @@ class MetaServiceCore:
         self.metrics = Metrics()
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
         self.member_events: collections.Counter[str] = collections.Counter()
-        self.history = stats.History()
+        self.history = stats.History(config.stats_sample_interval_seconds)
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
 

@@ -20,7 +20,6 @@ from .. import protocol as p
 if TYPE_CHECKING:
     from .service import MetaServiceCore
 
-HISTORY_INTERVAL_S = 5.0
 HISTORY_LEN = 120          # ten minutes of samples
 _CODE_NAMES = {v: k.lower() for k, v in vars(errors).items()
                if k.isupper() and isinstance(v, int) and v <= 0}
@@ -118,9 +117,10 @@ def take(core: MetaServiceCore) -> Snapshot:
 
 
 class History:
-    """Samples of the counters every ``HISTORY_INTERVAL_S``, the last ``HISTORY_LEN`` of them."""
+    """Samples of the counters every ``interval_s``, the last ``HISTORY_LEN`` of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
         self.samples: collections.deque[Sample] = collections.deque(maxlen=HISTORY_LEN)
         self._next = 0.0
 
@@ -128,7 +128,7 @@ class History:
         """Called from housekeeping, under the lock: cheap (no pass over the objects)."""
         if now < self._next:
             return
-        self._next = now + HISTORY_INTERVAL_S
+        self._next = now + self.interval_s
         c, t = core.table.counters, core.table
         used = sum(s.allocator.used for s in t.segments.values())
         self.samples.append(Sample(time.time(), c.lookups, c.hits, c.allocs, used))
