@@ -102,7 +102,16 @@ class MetaConfig:
     defrag_evict_threshold: float = 70
     """Accepted for compatibility."""
     kv_events_enable: bool = False
-    """Accepted for compatibility; KV events are not published yet."""
+    """Publish "blocks stored" / "blocks removed" events on ``kv_events_endpoint`` (ZeroMQ PUB, vLLM's
+    KV-event format; needs the ``events`` extra, pyzmq)."""
+    kv_events_endpoint: str = "tcp://127.0.0.1:5557"
+    """Where the KV-event PUB socket binds (tcp://HOST:PORT)."""
+    kv_events_model_name: str = ""
+    """Model name put at the head of every KV-event topic."""
+    kv_events_block_size: int = 16
+    """Tokens per block, carried in every BlockStored event."""
+    kv_events_queue_size: int = 100000
+    """Events waiting to be sent; past it new events are dropped and counted, never waited for."""
     heartbeat_timeout_ms: int = 10000
     """A LocalService silent this long is declared dead and its objects leave the table."""
     pending_timeout_ms: int = 120000
@@ -162,6 +171,20 @@ class MetaConfig:
         tls.check(self)
         _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
         _check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        _check_bool("kv_events_enable", self.kv_events_enable)
+        _check_str("kv_events_model_name", self.kv_events_model_name)
+        _check_range("kv_events_block_size", self.kv_events_block_size, 1, 1 << 20)
+        _check_range("kv_events_queue_size", self.kv_events_queue_size, 1, 10_000_000)
+        if not self.kv_events_enable:
+            return
+        parse_url(self.kv_events_endpoint, "kv_events_endpoint", ("tcp",))
+        try:
+            import zmq  # noqa: F401
+        except ImportError as e:
+            raise ConfigError("kv_events_enable: needs pyzmq (pip install 'memcache-python[events]')") from e
 
 
 @dataclasses.dataclass

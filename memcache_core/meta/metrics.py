@@ -114,6 +114,10 @@ def _counters(s: Snapshot) -> Iterator[Metric]:
                               value=s.events.get("recoveries", 0))
     yield CounterMetricFamily("memcache_recovered_objects_total", "Objects recovered from re-joining segments.",
                               value=s.events.get("recovered_objects", 0))
+    yield CounterMetricFamily("memcache_kv_events_published_total", "KV events sent (kv_events_enable).",
+                              value=s.events.get("kv_events_published", 0))
+    yield CounterMetricFamily("memcache_kv_events_dropped_total", "KV events dropped: queue or socket full.",
+                              value=s.events.get("kv_events_dropped", 0))
 
 
 def _requests(s: Snapshot) -> Iterator[Metric]:

@@ -25,9 +25,10 @@ from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
 from . import stats, validate
+from .events import EventPublisher
 from .http import AdminServer
 from .metrics import Metrics
-from .table import ObjectTable
+from .table import Obj, ObjectTable
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,19 @@ class MetaServiceCore:
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
         self.member_events: collections.Counter[str] = collections.Counter()
         self.history = stats.History(config.stats_sample_interval_seconds)
+        self.publisher: EventPublisher | None = None
+        if config.kv_events_enable:
+            self.publisher = EventPublisher(config.kv_events_endpoint, config.kv_events_model_name,
+                                            config.kv_events_block_size, config.kv_events_queue_size)
+            self.table.listener = self._kv_event
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
+
+    def _kv_event(self, stored: bool, obj: Obj) -> None:
+        assert self.publisher is not None
+        for loc in obj.locations:
+            seg = self.table.segments.get(loc.segment_id)
+            self.publisher.offer(stored, obj.key, seg.info.host_id if seg else "", loc.segment_id)
 
     def stats(self) -> stats.Snapshot:
         """The numbers every view renders, copied under the lock (rendering happens outside it)."""
@@ -290,6 +302,8 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     finally:
         admin.stop()
         server.close()
+        if core.publisher is not None:
+            core.publisher.close()
         logger.info("MetaService stopped")
 
 

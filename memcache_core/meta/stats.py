@@ -110,9 +110,13 @@ def take(core: MetaServiceCore) -> Snapshot:
         outcomes.setdefault(op, {})[outcome] = n
     requests = [RequestStats(op, list(h.counts), h.total, h.count, h.failures)
                 for op, h in sorted(core.metrics.requests.items())]
+    events = dict(core.member_events)
+    if core.publisher is not None:
+        events["kv_events_published"] = core.publisher.published
+        events["kv_events_dropped"] = core.publisher.dropped
     return Snapshot(time.time(), round(now - core.started, 3), core.epoch, "leader", None, members, segments,
                     len(t.objects) - t.pending, t.pending,
-                    {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, dict(core.member_events),
+                    {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, events,
                     requests, list(core.history.samples))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .. import errors
 from ..layout import footprint
@@ -96,6 +96,7 @@ class ObjectTable:
         self.quarantine: list[tuple[float, Obj]] = []   # reclaimed from stalled writers: freed later
         self.counters = Counters()
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
+        self.listener: Callable[[bool, Obj], None] | None = None   # (stored?, object): KV events
         self._next_gen = first_generation
 
     # ---- segments -------------------------------------------------------------------------------
@@ -214,6 +215,8 @@ class ObjectTable:
         for loc in obj.locations:
             self.segments[loc.segment_id].lru[key] = obj
         self.counters.commits += 1
+        if self.listener is not None:
+            self.listener(True, obj)
         return errors.SUCCESS
 
     def abort(self, client_id: int, key: str, generation: int) -> None:
@@ -330,6 +333,8 @@ class ObjectTable:
             del self.objects[obj.key]
             if not obj.committed:
                 self.pending -= 1
+            elif self.listener is not None:
+                self.listener(False, obj)
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)
             if seg is None:
