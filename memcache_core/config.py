@@ -255,6 +255,11 @@ class LocalConfig:
     checksum_verify_ratio: float = 1.0
     """Fraction of reads whose bytes are verified against the checksum, in [0, 1]; a mismatch is a
     miss, counted and logged, and the object is dropped from the pool."""
+    metrics_port: int = 0
+    """Serve this LocalService's Prometheus metrics (transfer bytes and latency per path) on this
+    port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics port binds (``metrics_port``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -283,6 +288,10 @@ class LocalConfig:
         _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
         _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
         _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
+        _check_range("metrics_port", self.metrics_port, 0, 65535)
+        _check_str("metrics_host", self.metrics_host)
+        if self.metrics_port and not self.metrics_host:
+            raise ConfigError("metrics_host: must name an address to bind (127.0.0.1 by default)")
         _check_bool("checksum", self.checksum)
         _check_bool("auth_enable", self.auth_enable)
         _check_str("auth_secret_path", self.auth_secret_path)
