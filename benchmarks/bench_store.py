@@ -671,9 +671,14 @@ def main(argv: list[str] | None = None) -> int:
                          "(on, off, off, on) and the ratios of their medians (its cost)")
     ap.add_argument("--table", nargs="+", metavar="JSON",
                     help="print a side-by-side table of earlier --json results (e.g. memcache and mooncake) and exit")
+    ap.add_argument("--plot", metavar="PNG", help="draw GB/s against batch size per op beside memcpy into this "
+                    "PNG (needs matplotlib: the bench extra); with --table, from the first JSON given")
     args = ap.parse_args(argv)
     if args.table:
         print_table(args.table)
+        if args.plot:
+            with open(args.table[0], encoding="utf-8") as f:
+                print(f"plot: {_plot(json.load(f)['results'], args.plot)}")
         return 0
     if args.engine == "mooncake":
         try:
@@ -717,8 +722,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({"argv": sys.argv[1:], "results": out}, f, indent=1)
+    if args.plot:
+        print(f"plot: {_plot(out, args.plot)}")
     print(f"done in {time.monotonic() - t0:.0f} s")
     return 0
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plots
+    return plots.bandwidth(rows, path, f"object {OBJ_BYTES // KIB} KiB; medians")
 
 
 if __name__ == "__main__":
