@@ -18,7 +18,7 @@ def test_outcomes_and_member_events(meta, stores):
     assert s.setup(meta.local_config()) == 0 and s.init(0, True) == 0
     assert client.setup(meta.local_config()) == 0 and client.init(0, False) == 0
     try:
-        assert s.put("o-1", b"x" * 100) == 0 and s.put("o-1", b"x" * 100) != 0   # second: already exists
+        assert s.put("o-1", b"x" * 100) == 0 and s.put("o-1", b"x" * 100) == 0   # second: already there
         assert s.get("o-1") and not s.get("o-absent")
         assert s.is_exist("o-1") == 1 and s.is_exist("o-absent") == 0
         assert s.remove("o-1") == 0
