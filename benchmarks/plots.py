@@ -41,3 +41,30 @@ def bandwidth(rows: list[dict[str, Any]], path: str, title: str = "") -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def ttft_bars(figures: dict[str, list[float]], path: str, title: str = "") -> str:
+    """Bars of the median time to first token per phase (``{"cold": [s, ...], "restored": [...]}``),
+    each prompt's figure as a dot over its bar. Returns ``path``."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not figures or not all(figures.values()):
+        raise ValueError("no TTFT figures to plot")
+    names = list(figures)
+    medians = [statistics.median(v) * 1e3 for v in figures.values()]
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(names), 4.2))
+    bars = ax.bar(names, medians, color=[f"C{i}" for i in range(len(names))], alpha=0.8)
+    for i, values in enumerate(figures.values()):
+        ax.plot([i] * len(values), [v * 1e3 for v in values], "k.", alpha=0.6)
+    for bar, m in zip(bars, medians, strict=True):
+        ax.annotate(f"{m:.0f} ms", (bar.get_x() + bar.get_width() / 2, m), ha="center", va="bottom")
+    ax.set_ylabel("time to first token (ms), median; dots: each prompt")
+    ax.set_title(title or "TTFT")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

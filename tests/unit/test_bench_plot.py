@@ -23,3 +23,14 @@ def test_plot_from_results(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_ttft_bars(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plots", os.path.join(os.path.dirname(BENCH), "plots.py"))
+    assert spec and spec.loader
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    png = tmp_path / "ttft.png"
+    plots.ttft_bars({"cold": [0.9, 1.0, 1.1], "restored from L3": [0.2, 0.25, 0.3]}, str(png), "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
