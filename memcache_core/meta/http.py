@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, urlparse
 
 import msgspec
 
+from .. import protocol as p
 from ..auth import admin_token
 from ..config import parse_url
 from . import metrics, stats, status_page
@@ -134,9 +135,11 @@ class _Handler(BaseHTTPRequestHandler):
             prefix = q.get("prefix", "")
             if not prefix:
                 return self._json(_error("prefix: expected a non-empty key prefix"))
-            with self.core.lock:
-                n = self.core.table.remove_prefix(prefix, time.monotonic())
-            return self._json({"success": True, "removed": n})
+            with self.core.lock:   # the control plane's own RemovePrefix, as a store's remove_by_prefix
+                reply = self.core.handle(p.RemovePrefix(prefix))
+            if not isinstance(reply, p.Codes):
+                return self._json(_error(getattr(reply, "message", "remove_prefix failed")))
+            return self._json({"success": True, "removed": reply.codes[0]})
         self._send(404, json.dumps({"success": False, "error_message": f"no route POST {url.path}"}).encode(),
                    "application/json")
 
