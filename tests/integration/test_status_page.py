@@ -62,7 +62,12 @@ def _load_in_browser(meta: MetaServiceProcess) -> None:
         used = [int(part.split('"', 1)[0]) for part in dom.split('class="segment" data-used="')[1:]]
         assert len(used) == 2 and all(u > 0 for u in used), used
         assert 'id="objects">20<' in dom and 'id="members">2<' in dom
-        wait_for(lambda: len(meta.http("/api/v1/stats")["history"]) >= 3, 10, "three samples for the chart")
+        def traffic_sampled() -> bool:   # gets (hits and a miss) while the chart's samples are taken
+            for i in range(20):
+                stores[1].get(f"status-{i}")
+            stores[1].get("status-absent")
+            return len(meta.http("/api/v1/stats")["history"]) >= 6
+        wait_for(traffic_sampled, 20, "samples of live traffic for the chart")
         assert '<svg id="chart"' in browser("--dump-dom", url)
         shot = os.path.abspath(os.path.join(ARTIFACTS, "status_page.png"))
         browser("--screenshot=" + shot, "--window-size=1200,900", "--hide-scrollbars", url)
