@@ -79,6 +79,7 @@ class EventPublisher:
             self._ctx.term()
             raise ConfigError(f"kv_events_endpoint: cannot bind {endpoint}: {e}") from e
         self._seq = 0
+        self._hosts: dict[int, str] = {}   # segment -> host, for objects lost with a segment already gone
         self._enc = msgspec.msgpack.Encoder()
         self._thread = threading.Thread(target=self._run, name="meta-kv-events", daemon=True)
         self._thread.start()
@@ -110,6 +111,10 @@ class EventPublisher:
     def _send(self, items: list[tuple[bool, str, str, int]]) -> None:
         by_place: dict[tuple[str, int], list[Any]] = {}
         for stored, key, host, sid in items:
+            if host:
+                self._hosts[sid] = host
+            else:
+                host = self._hosts.get(sid, "")
             h: list[bytes | int] = [key.encode()]
             ev = BlockStored(h, None, [], self.block_size, None, MEDIUM) if stored else BlockRemoved(h, MEDIUM)
             by_place.setdefault((host, sid), []).append(ev)
