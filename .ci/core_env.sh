@@ -12,7 +12,7 @@ if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   mkdir -p "$root"
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip >&2
-  "$venv/bin/pip" install -q -e "$repo[test,lint,ha]" >&2
+  "$venv/bin/pip" install -q -e "$repo[test,lint,ha,cli,events,bench]" >&2
   touch "$venv/.complete"
 fi
 "$venv/bin/pip" install -q --no-deps -e "$repo" >&2

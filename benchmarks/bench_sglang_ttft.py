@@ -73,6 +73,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--plot", metavar="PNG", help="draw cold / restored / device-hit TTFT bars into this PNG "
+                   "(bench extra)")
     args = p.parse_args()
     model = serve_cpu.ensure_model(sys.executable, [
         "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
@@ -116,6 +118,11 @@ def main() -> int:
           f"speed-up {cold / l3:.1f}x; device-cache hit {dev * 1e3:.1f} ms (L3 restore overhead "
           f"{(l3 - dev) * 1e3:.1f} ms)")
     print(f"reference: memcpy of {kv_bytes / 2**20:.1f} MiB in this process {memcpy_seconds(kv_bytes) * 1e3:.1f} ms")
+    if args.plot:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import plots
+        print("plot:", plots.ttft_bars({"cold": cold_s, "restored from L3": restored_s, "device-cache hit": device_s},
+                                       args.plot, f"SGLang, {args.tokens}-token prompts"))
     return 0
 
 

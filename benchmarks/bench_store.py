@@ -747,9 +747,14 @@ def main(argv: list[str] | None = None) -> int:
                          "memcache only; each segment is 1 GB, so keep batches at 8 or below)")
     ap.add_argument("--table", nargs="+", metavar="JSON",
                     help="print a side-by-side table of earlier --json results (e.g. memcache and mooncake) and exit")
+    ap.add_argument("--plot", metavar="PNG", help="draw GB/s against batch size per op beside memcpy into this "
+                    "PNG (needs matplotlib: the bench extra); with --table, from the first JSON given")
     args = ap.parse_args(argv)
     if args.table:
         print_table(args.table)
+        if args.plot:
+            with open(args.table[0], encoding="utf-8") as f:
+                print(f"plot: {_plot(json.load(f)['results'], args.plot)}")
         return 0
     if args.engine == "mooncake":
         try:
@@ -793,8 +798,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({"argv": sys.argv[1:], "results": out}, f, indent=1)
+    if args.plot:
+        print(f"plot: {_plot(out, args.plot)}")
     print(f"done in {time.monotonic() - t0:.0f} s")
     return 0
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plots
+    return plots.bandwidth(rows, path, f"object {OBJ_BYTES // KIB} KiB; medians")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--instance", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--plot", metavar="PNG", help="draw cold vs loaded TTFT bars into this PNG (bench extra)")
     args = ap.parse_args()
     if args.instance:
         run_instance(*args.instance)
@@ -121,6 +122,11 @@ def main() -> int:
           f"{[r['cached'] for r in runs['loaded']]})")
     print(f"speed-up cold/loaded {statistics.median(cold) / statistics.median(loaded):.1f}x; "
           f"first tokens identical: {same}")
+    if args.plot:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import plots
+        print("plot:", plots.ttft_bars({"cold": cold, "loaded from the pool": loaded}, args.plot,
+                                       f"vLLM, {args.prompt_tokens}-token prompts"))
     return 0
 
 

@@ -79,9 +79,23 @@ class Rank:
         return self.conn.recv()
 
 
+def hold(ms, seconds: float) -> None:
+    print(f"\nstatus page: {ms.metrics_url}/status (user: any, password: the admin token below)\n"
+          f"  admin token: python -c 'from memcache_core.auth import admin_token, load_secret; "
+          f"print(admin_token(load_secret(\"\")))'\n"
+          f"  in the terminal: memcache status --url {ms.metrics_url} --watch\n"
+          f"holding the pool for {seconds:g} s (Ctrl-C ends it)")
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=16, help="KV blocks per rank (at most 16)")
+    ap.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
+                    help="keep the pool up this long at the end (Ctrl-C ends it): open the status page")
     args = ap.parse_args()
     n = max(1, min(args.blocks, 16))
     from memcache_core.testing import running_meta_service
@@ -133,6 +147,8 @@ def main() -> None:
         codes, _, bad = ranks[2]("get", theirs)
         print(f"  rank 2 reads rank 1's blocks again: {codes.count(0)}/{n} hits, {bad} mismatched")
         assert codes == [0] * n and bad == 0
+        if args.hold > 0:
+            hold(ms, args.hold)
         for r in ranks[1:]:
             r("close", [])
         print("\ndemo finished: every byte read was the byte written.")

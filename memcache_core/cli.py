@@ -1,4 +1,5 @@
-"""The ``memcache`` command: ``memcache meta-service --config_path F``, ``memcache local-service --config_path F``."""
+"""The ``memcache`` command: ``memcache meta-service --config_path F``, ``memcache local-service --config_path F``;
+``memcache status [--watch]``, ``memcache keys --prefix P``, ``memcache remove --prefix P`` (cli_status.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
                         ("local-service", "run a standalone LocalService (memory provider)")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--config_path", "--config-path", required=True, help="JSON config file")
+    from . import cli_status
+    cli_status.add_parsers(sub)
     args = ap.parse_args(argv)
+    if args.cmd in ("status", "keys", "remove"):
+        return int(getattr(cli_status, args.cmd)(args))
     if args.cmd == "meta-service":
         from .meta_service import run_from_file
         return run_from_file(args.config_path)

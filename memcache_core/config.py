@@ -154,7 +154,16 @@ class MetaConfig:
     defrag_evict_threshold: float = 70
     """Accepted for compatibility."""
     kv_events_enable: bool = False
-    """Accepted for compatibility; KV events are not published yet."""
+    """Publish "blocks stored" / "blocks removed" events on ``kv_events_endpoint`` (ZeroMQ PUB, vLLM's
+    KV-event format; needs the ``events`` extra, pyzmq)."""
+    kv_events_endpoint: str = "tcp://127.0.0.1:5557"
+    """Where the KV-event PUB socket binds (tcp://HOST:PORT)."""
+    kv_events_model_name: str = ""
+    """Model name put at the head of every KV-event topic."""
+    kv_events_block_size: int = 16
+    """Tokens per block, carried in every BlockStored event."""
+    kv_events_queue_size: int = 100000
+    """Events waiting to be sent; past it new events are dropped and counted, never waited for."""
     heartbeat_timeout_ms: int = 10000
     """A LocalService silent this long is declared dead and its objects leave the table."""
     pending_timeout_ms: int = 120000
@@ -188,6 +197,8 @@ class MetaConfig:
     drain_timeout_ms: int = 60000
     """Longest a drain started with ``POST /drain/<segment_id>`` may take (a drain a leaving
     LocalService starts is bounded by its own ``drain_timeout_ms``)."""
+    stats_sample_interval_seconds: float = 5
+    """How often the counters are sampled for the status page's chart (the last 120 samples are kept)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -227,6 +238,21 @@ class MetaConfig:
         tls.check(self)
         _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 100, 86_400_000)
+        _check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        _check_bool("kv_events_enable", self.kv_events_enable)
+        _check_str("kv_events_model_name", self.kv_events_model_name)
+        _check_range("kv_events_block_size", self.kv_events_block_size, 1, 1 << 20)
+        _check_range("kv_events_queue_size", self.kv_events_queue_size, 1, 10_000_000)
+        if not self.kv_events_enable:
+            return
+        parse_url(self.kv_events_endpoint, "kv_events_endpoint", ("tcp",))
+        try:
+            import zmq  # noqa: F401
+        except ImportError as e:
+            raise ConfigError("kv_events_enable: needs pyzmq (pip install 'memcache-python[events]')") from e
 
 
 @dataclasses.dataclass
@@ -302,6 +328,11 @@ class LocalConfig:
     """On close (``store.close()``, SIGTERM of ``memcache local-service``) move this LocalService's
     objects to other segments with room for at most this long before leaving; 0: leave at once (its
     objects leave the pool with it)."""
+    metrics_port: int = 0
+    """Serve this LocalService's Prometheus metrics (transfer bytes and latency per path) on this
+    port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics port binds (``metrics_port``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -330,6 +361,10 @@ class LocalConfig:
         _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
         _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
         _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
+        _check_range("metrics_port", self.metrics_port, 0, 65535)
+        _check_str("metrics_host", self.metrics_host)
+        if self.metrics_port and not self.metrics_host:
+            raise ConfigError("metrics_host: must name an address to bind (127.0.0.1 by default)")
         _check_bool("checksum", self.checksum)
         _check_bool("auth_enable", self.auth_enable)
         _check_str("auth_secret_path", self.auth_secret_path)

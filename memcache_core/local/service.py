@@ -36,6 +36,7 @@ from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
 from . import recovery
 from .drain import Drainer
+from .metrics import LocalMetrics, MetricsServer
 from .segment import create_segment
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class LocalService:
         self.integrity_failures = 0
         self._partial_warned = 0.0   # when a partial placement may be logged again
         self.drainer = Drainer(self)
+        self.metrics = LocalMetrics()
+        self.metrics_server: MetricsServer | None = None
 
     @property
     def client_id(self) -> int:
@@ -108,13 +111,22 @@ class LocalService:
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
-                                         self._tls_client)
+                                         self._tls_client, self.metrics)
+            self._start_metrics_server()
             self._join(recover=False)
         except BaseException:
             self.close()
             raise
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _start_metrics_server(self) -> None:
+        cfg = self.config
+        if cfg.metrics_port:
+            from ..auth import admin_token
+            token = admin_token(self.secret) if self.secret is not None else None
+            self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port, token)
+            logger.info("LocalService metrics on http://%s/metrics", self.metrics_server.addr)
 
     def _advertised(self, bound: str) -> str:
         """The data address peers should use: ``hcom_advertise_url`` when set, else the bound one."""
@@ -137,6 +149,8 @@ class LocalService:
                 pass
             self._heartbeat.join(timeout=5)
         self.rpc.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         if self.data_server is not None:
             self.data_server.close()
         if self.engine is not None:
@@ -195,6 +209,9 @@ class LocalService:
                 r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack), timeout_s=timeout,
                                          probe=True), p.HeartbeatReply)
                 if not r.known or r.meta_epoch != s.epoch:
+                    if r.meta_epoch != s.epoch:
+                        self.metrics.meta_restarts.inc()
+                    self.metrics.rejoins.inc()
                     self._rejoin(s)
                     continue
                 self._apply_journal(r.journal)

@@ -356,15 +356,10 @@ class Drains:
     def all(self, now: float) -> list[dict[str, Any]]:
         return [d.snapshot(now) for d in [*self.history, *self.active.values()]]
 
-    def render_metrics(self, metric: Callable[[str, str, str, list[tuple[str, float]]], None]) -> None:
+    def stats(self) -> dict[str, int]:
+        """The drain figures the metrics show (under the MetaService lock, with the snapshot)."""
         t = self.totals
-        metric("draining_segments", "gauge", "Segments being drained.",
-               [("", sum(d.state == "draining" for d in self.active.values()))])
-        for name, value, help_ in (
-                ("drain_moved_objects_total", t.moved_objects, "Objects a drain moved to another segment."),
-                ("drain_moved_bytes_total", t.moved_bytes, "Payload bytes a drain moved."),
-                ("drain_dropped_objects_total", t.dropped_objects,
-                 "Objects a drain could not place (no room), or left behind when its segment left."),
-                ("drain_dropped_bytes_total", t.dropped_bytes, "Payload bytes of the dropped objects."),
-                ("drain_failed_moves_total", t.failed_moves, "Copies of a drain that failed (retried elsewhere).")):
-            metric(name, "counter", help_, [("", value)])
+        return {"draining_segments": sum(d.state == "draining" for d in self.active.values()),
+                "moved_objects": t.moved_objects, "moved_bytes": t.moved_bytes,
+                "dropped_objects": t.dropped_objects, "dropped_bytes": t.dropped_bytes,
+                "failed_moves": t.failed_moves}

@@ -158,11 +158,11 @@ def _lease(client: Any, lease_id: int) -> Any:
 def reset(core: MetaServiceCore, election: LeaderElection, won: bool) -> None:
     """Forget the table, members and epoch (new ones, as a restarted MetaService has). On winning,
     the config store is read back from etcd first (a failure there aborts the win)."""
-    from .service import MetaServiceCore
-    fresh = MetaServiceCore(core.config)
+    from .service import new_epoch
+    table = core.fresh_table()
     store = election.load_config() if won else {}
     with core.lock:
-        core.epoch, core.table, core.members = fresh.epoch, fresh.table, fresh.members
+        core.epoch, core.table, core.members = new_epoch(), table, {}
         core.config_store = store
         core.config_store_bytes = sum(len(k) + len(v) for k, v in store.items())
     logger.info("table reset (epoch %d)%s", core.epoch,

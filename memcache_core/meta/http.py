@@ -5,19 +5,24 @@ Every route but /health needs ``Authorization: Bearer <token>`` with the pool's 
 at once, each with a socket timeout; scans of the whole table copy it under the lock and do the work
 outside it, so a client polling /get_all_keys does not stall the control plane.
 
-GET /health, /role, /leader (HA), /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
+A browser may instead send the token as the password of HTTP Basic authentication (any user name):
+/status answers 401 with ``WWW-Authenticate: Basic`` so that the browser asks for it.
+
+GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
+/keys?prefix=P, POST /remove_prefix?prefix=P, POST /drain/<segment_id>[?timeout_ms=], GET /drain/<segment_id>,
+/drains, /role, /leader (HA),
+GET /health, /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
 /get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
-/api/v1/segments/status, /drains, /drain/<segment_id>; POST /drain/<segment_id>[?timeout_ms=] starts
-draining a segment (``meta/drain.py``). Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
+/api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
 as memcache_hybrid answers.
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
-import math
 import ssl
 import threading
 import time
@@ -27,8 +32,10 @@ from urllib.parse import parse_qs, urlparse
 
 import msgspec
 
+from .. import protocol as p
 from ..auth import admin_token
 from ..config import parse_url
+from . import metrics, stats, status_page
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore
@@ -83,14 +90,15 @@ class AdminServer:
         self.httpd.server_close()
 
 
-def _all_keys_body(core: MetaServiceCore) -> bytes:
-    """``{"success", "count", "keys"}`` of every committed key, in no particular order.
+def _all_keys_body(core: MetaServiceCore, prefix: str = "") -> bytes:
+    """``{"success", "count", "keys"}`` of every committed key (starting with ``prefix``), in no
+    particular order.
 
     Only the copy of the table holds the lock; no sort and msgspec's encoder, so the work after it
     is short too (the HTTP thread shares the GIL with the control plane's)."""
     with core.lock:
         objs = list(core.table.objects.items())
-    keys = [k for k, o in objs if o.committed]
+    keys = [k for k, o in objs if o.committed and k.startswith(prefix)]
     return msgspec.json.encode({"success": True, "count": len(keys), "keys": keys})
 
 
@@ -102,53 +110,70 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         logger.debug("http: " + format, *args)  # noqa: G003
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
-        url = urlparse(self.path)
-        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        core = self.core
-        if url.path != "/health" and not self._authorized():
-            return
-        if url.path == "/get_all_keys":
-            return self._send(200, _all_keys_body(core), "application/json")
-        if url.path == "/metrics":
-            with core.lock:
-                body = core.metrics.render(core)
-            return self._send(200, body.encode(), "text/plain; version=0.0.4")
-        with core.lock:
-            result = self._route(url.path, q)
-        if result is None:
-            return self._send(404, json.dumps({"success": False, "error_message": f"no route {url.path}"})
-                              .encode(), "application/json")
-        self._send(200, json.dumps(result).encode(), "application/json")
+    def _authorized(self) -> bool:
+        if self.token is None:
+            return True
+        got = self.headers.get("Authorization", "")
+        if got.startswith("Basic "):
+            try:
+                got = "Bearer " + base64.b64decode(got[6:], validate=True).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                return False
+        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+
+    def _refuse(self, path: str) -> None:
+        body = json.dumps({"success": False, "error_message": "authentication required: "
+                           "Authorization: Bearer <admin token of the pool secret>"}).encode()
+        extra = {"WWW-Authenticate": 'Basic realm="memcache admin token"'} if path == "/status" else {}
+        self._send(401, body, "application/json", extra)
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if not self._authorized():
-            return
-        if not url.path.startswith("/drain/"):
-            return self._send(404, json.dumps({"success": False, "error_message": f"no route POST {url.path}"})
-                              .encode(), "application/json")
-        with self.core.lock:
-            result = _start_drain(self.core, url.path.removeprefix("/drain/"), q.get("timeout_ms", "0"))
-        self._send(200, json.dumps(result).encode(), "application/json")
-
-    def _authorized(self) -> bool:
-        """The admin bearer token is there (or auth is off); otherwise answer 401 and say False."""
-        if self.token is None or hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {self.token}"):
-            return True
-        self._send(401, json.dumps({"success": False, "error_message": "authentication required: "
-                                    "Authorization: Bearer <admin token of the pool secret>"}).encode(),
+            return self._refuse(url.path)
+        if url.path.startswith("/drain/"):
+            with self.core.lock:
+                return self._json(_start_drain(self.core, url.path.removeprefix("/drain/"), q.get("timeout_ms", "0")))
+        if url.path == "/remove_prefix":
+            prefix = q.get("prefix", "")
+            if not prefix:
+                return self._json(_error("prefix: expected a non-empty key prefix"))
+            with self.core.lock:   # the control plane's own RemovePrefix, as a store's remove_by_prefix
+                reply = self.core.handle(p.RemovePrefix(prefix))
+            if not isinstance(reply, p.Codes):
+                return self._json(_error(getattr(reply, "message", "remove_prefix failed")))
+            return self._json({"success": True, "removed": reply.codes[0]})
+        self._send(404, json.dumps({"success": False, "error_message": f"no route POST {url.path}"}).encode(),
                    "application/json")
-        return False
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        url = urlparse(self.path)
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        core = self.core
+        if url.path == "/":
+            return self._send(302, b"", "text/plain", {"Location": "/status"})
+        if url.path != "/health" and not self._authorized():
+            return self._refuse(url.path)
+        if url.path == "/get_all_keys":
+            return self._send(200, _all_keys_body(core), "application/json")
+        if url.path == "/keys":
+            return self._send(200, _all_keys_body(core, q.get("prefix", "")), "application/json")
+        if url.path in ("/metrics", "/status", "/api/v1/stats"):
+            return self._view(url.path, core.stats())
+        if url.path in SNAPSHOT_ROUTES:
+            result = _from_snapshot(url.path, q, core.stats())
+        else:
+            with core.lock:
+                result = self._route(url.path, q)
+        if result is None:
+            return self._send(404, json.dumps({"success": False, "error_message": f"no route {url.path}"})
+                              .encode(), "application/json")
+        self._json(result)
 
     def _route(self, path: str, q: dict[str, str]) -> dict[str, Any] | None:
-        core, t = self.core, self.core.table
-        now = time.monotonic()
+        core, now = self.core, time.monotonic()
         match path:
-            case "/health":
-                return {"success": True, "status": "ok", "epoch": core.epoch,
-                        "uptime_s": round(now - core.started, 3), "members": len(core.members)}
             case "/role" | "/ha_status":
                 if core.ha is None:
                     return {"success": True, "role": "leader", "ha_enable": False, "term": 0}
@@ -164,25 +189,6 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._keys([q.get("key", "")], now)
             case "/batch_query_keys":
                 return self._keys([k for k in q.get("keys", "").split(",") if k], now)
-            case "/get_all_segments" | "/api/v1/segments/status":
-                return {"success": True, "segments": [self._segment(i) for i in sorted(t.segments)]}
-            case "/query_segment":
-                try:
-                    sid = int(q.get("segment", ""))
-                except ValueError:
-                    return _error("segment: expected an integer id")
-                if sid not in t.segments:
-                    return _error(f"segment {sid} not found")
-                return {"success": True, **self._segment(sid)}
-            case "/api/v1/capacity/usage" | "/api/v1/capacity/segment_remaining":
-                total = sum(s.allocator.size for s in t.segments.values())
-                used = sum(s.allocator.used for s in t.segments.values())
-                return {"success": True, "total_bytes": total, "used_bytes": used,
-                        "free_bytes": total - used, "usage_percent": round(100.0 * used / total, 3) if total else 0.0,
-                        "segments": [self._segment(i) for i in sorted(t.segments)]}
-            case "/metrics/summary":
-                c = t.counters
-                return {"success": True, **{k: getattr(c, k) for k in c.__dataclass_fields__}}
             case "/drains":
                 return {"success": True, "drains": core.drains.all(now)}
         if path.startswith("/drain/"):
@@ -206,24 +212,60 @@ class _Handler(BaseHTTPRequestHandler):
                     **({} if out[0]["exists"] else {"error_message": "key not found"})}
         return {"success": True, "keys": out}
 
-    def _segment(self, sid: int) -> dict[str, Any]:
-        s = self.core.table.segments[sid]
-        owner = next((m for m in self.core.members.values() if m.segment_id == sid), None)
-        draining = math.isinf(s.alloc_after)    # being drained (meta/drain.py): never again
-        wait = 0.0 if draining else max(0.0, s.alloc_after - time.monotonic())
-        return {"segment_id": sid, "host_id": s.info.host_id, "tag": s.info.tag, "data_addr": s.info.data_addr,
-                "pid": owner.pid if owner else None, "capacity_bytes": s.allocator.size,
-                "used_bytes": s.allocator.used, "objects": len(s.lru),
-                "largest_free_bytes": s.allocator.largest_free,
-                "accepts_new_objects": not draining and wait == 0.0,
-                "accepts_new_objects_in_s": None if draining else round(wait, 3), "draining": draining}
+    def _view(self, path: str, snap: Any) -> None:
+        """Views rendered from the stats snapshot, outside the lock."""
+        if path == "/metrics":
+            return self._send(200, metrics.render(snap), metrics.CONTENT_TYPE)
+        if path == "/status":
+            return self._send(200, status_page.render(snap).encode(), "text/html; charset=utf-8")
+        return self._send(200, msgspec.json.encode(snap), "application/json")
 
-    def _send(self, status: int, body: bytes, ctype: str) -> None:
+    def _json(self, result: dict[str, Any]) -> None:
+        self._send(200, json.dumps(result).encode(), "application/json")
+
+    def _send(self, status: int, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+SNAPSHOT_ROUTES = ("/health", "/get_all_segments", "/api/v1/segments/status", "/query_segment",
+                   "/api/v1/capacity/usage", "/api/v1/capacity/segment_remaining", "/metrics/summary")
+
+
+def _from_snapshot(path: str, q: dict[str, str], snap: stats.Snapshot) -> dict[str, Any] | None:
+    segs = {g.segment_id: _segment(g) for g in snap.segments}
+    match path:
+        case "/health":
+            return {"success": True, "status": "ok", "epoch": snap.epoch, "uptime_s": snap.uptime_s,
+                    "members": len(snap.members)}
+        case "/get_all_segments" | "/api/v1/segments/status":
+            return {"success": True, "segments": list(segs.values())}
+        case "/query_segment":
+            try:
+                sid = int(q.get("segment", ""))
+            except ValueError:
+                return _error("segment: expected an integer id")
+            return {"success": True, **segs[sid]} if sid in segs else _error(f"segment {sid} not found")
+        case "/api/v1/capacity/usage" | "/api/v1/capacity/segment_remaining":
+            total, used = snap.capacity_bytes, snap.used_bytes
+            return {"success": True, "total_bytes": total, "used_bytes": used,
+                    "free_bytes": total - used, "usage_percent": round(100.0 * used / total, 3) if total else 0.0,
+                    "segments": list(segs.values())}
+        case "/metrics/summary":
+            return {"success": True, **snap.counters}
+    return None
+
+
+def _segment(g: stats.SegmentStats) -> dict[str, Any]:
+    return {"segment_id": g.segment_id, "host_id": g.host_id, "tag": g.tag, "data_addr": g.data_addr,
+            "pid": g.pid, "capacity_bytes": g.capacity_bytes, "used_bytes": g.used_bytes, "objects": g.objects,
+            "largest_free_bytes": g.largest_free_bytes, "accepts_new_objects": g.accepts_new_objects_in_s == 0.0,
+            "accepts_new_objects_in_s": g.accepts_new_objects_in_s, "draining": g.draining}
 
 
 def _segment_id(text: str) -> int | None:

@@ -1,14 +1,40 @@
-"""Prometheus text exposition for the MetaService, with no dependency beyond the standard library."""
+"""The MetaService's Prometheus metrics, exposed through ``prometheus_client``.
+
+Every metric is declared here, in ``families``, from a ``stats.Snapshot`` (taken under the lock;
+rendering happens outside it). Names are stable and listed in docs/operations.md. Request latency
+is kept in ``Metrics`` (a few integer adds under the lock, cheaper than a client-library histogram
+on the hottest path) and exported as a histogram family.
+"""
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
-if TYPE_CHECKING:
-    from .service import MetaServiceCore
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .stats import Snapshot
 
 BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+COUNTERS = (   # (metric name, Counters field, help)
+    ("puts_total", "allocs", "Objects asked to be put (alloc)."),
+    ("commits_total", "commits", "Objects made visible."),
+    ("gets_total", "lookups", "Objects looked up for reading."),
+    ("get_hits_total", "hits", "Lookups that found the object."),
+    ("exists_total", "exists", "Existence probes."),
+    ("removes_total", "removes", "Objects removed."),
+    ("evictions_total", "evictions", "Objects evicted by LRU."),
+    ("evicted_bytes_total", "evicted_bytes", "Bytes evicted by LRU."),
+    ("put_failures_total", "alloc_failures", "Puts refused for lack of space."),
+    ("pending_reclaimed_total", "pending_reclaimed", "Uncommitted puts aborted."),
+    ("integrity_failures_total", "integrity_failures",
+     "Reads whose bytes failed the checksum (reported by readers; each object is dropped)."),
+)
+MEMBER_EVENTS = ("joins", "leaves", "deaths", "rejoins")
 
 
 class Histogram:
@@ -22,7 +48,7 @@ class Histogram:
 
 
 class Metrics:
-    """Handling latency and failures per request type (updated and read under the MetaService lock)."""
+    """Handling latency and failures per request type (updated under the MetaService lock)."""
 
     def __init__(self) -> None:
         self.requests: dict[str, Histogram] = {}
@@ -36,64 +62,127 @@ class Metrics:
         h.count += 1
         h.failures += failed
 
-    def render(self, core: MetaServiceCore) -> str:
-        out: list[str] = []
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            out.append(f"# HELP memcache_{name} {help_}")
-            out.append(f"# TYPE memcache_{name} {kind}")
-            out.extend(f"memcache_{name}{labels} {value:g}" for labels, value in samples)
+def _gauge(name: str, help_: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    if labels:
+        return GaugeMetricFamily(f"memcache_{name}", help_, labels=list(labels))
+    return GaugeMetricFamily(f"memcache_{name}", help_, value=value)
 
-        t = core.table
-        segs = sorted(t.segments.items())
-        metric("segment_capacity_bytes", "gauge", "Bytes a segment contributes to the pool.",
-               [(f'{{segment="{i}"}}', s.allocator.size) for i, s in segs])
-        metric("segment_used_bytes", "gauge", "Bytes allocated in a segment.",
-               [(f'{{segment="{i}"}}', s.allocator.used) for i, s in segs])
-        metric("segment_objects", "gauge", "Committed objects in a segment.",
-               [(f'{{segment="{i}"}}', len(s.lru)) for i, s in segs])
-        metric("pool_capacity_bytes", "gauge", "Bytes of the whole pool.",
-               [("", sum(s.allocator.size for _, s in segs))])
-        metric("pool_used_bytes", "gauge", "Bytes allocated in the whole pool.",
-               [("", sum(s.allocator.used for _, s in segs))])
-        metric("objects", "gauge", "Committed objects.", [("", len(t.objects) - t.pending)])
-        metric("objects_under_replicated", "gauge",
-               "Committed objects holding fewer replicas than their put asked for (placed partially, or a "
-               "replica's segment died or failed its checksum).", [("", t.under_replicated)])
-        metric("pending_objects", "gauge", "Objects allocated and not yet committed.", [("", t.pending)])
-        metric("members", "gauge", "LocalServices and clients joined.", [("", len(core.members))])
-        leading = core.ha is None or core.ha.serving()
-        metric("meta_is_leader", "gauge", "1 when this MetaService serves (the HA leader, or HA is off).",
-               [("", 1 if leading else 0)])
-        metric("meta_term", "gauge", "The HA leader term this MetaService serves under (0: standby, or HA off).",
-               [("", core.ha.term if core.ha is not None and leading else 0)])
-        c = t.counters
-        for name, value, help_ in (
-                ("puts_total", c.allocs, "Objects asked to be put (alloc)."),
-                ("commits_total", c.commits, "Objects made visible."),
-                ("gets_total", c.lookups, "Objects looked up for reading."),
-                ("get_hits_total", c.hits, "Lookups that found the object."),
-                ("exists_total", c.exists, "Existence probes."),
-                ("removes_total", c.removes, "Objects removed."),
-                ("evictions_total", c.evictions, "Objects evicted by LRU."),
-                ("evicted_bytes_total", c.evicted_bytes, "Bytes evicted by LRU."),
-                ("put_failures_total", c.alloc_failures, "Puts refused for lack of space."),
-                ("pending_reclaimed_total", c.pending_reclaimed, "Uncommitted puts aborted."),
-                ("integrity_failures_total", c.integrity_failures,
-                 "Reads whose bytes failed the checksum (reported by readers; each object is dropped).")):
-            metric(name, "counter", help_, [("", value)])
-        core.drains.render_metrics(metric)
-        reqs = sorted(self.requests.items())
-        out.append("# HELP memcache_request_seconds Time the MetaService spent on a request.")
-        out.append("# TYPE memcache_request_seconds histogram")
-        for name, h in reqs:
-            cum = 0
-            for le, n in zip(BUCKETS + (float("inf"),), h.counts, strict=True):
-                cum += n
-                le_s = "+Inf" if le == float("inf") else f"{le:g}"
-                out.append(f'memcache_request_seconds_bucket{{op="{name}",le="{le_s}"}} {cum}')
-            out.append(f'memcache_request_seconds_sum{{op="{name}"}} {h.total:.9f}')
-            out.append(f'memcache_request_seconds_count{{op="{name}"}} {h.count}')
-        metric("request_failures_total", "counter", "Requests answered with an error.",
-               [(f'{{op="{name}"}}', h.failures) for name, h in reqs])
-        return "\n".join(out) + "\n"
+
+def _segments(s: Snapshot) -> Iterator[Metric]:
+    labels = ("segment", "host", "tier")
+    cap = _gauge("segment_capacity_bytes", "Bytes a segment contributes to the pool.", labels=labels)
+    used = _gauge("segment_used_bytes", "Bytes allocated in a segment.", labels=labels)
+    free = _gauge("segment_free_bytes", "Bytes not allocated in a segment.", labels=labels)
+    objs = _gauge("segment_objects", "Committed objects in a segment.", labels=labels)
+    for g in s.segments:
+        lv = [str(g.segment_id), g.host_id, g.tier]
+        cap.add_metric(lv, g.capacity_bytes)
+        used.add_metric(lv, g.used_bytes)
+        free.add_metric(lv, g.capacity_bytes - g.used_bytes)
+        objs.add_metric(lv, g.objects)
+    yield from (cap, used, free, objs)
+    tiers: dict[str, list[int]] = {}
+    for g in s.segments:
+        t = tiers.setdefault(g.tier, [0, 0])
+        t[0] += g.capacity_bytes
+        t[1] += g.used_bytes
+    tcap = _gauge("tier_capacity_bytes", "Bytes of the pool per tier (medium).", labels=("tier",))
+    tused = _gauge("tier_used_bytes", "Bytes allocated per tier (medium).", labels=("tier",))
+    for name, (c, u) in sorted(tiers.items()):
+        tcap.add_metric([name], c)
+        tused.add_metric([name], u)
+    yield from (tcap, tused)
+
+
+def _counters(s: Snapshot) -> Iterator[Metric]:
+    for name, field, help_ in COUNTERS:
+        yield CounterMetricFamily(f"memcache_{name}", help_, value=s.counters[field])
+    out = CounterMetricFamily("memcache_op_outcomes_total", "Per-key outcomes of put (alloc), commit, get, "
+                              "exist and remove, by result.", labels=["op", "outcome"])
+    for op, by in sorted(s.outcomes.items()):
+        for outcome, n in sorted(by.items()):
+            out.add_metric([op, outcome], n)
+    yield out
+    ev = CounterMetricFamily("memcache_member_events_total", "Members that joined, left cleanly, were "
+                             "declared dead, or re-joined.", labels=["event"])
+    for e in MEMBER_EVENTS:
+        ev.add_metric([e], s.events.get(e, 0))
+    yield ev
+    yield CounterMetricFamily("memcache_recoveries_total", "Segments that joined with objects to recover "
+                              "(after a MetaService restart or a member's re-join).",
+                              value=s.events.get("recoveries", 0))
+    yield CounterMetricFamily("memcache_recovered_objects_total", "Objects recovered from re-joining segments.",
+                              value=s.events.get("recovered_objects", 0))
+    yield CounterMetricFamily("memcache_kv_events_published_total", "KV events sent (kv_events_enable).",
+                              value=s.events.get("kv_events_published", 0))
+    yield CounterMetricFamily("memcache_kv_events_dropped_total", "KV events dropped: queue or socket full.",
+                              value=s.events.get("kv_events_dropped", 0))
+
+
+DRAIN_COUNTERS = (   # (metric name, Drains.stats() field, help)
+    ("drain_moved_objects_total", "moved_objects", "Objects a drain moved to another segment."),
+    ("drain_moved_bytes_total", "moved_bytes", "Payload bytes a drain moved."),
+    ("drain_dropped_objects_total", "dropped_objects",
+     "Objects a drain could not place (no room), or left behind when its segment left."),
+    ("drain_dropped_bytes_total", "dropped_bytes", "Payload bytes of the dropped objects."),
+    ("drain_failed_moves_total", "failed_moves", "Copies of a drain that failed (retried elsewhere)."),
+)
+
+
+def _drains(s: Snapshot) -> Iterator[Metric]:
+    yield _gauge("draining_segments", "Segments being drained.", s.drains.get("draining_segments", 0))
+    for name, field, help_ in DRAIN_COUNTERS:
+        yield CounterMetricFamily(f"memcache_{name}", help_, value=s.drains.get(field, 0))
+
+
+def _requests(s: Snapshot) -> Iterator[Metric]:
+    h = HistogramMetricFamily("memcache_request_seconds", "Time the MetaService spent on a request.",
+                              labels=["op"])
+    f = CounterMetricFamily("memcache_request_failures_total", "Requests answered with an error.", labels=["op"])
+    for r in s.requests:
+        cum, buckets = 0, []
+        for le, n in zip((*map(str, BUCKETS), "+Inf"), r.buckets, strict=True):
+            cum += n
+            buckets.append((le, cum))
+        h.add_metric([r.op], buckets, r.total_s)
+        f.add_metric([r.op], r.failures)
+    yield from (h, f)
+
+
+def families(s: Snapshot) -> Iterator[Metric]:
+    """Every metric of the MetaService (add new ones here, from the snapshot)."""
+    yield from _segments(s)
+    yield _gauge("pool_capacity_bytes", "Bytes of the whole pool.", s.capacity_bytes)
+    yield _gauge("pool_used_bytes", "Bytes allocated in the whole pool.", s.used_bytes)
+    yield _gauge("objects", "Committed objects.", s.objects)
+    yield _gauge("pending_objects", "Objects allocated and not yet committed.", s.pending_objects)
+    yield _gauge("objects_under_replicated", "Committed objects holding fewer replicas than their put asked for "
+                 "(placed partially, or a replica's segment died or failed its checksum).", s.under_replicated)
+    yield _gauge("members", "LocalServices and clients joined.", len(s.members))
+    yield _gauge("meta_is_leader", "1 when this MetaService serves (the HA leader, or HA is off).",
+                 1 if s.role == "leader" else 0)
+    yield _gauge("meta_term", "The HA leader term this MetaService serves under (0: standby, or HA off).",
+                 s.term or 0)
+    yield from _drains(s)
+    yield _gauge("meta_uptime_seconds", "Seconds since this MetaService started.", s.uptime_s)
+    yield _gauge("meta_start_time_seconds", "Unix time this MetaService started (a change is a restart).",
+                 s.time - s.uptime_s)
+    yield _gauge("meta_epoch", "Epoch of this MetaService (random, new at every start).", s.epoch)
+    yield from _counters(s)
+    yield from _requests(s)
+
+
+class _Once(Collector):
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+
+    def collect(self) -> Iterator[Metric]:
+        return families(self.snap)
+
+
+def render(snap: Snapshot) -> bytes:
+    """Prometheus text exposition of a snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Once(snap))
+    return generate_latest(registry)

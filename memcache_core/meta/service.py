@@ -6,6 +6,7 @@ re-join and report the objects in their segments (see ``ObjectTable.add_segment`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import logging
@@ -26,16 +27,22 @@ from .. import protocol as p
 from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
-from . import placement, validate
+from . import placement, stats, validate
 from .drain import Drains
+from .events import EventPublisher
 from .http import AdminServer
 from .metrics import Metrics
-from .table import ObjectTable
+from .table import Obj, ObjectTable
 
 logger = logging.getLogger(__name__)
 
 GENERATION_TICK_S = 0.01   # generations are (10 ms ticks since 2024) << 24 | counter: they grow across restarts
 _GEN_ORIGIN = 1_704_067_200.0
+
+
+def new_epoch() -> int:
+    """A MetaService's epoch: random, so members tell a restarted (or newly elected) table apart."""
+    return secrets.randbits(31) or 1
 
 
 def first_generation() -> int:
@@ -58,10 +65,8 @@ class MetaServiceCore:
 
     def __init__(self, config: MetaConfig) -> None:
         self.config = config
-        self.epoch = secrets.randbits(31) or 1
-        self.table = ObjectTable(config.evict_threshold_high, config.evict_threshold_low,
-                                 config.lease_ttl_ms / 1000.0, config.pending_timeout_ms / 1000.0,
-                                 first_generation())
+        self.epoch = new_epoch()
+        self.table = self.fresh_table()
         self.members: dict[int, Member] = {}
         self.config_store: dict[str, bytes] = {}
         self.config_store_bytes = 0
@@ -69,10 +74,38 @@ class MetaServiceCore:
         settle_s = config.heartbeat_timeout_ms / 1000.0   # how long members may take to re-join a new table
         self.drains = Drains(lambda: self.table, config.drain_timeout_ms / 1000.0,
                              config.pending_timeout_ms / 1000.0, self._answering, settle_s, time.monotonic() + settle_s)
+        self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
+        self.member_events: collections.Counter[str] = collections.Counter()
+        self.history = stats.History(config.stats_sample_interval_seconds)
+        self.publisher: EventPublisher | None = None
+        if config.kv_events_enable:
+            self.publisher = EventPublisher(config.kv_events_endpoint, config.kv_events_model_name,
+                                            config.kv_events_block_size, config.kv_events_queue_size)
+            self.table.listener = self._kv_event   # the first table was made before the publisher
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
         self.ha: Any = None            # the LeaderElection with ha_enable (meta/ha.py)
         self.rng = random.Random(secrets.randbits(64))   # placement's randomness, never the app's seed
+
+    def fresh_table(self) -> ObjectTable:
+        """An empty table with this config (at start, and for a new HA leader's reset)."""
+        c = self.config
+        table = ObjectTable(c.evict_threshold_high, c.evict_threshold_low, c.lease_ttl_ms / 1000.0,
+                            c.pending_timeout_ms / 1000.0, first_generation())
+        if getattr(self, "publisher", None) is not None:
+            table.listener = self._kv_event
+        return table
+
+    def _kv_event(self, stored: bool, obj: Obj) -> None:
+        assert self.publisher is not None
+        for loc in obj.locations:
+            seg = self.table.segments.get(loc.segment_id)
+            self.publisher.offer(stored, obj.key, seg.info.host_id if seg else "", loc.segment_id)
+
+    def stats(self) -> stats.Snapshot:
+        """The numbers every view renders, copied under the lock (rendering happens outside it)."""
+        with self.lock:
+            return stats.take(self)
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
@@ -212,11 +245,15 @@ class MetaServiceCore:
             seg = self.table.segments[seg_id]
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)
+            if req.objects:
+                self.member_events["recoveries"] += 1
+                self.member_events["recovered_objects"] += len(req.objects) - len(refused)
             logger.info("LocalService %d joined from %s pid %d: segment of %d bytes, %d objects recovered",
                         cid, req.host_id, req.pid, info.size, len(req.objects) - len(refused))
         else:
             logger.info("client %d joined from %s pid %d (no segment)", cid, req.host_id, req.pid)
         token = secrets.token_bytes(16)
+        self.member_events["joins"] += 1
         self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token)
         return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token)
 
@@ -246,6 +283,7 @@ class MetaServiceCore:
             return
         if m.segment_id is not None:
             self.drains.segment_left(m.segment_id, time.monotonic())
+        self.member_events["leaves" if why == "left" else "deaths" if "dead" in why else "rejoins"] += 1
         lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
         self.table.reclaim(time.monotonic(), {cid})
         logger.info("client %d %s; %d objects left the pool with its segment", cid, why, lost)
@@ -257,6 +295,7 @@ class MetaServiceCore:
         self.table.reclaim(now)
         self.table.evict_all(now)
         self.drains.housekeeping(now)
+        self.history.record(self, now)
 
 
 def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
@@ -296,6 +335,8 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
             core.ha.stop()
         admin.stop()
         server.close()
+        if core.publisher is not None:
+            core.publisher.close()
         logger.info("MetaService stopped")
 
 
@@ -337,6 +378,7 @@ def _answer(core: MetaServiceCore, payload: bytes, term: int = 0) -> bytes:
             except Exception as e:  # noqa: BLE001 - a handler's bug is an error reply, never the end
                 logger.exception("request %s failed", name)
                 reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
+            stats.count_outcomes(core.outcomes, req, reply)
         core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
     reply.term = term
     try:

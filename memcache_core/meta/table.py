@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from .. import errors
 from ..layout import footprint
@@ -121,6 +121,7 @@ class ObjectTable:
         self.counters = Counters()
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
         self.under_replicated = 0       # committed objects with fewer replicas than asked for
+        self.listener: Callable[[bool, Obj], None] | None = None   # (stored?, object): KV events
         self._next_gen = first_generation
 
     # ---- segments -------------------------------------------------------------------------------
@@ -266,6 +267,8 @@ class ObjectTable:
             self.segments[loc.segment_id].lru[key] = obj
         self._mark(obj)
         self.counters.commits += 1
+        if self.listener is not None:
+            self.listener(True, obj)
         return errors.SUCCESS
 
     def abort(self, client_id: int, key: str, generation: int) -> None:
@@ -410,6 +413,8 @@ class ObjectTable:
             del self.objects[obj.key]
             if not obj.committed:
                 self.pending -= 1
+            elif self.listener is not None:
+                self.listener(False, obj)
         self._mark(obj)
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)

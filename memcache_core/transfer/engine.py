@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import ssl
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -72,8 +74,9 @@ def checksum_of(pieces: list[tuple[int, int]]) -> int:
 class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
                  read_threads: int, write_threads: int, secret: bytes | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, metrics: Any = None) -> None:
         self.protocol = protocol
+        self.metrics = metrics   # local.metrics.LocalMetrics (transfer/ never imports local/)
         self.host_id = host_id
         self.shm = ShmTransport(own)
         self.tcp = TcpClient(timeout_s, secret, tls)
@@ -113,6 +116,17 @@ class TransferEngine:
             f.result()
 
     def _job(self, job: tuple[str | None, list[CopyOp]], reading: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._do_job(job, reading)
+        finally:
+            if self.metrics is not None:
+                addr, ops = job
+                self.metrics.transfer("host_shm" if addr is None else "host_tcp", reading,
+                                      sum(op.nbytes for op in ops if op.error is None),
+                                      time.perf_counter() - t0, sum(op.error is not None for op in ops))
+
+    def _do_job(self, job: tuple[str | None, list[CopyOp]], reading: bool) -> None:
         addr, ops = job
         try:
             if addr is None:

@@ -125,8 +125,8 @@ def test_random_traffic_with_a_member_killed_and_the_meta_service_restarted(caps
               f"({len(finished)} workers finished, {SECONDS:g} s, one member killed, MetaService restarted)")
     assert "holder-shm-1" not in finished and len(finished) == 5
     assert verified > 1000 and misses > 0      # traffic really ran, and eviction/removal really happened
-    assert "memcache_integrity_failures_total 0" in metrics
-    evictions = next(int(line.split()[-1]) for line in metrics.splitlines()
+    assert "memcache_integrity_failures_total 0.0" in metrics
+    evictions = next(int(float(line.split()[-1])) for line in metrics.splitlines()
                      if line.startswith("memcache_evictions_total"))
     assert evictions > 0, "no eviction happened after the restart: the run had no eviction pressure"
 
@@ -176,7 +176,7 @@ def test_corruption_is_caught_by_the_checker_without_checksums_and_is_a_miss_wit
         res = fleet.results()
         wrong = sum(r["wrong_count"] for r in res.values())
         metrics = ms.http("/metrics")
-    failures = next(int(line.split()[-1]) for line in metrics.splitlines()
+    failures = next(int(float(line.split()[-1])) for line in metrics.splitlines()
                     if line.startswith("memcache_integrity_failures_total"))
     with capsys.disabled():
         print(f"\ncorruption run, checksums {'on' if checksum else 'off'}: {flips[0]} bytes flipped, "

@@ -1,0 +1,103 @@
+"""A LocalService's own Prometheus metrics, and the opt-in HTTP port that serves them.
+
+Each LocalService has its own registry (several may live in one process, and the engine's own
+``prometheus_client`` registry is left alone). With ``metrics_port`` set, ``/metrics`` is served on
+``metrics_host`` (127.0.0.1 by default) and, like the MetaService's admin routes, needs the pool's
+admin token (bearer, or as an HTTP Basic password) when authentication is on; ``/health`` is open.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                    0.5, 1.0, 2.5, 10.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class LocalMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = ["path", "direction"]
+        self.bytes = Counter("memcache_local_transfer_bytes", "Payload bytes moved, per transfer path "
+                             "(host_shm, host_tcp) and direction (read, write).", labels, registry=self.registry)
+        self.seconds = Histogram("memcache_local_transfer_seconds", "Time of one transfer job (a batch's "
+                                 "copies to or from one segment group), per path and direction.", labels,
+                                 buckets=TRANSFER_BUCKETS, registry=self.registry)
+        self.failures = Counter("memcache_local_transfer_failures", "Copies that failed, per path and direction.",
+                                labels, registry=self.registry)
+        self.meta_restarts = Counter("memcache_local_meta_restarts", "MetaService restarts this LocalService "
+                                     "saw (a new epoch) and re-joined after.", registry=self.registry)
+        self.rejoins = Counter("memcache_local_rejoins", "Re-joins (after a MetaService restart or being "
+                               "declared dead).", registry=self.registry)
+
+    def transfer(self, path: str, reading: bool, nbytes: int, seconds: float, failed: int) -> None:
+        d = "read" if reading else "write"
+        self.bytes.labels(path, d).inc(nbytes)
+        self.seconds.labels(path, d).observe(seconds)
+        if failed:
+            self.failures.labels(path, d).inc(failed)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    def __init__(self, metrics: LocalMetrics, host: str, port: int, token: str | None) -> None:
+        handler = type("Handler", (_Handler,), {"metrics": metrics, "token": token})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.addr = f"{host}:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="local-metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    metrics: LocalMetrics
+    token: str | None
+    timeout = 10.0
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        logger.debug("local metrics http: " + format, *args)  # noqa: G003
+
+    def _authorized(self) -> bool:
+        if self.token is None:
+            return True
+        got = self.headers.get("Authorization", "")
+        if got.startswith("Basic "):
+            try:
+                got = "Bearer " + base64.b64decode(got[6:], validate=True).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                return False
+        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            return self._send(200, b'{"success": true}', "application/json")
+        if not self._authorized():
+            return self._send(401, b'{"success": false, "error_message": "authentication required: '
+                              b'Authorization: Bearer <admin token of the pool secret>"}', "application/json")
+        if path == "/metrics":
+            return self._send(200, self.metrics.render(), CONTENT_TYPE)
+        self._send(404, b'{"success": false, "error_message": "no such route"}', "application/json")
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)

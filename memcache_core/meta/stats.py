@@ -1,0 +1,180 @@
+"""A point-in-time copy of the MetaService's state: what /metrics, /status and ``memcache status`` show.
+
+``take`` copies numbers out of the core while the caller holds its lock (a pass over the segments
+and members, never over the objects); everything after it (rendering Prometheus text, HTML, JSON,
+terminal tables) works on the copy, outside the lock. ``History`` keeps a small ring of samples so
+the status page can draw hit ratio and throughput over the last minutes.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .. import errors
+from .. import protocol as p
+
+if TYPE_CHECKING:
+    from .service import MetaServiceCore
+
+HISTORY_LEN = 120          # ten minutes of samples
+_CODE_NAMES = {v: k.lower() for k, v in vars(errors).items()
+               if k.isupper() and isinstance(v, int) and v <= 0}
+
+
+def code_name(code: int) -> str:
+    """``success``, ``object_already_exists``, ... (the outcome label of a result code)."""
+    return _CODE_NAMES.get(code, str(code))
+
+
+class SegmentStats(msgspec.Struct):
+    segment_id: int
+    host_id: str
+    tag: str
+    data_addr: str
+    pid: int | None
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+    largest_free_bytes: int
+    accepts_new_objects_in_s: float | None   # None: draining, never again
+    draining: bool
+
+
+class MemberStats(msgspec.Struct):
+    client_id: int
+    host_id: str
+    pid: int
+    segment_id: int | None
+    last_seen_s: float
+
+
+class RequestStats(msgspec.Struct):
+    op: str
+    buckets: list[int]      # per bucket of metrics.BUCKETS, then +Inf (not cumulative)
+    total_s: float
+    count: int
+    failures: int
+
+
+class Sample(msgspec.Struct, array_like=True):
+    t: float                # wall-clock seconds
+    gets: int
+    hits: int
+    puts: int
+    used_bytes: int
+
+
+class Snapshot(msgspec.Struct):
+    time: float
+    uptime_s: float
+    epoch: int
+    role: str
+    term: int | None
+    members: list[MemberStats]
+    segments: list[SegmentStats]
+    objects: int
+    pending_objects: int
+    under_replicated: int
+    drains: dict[str, int]                 # meta/drain.py Drains.stats()
+    counters: dict[str, int]
+    outcomes: dict[str, dict[str, int]]    # op -> outcome -> count
+    events: dict[str, int]                 # member joins/leaves/deaths, recoveries
+    requests: list[RequestStats]
+    history: list[Sample]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(s.capacity_bytes for s in self.segments)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.used_bytes for s in self.segments)
+
+
+def take(core: MetaServiceCore) -> Snapshot:
+    """Copy the numbers out of ``core``; the caller holds ``core.lock``."""
+    now = time.monotonic()
+    t = core.table
+    owners = {m.segment_id: m.pid for m in core.members.values() if m.segment_id is not None}
+    segments = [SegmentStats(i, s.info.host_id, s.info.tag, s.info.data_addr, owners.get(i), "dram",
+                             s.allocator.size, s.allocator.used, len(s.lru), s.allocator.largest_free,
+                             None if math.isinf(s.alloc_after) else round(max(0.0, s.alloc_after - now), 3),
+                             math.isinf(s.alloc_after))
+                for i, s in sorted(t.segments.items())]
+    members = [MemberStats(m.client_id, m.host_id, m.pid, m.segment_id, round(now - m.last_seen, 3))
+               for m in sorted(core.members.values(), key=lambda m: m.client_id)]
+    c = t.counters
+    outcomes: dict[str, dict[str, int]] = {}
+    for (op, outcome), n in core.outcomes.items():
+        outcomes.setdefault(op, {})[outcome] = n
+    requests = [RequestStats(op, list(h.counts), h.total, h.count, h.failures)
+                for op, h in sorted(core.metrics.requests.items())]
+    events = dict(core.member_events)
+    if core.publisher is not None:
+        events["kv_events_published"] = core.publisher.published
+        events["kv_events_dropped"] = core.publisher.dropped
+    leading = core.ha is None or core.ha.serving()
+    term = core.ha.term if core.ha is not None and leading else 0
+    return Snapshot(time.time(), round(now - core.started, 3), core.epoch, "leader" if leading else "standby",
+                    term, members, segments, len(t.objects) - t.pending, t.pending, t.under_replicated,
+                    core.drains.stats(),
+                    {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, events,
+                    requests, list(core.history.samples))
+
+
+class History:
+    """Samples of the counters every ``interval_s``, the last ``HISTORY_LEN`` of them."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.samples: collections.deque[Sample] = collections.deque(maxlen=HISTORY_LEN)
+        self._next = 0.0
+
+    def record(self, core: MetaServiceCore, now: float) -> None:
+        """Called from housekeeping, under the lock: cheap (no pass over the objects)."""
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        c, t = core.table.counters, core.table
+        used = sum(s.allocator.used for s in t.segments.values())
+        self.samples.append(Sample(time.time(), c.lookups, c.hits, c.allocs, used))
+
+
+def rates(samples: list[Sample]) -> list[tuple[float, float | None, float]]:
+    """(time, hit ratio of the interval or None without gets, gets+puts per second) between samples."""
+    out = []
+    for a, b in zip(samples, samples[1:], strict=False):
+        dt = max(b.t - a.t, 1e-9)
+        gets, hits = b.gets - a.gets, b.hits - a.hits
+        out.append((b.t, hits / gets if gets else None, (gets + b.puts - a.puts) / dt))
+    return out
+
+
+def count_outcomes(outcomes: collections.Counter[tuple[str, str]], req: object, reply: object) -> None:
+    """Per-key outcomes of the data-path requests (called with the reply, under the lock)."""
+    match req, reply:
+        case p.Exist(), p.Flags(flags=flags):
+            found = sum(flags)
+            outcomes["exist", "found"] += found
+            outcomes["exist", "missing"] += len(flags) - found
+        case p.Lookup(), p.LookupReply(results=results):
+            hits = sum(r is not None for r in results)
+            outcomes["get", "hit"] += hits
+            outcomes["get", "miss"] += len(results) - hits
+        case p.Alloc(), p.AllocReply(results=results):
+            for r in results:
+                outcomes["put", code_name(r.code)] += 1
+        case p.Commit(), p.Codes(codes=codes):
+            for code in codes:
+                outcomes["commit", code_name(code)] += 1
+        case p.Remove(), p.Codes(codes=codes):
+            for code in codes:
+                outcomes["remove", code_name(code)] += 1
+        case _, p.Error(code=code):
+            outcomes[type(req).__name__.lower(), code_name(code)] += 1

@@ -1,0 +1,81 @@
+"""``memcache status``, ``status --watch``, ``keys --prefix`` and ``remove --prefix``: the real CLI as a
+subprocess against a real MetaService with a LocalService holding objects."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from memcache_core import DistributedObjectStore
+from memcache_core.auth import admin_token, load_secret
+from memcache_core.testing import wait_for
+
+pytestmark = pytest.mark.integration
+ENV = {**os.environ, "COLUMNS": "220"}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memcache_core.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=ENV)
+
+
+@pytest.fixture
+def pool(meta):
+    s = DistributedObjectStore()
+    assert s.setup(meta.local_config()) == 0 and s.init(0, True) == 0
+    for i in range(5):
+        assert s.put(f"ns-a@{i}", b"a" * 5000) == 0 and s.put(f"ns-b@{i}", b"b" * 5000) == 0
+    yield meta, s
+    s.close()
+
+
+def test_status_prints_members_segments_and_usage(pool):
+    meta, s = pool
+    out = cli("status", "--url", meta.metrics_url)
+    assert out.returncode == 0, out.stderr
+    sid = str(s.get_local_service_id())
+    assert "segments" in out.stdout and "members" in out.stdout and sid in out.stdout
+    assert "objects 10" in out.stdout and "members 1" in out.stdout, out.stdout
+    token = admin_token(load_secret(""))
+    assert cli("status", "--url", meta.metrics_url, "--token", token).returncode == 0
+    bad = cli("status", "--url", meta.metrics_url, "--token", "wrong")
+    assert bad.returncode != 0 and "HTTP 401" in bad.stderr
+    down = cli("status", "--url", "http://127.0.0.1:9")
+    assert down.returncode != 0 and "cannot reach the MetaService" in down.stderr
+
+
+def test_status_watch_redraws_until_interrupted(pool):
+    meta, _ = pool
+    p = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "status", "--watch", "--interval", "0.2",
+                          "--url", meta.metrics_url], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        seen = []
+        assert p.stdout is not None
+
+        def two_frames() -> bool:
+            seen.append(p.stdout.readline())   # type: ignore[union-attr]
+            return sum("objects 10" in line for line in seen) >= 2
+        wait_for(two_frames, 20, "two redraws of memcache status --watch")
+        p.send_signal(signal.SIGINT)
+        assert p.wait(10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_keys_and_remove_by_prefix(pool):
+    meta, s = pool
+    out = cli("keys", "--url", meta.metrics_url, "--prefix", "ns-a@")
+    assert out.returncode == 0 and out.stdout.split() == [f"ns-a@{i}" for i in range(5)], out
+    assert len(cli("keys", "--url", meta.metrics_url).stdout.split()) == 10
+    out = cli("remove", "--url", meta.metrics_url, "--prefix", "ns-a@")
+    assert out.returncode == 0 and "removed 5 objects" in out.stdout, out
+    assert s.is_exist("ns-a@0") == 0 and s.is_exist("ns-b@0") == 1
+    assert cli("keys", "--url", meta.metrics_url, "--prefix", "ns-a@").stdout.split() == []
+    empty = cli("remove", "--url", meta.metrics_url, "--prefix", "")
+    assert empty.returncode != 0 and "prefix" in empty.stderr
