@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import cli_status
     cli_status.add_parsers(sub)
     args = ap.parse_args(argv)
-    if args.cmd in ("status", "keys", "remove"):
+    if args.cmd in ("status", "keys", "remove", "drain"):
         return int(getattr(cli_status, args.cmd)(args))
     if args.cmd == "meta-service":
         from .meta_service import run_from_file

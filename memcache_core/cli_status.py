@@ -1,4 +1,5 @@
-"""``memcache status [--watch]``, ``memcache keys --prefix P``, ``memcache remove --prefix P``.
+"""``memcache status [--watch]``, ``memcache keys --prefix P``, ``memcache remove --prefix P``,
+``memcache drain SEGMENT``.
 
 Admin clients of a MetaService's HTTP admin port (``metrics_url``). They authenticate with the
 pool's admin token, derived from the pool secret (``--secret-path``, else the default secret file)
@@ -26,7 +27,8 @@ from .meta.status_page import human
 def add_parsers(sub: Any) -> None:
     for name, help_ in (("status", "the pool at a glance (members, segments, hit ratio)"),
                         ("keys", "list committed keys (with --prefix, those starting with it)"),
-                        ("remove", "remove every committed key starting with --prefix")):
+                        ("remove", "remove every committed key starting with --prefix"),
+                        ("drain", "move a segment's objects to the others, with a progress bar")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--url", default=os.environ.get("MEMCACHE_ADMIN_URL", "http://127.0.0.1:8000"),
                         help="the MetaService's metrics_url (default $MEMCACHE_ADMIN_URL or %(default)s)")
@@ -38,6 +40,11 @@ def add_parsers(sub: Any) -> None:
         if name == "status":
             sp.add_argument("--watch", action="store_true", help="redraw until interrupted")
             sp.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (--watch)")
+        elif name == "drain":
+            sp.add_argument("segment", type=int, help="the segment id (memcache status lists them)")
+            sp.add_argument("--timeout-ms", type=int, default=0,
+                            help="the drain's time limit (default: the MetaService's drain_timeout_ms)")
+            sp.add_argument("--no-wait", action="store_true", help="start the drain and return")
         else:
             sp.add_argument("--prefix", default="", required=name == "remove", help="key prefix")
 
@@ -133,3 +140,33 @@ def remove(args: argparse.Namespace) -> int:
         raise SystemExit(f"memcache: remove --prefix {args.prefix!r}: {body.get('error_message')}")
     print(f"removed {body['removed']} objects with prefix {args.prefix!r}")
     return 0
+
+
+def drain(args: argparse.Namespace) -> int:
+    """Start a drain (POST /drain/<id>) and follow GET /drain/<id> until it ends; 0 when every object
+    moved, 1 when some were dropped or the drain timed out."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    client = AdminClient(args)
+    path = f"/drain/{args.segment}"
+    state = json.loads(client.call(path + (f"?timeout_ms={args.timeout_ms}" if args.timeout_ms else ""), "POST"))
+    if not state.get("success"):
+        raise SystemExit(f"memcache: drain {args.segment}: {state.get('error_message')}")
+    if args.no_wait:
+        print(f"draining segment {args.segment}: {state['objects_left']} objects")
+        return 0
+    columns = (TextColumn("segment {task.fields[segment]}"), BarColumn(), TextColumn("{task.completed}/{task.total} "
+               "objects moved, {task.fields[dropped]} dropped"), TimeElapsedColumn())
+    with Progress(*columns) as bar:
+        task = bar.add_task("drain", total=None, segment=args.segment, dropped=0)
+        while True:
+            done = state["moved_objects"] + state["dropped_objects"]
+            bar.update(task, completed=state["moved_objects"], total=done + state["objects_left"],
+                       dropped=state["dropped_objects"])
+            if state["state"] != "draining":
+                break
+            time.sleep(0.2)
+            state = json.loads(client.call(path))
+    print(f"segment {args.segment}: {state['state']}, {state['moved_objects']} objects "
+          f"({human(state['moved_bytes'])}) moved, {state['dropped_objects']} dropped")
+    return 0 if state["state"] == "done" and state["dropped_objects"] == 0 else 1
+

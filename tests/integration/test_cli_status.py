@@ -79,3 +79,27 @@ def test_keys_and_remove_by_prefix(pool):
     assert cli("keys", "--url", meta.metrics_url, "--prefix", "ns-a@").stdout.split() == []
     empty = cli("remove", "--url", meta.metrics_url, "--prefix", "")
     assert empty.returncode != 0 and "prefix" in empty.stderr
+
+
+def test_drain_moves_a_segment_with_a_progress_bar(meta):
+    """`memcache drain SEGMENT`: provider A's objects move to B while the CLI follows the drain; it
+    exits 0 when all moved, every object reads back byte-exact from B, and an unknown segment is a
+    clear error."""
+    a, b = DistributedObjectStore(), DistributedObjectStore()
+    for s in (a, b):
+        assert s.setup(meta.local_config(heartbeat_interval_ms=200)) == 0 and s.init(0, True) == 0
+    try:
+        a_id = a.get_local_service_id()
+        keys = [f"d@{i}" for i in range(12)]
+        for k in keys:
+            assert a.put(k, k.encode() * 1000) == 0
+        done = cli("drain", str(a_id), "--url", meta.metrics_url, "--timeout-ms", "20000")
+        assert done.returncode == 0, done.stderr + done.stdout
+        assert f"segment {a_id}: done, 12 objects" in done.stdout and "0 dropped" in done.stdout
+        assert all(b.get(k) == k.encode() * 1000 for k in keys)
+        assert all(loc["segment"] != a_id for k in keys for loc in meta.http(f"/query_key?key={k}")["locations"])
+        unknown = cli("drain", "987654", "--url", meta.metrics_url)
+        assert unknown.returncode != 0 and "segment 987654 not found" in unknown.stderr
+    finally:
+        a.close()
+        b.close()
