@@ -22,6 +22,7 @@ off, for a single trusted host only.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import logging
@@ -83,6 +84,19 @@ def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
 
 def admin_token(secret: bytes) -> str:
     return hmac.new(secret, b"admin", hashlib.sha256).hexdigest()
+
+
+def admin_authorized(authorization: str, token: str | None) -> bool:
+    """An HTTP ``Authorization`` header carries the admin token: ``Bearer <token>``, or the token as
+    the password of HTTP Basic (what a browser can send). Always true when auth is off (no token)."""
+    if token is None:
+        return True
+    if authorization.startswith("Basic "):
+        try:
+            authorization = "Bearer " + base64.b64decode(authorization[6:], validate=True).decode().partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return False
+    return hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -8,14 +8,14 @@ admin token (bearer, or as an HTTP Basic password) when authentication is on; ``
 
 from __future__ import annotations
 
-import base64
-import hmac
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from ..auth import admin_authorized
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +74,7 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("local metrics http: " + format, *args)  # noqa: G003
 
     def _authorized(self) -> bool:
-        if self.token is None:
-            return True
-        got = self.headers.get("Authorization", "")
-        if got.startswith("Basic "):
-            try:
-                got = "Bearer " + base64.b64decode(got[6:], validate=True).decode().partition(":")[2]
-            except (ValueError, UnicodeDecodeError):
-                return False
-        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+        return admin_authorized(self.headers.get("Authorization", ""), self.token)
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
         path = self.path.split("?", 1)[0]

@@ -19,8 +19,6 @@ as memcache_hybrid answers.
 
 from __future__ import annotations
 
-import base64
-import hmac
 import json
 import logging
 import ssl
@@ -33,7 +31,7 @@ from urllib.parse import parse_qs, urlparse
 import msgspec
 
 from .. import protocol as p
-from ..auth import admin_token
+from ..auth import admin_authorized, admin_token
 from ..config import parse_url
 from . import metrics, stats, status_page
 
@@ -111,15 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("http: " + format, *args)  # noqa: G003
 
     def _authorized(self) -> bool:
-        if self.token is None:
-            return True
-        got = self.headers.get("Authorization", "")
-        if got.startswith("Basic "):
-            try:
-                got = "Bearer " + base64.b64decode(got[6:], validate=True).decode().partition(":")[2]
-            except (ValueError, UnicodeDecodeError):
-                return False
-        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+        return admin_authorized(self.headers.get("Authorization", ""), self.token)
 
     def _refuse(self, path: str) -> None:
         body = json.dumps({"success": False, "error_message": "authentication required: "
