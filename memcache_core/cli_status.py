@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import ssl
 import time
 import urllib.error
@@ -111,18 +112,28 @@ def status(args: argparse.Namespace) -> int:
     if not args.watch:
         console.print(_tables(snap()))
         return 0
-    try:
-        if not console.is_terminal:   # a pipe or a file: one table per interval, no cursor movement
-            while True:
-                console.print(_tables(snap()))
-                console.file.flush()
-                time.sleep(max(args.interval, 0.1))
-        with Live(_tables(snap()), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(max(args.interval, 0.1))
-                live.update(_tables(snap()), refresh=True)
-    except KeyboardInterrupt:
+    # Ctrl-C / SIGTERM set a flag that the loop checks between redraws: a KeyboardInterrupt raised at
+    # an arbitrary point (inside an HTTP read or the terminal library) could be lost there.
+    stopped: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopped.append(signum))
+
+    def pause() -> bool:
+        """Wait one interval; False once a signal asked to stop."""
+        end = time.monotonic() + max(args.interval, 0.1)
+        while not stopped and time.monotonic() < end:
+            time.sleep(0.05)
+        return not stopped
+    if not console.is_terminal:   # a pipe or a file: one table per interval, no cursor movement
+        while not stopped:
+            console.print(_tables(snap()))
+            console.file.flush()
+            pause()
         return 0
+    with Live(_tables(snap()), console=console, auto_refresh=False) as live:
+        while pause():
+            live.update(_tables(snap()), refresh=True)
+    return 0
 
 
 def keys(args: argparse.Namespace) -> int:
