@@ -65,6 +65,10 @@ class MetaServiceCore:
 
     def __init__(self, config: MetaConfig) -> None:
         self.config = config
+        self.publisher: EventPublisher | None = None
+        if config.kv_events_enable:
+            self.publisher = EventPublisher(config.kv_events_endpoint, config.kv_events_model_name,
+                                            config.kv_events_block_size, config.kv_events_queue_size)
         self.epoch = new_epoch()
         self.table = self.fresh_table()
         self.members: dict[int, Member] = {}
@@ -77,11 +81,6 @@ class MetaServiceCore:
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
         self.member_events: collections.Counter[str] = collections.Counter()
         self.history = stats.History(config.stats_sample_interval_seconds)
-        self.publisher: EventPublisher | None = None
-        if config.kv_events_enable:
-            self.publisher = EventPublisher(config.kv_events_endpoint, config.kv_events_model_name,
-                                            config.kv_events_block_size, config.kv_events_queue_size)
-            self.table.listener = self._kv_event   # the first table was made before the publisher
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
         self.ha: Any = None            # the LeaderElection with ha_enable (meta/ha.py)
@@ -92,7 +91,7 @@ class MetaServiceCore:
         c = self.config
         table = ObjectTable(c.evict_threshold_high, c.evict_threshold_low, c.lease_ttl_ms / 1000.0,
                             c.pending_timeout_ms / 1000.0, first_generation())
-        if getattr(self, "publisher", None) is not None:
+        if self.publisher is not None:
             table.listener = self._kv_event
         return table
 
