@@ -126,6 +126,7 @@ def test_cli_rejects_bad_config_and_stops_on_sigterm(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "meta-service", "--config_path", str(good)],
                             stderr=subprocess.PIPE, text=True)
     stop_once_healthy(proc, port)
+    assert proc.stderr is not None
     assert "colour" in proc.stderr.read()        # unknown key: a warning, not fatal
 
 

@@ -72,6 +72,7 @@ def test_meta_service_down_gives_3017_without_hanging():
         assert s.setup(ms.local_config(client_timeout_seconds=2, heartbeat_interval_ms=200)) == 0
         assert s.init(0, True) == 0
         assert s.put("k", b"v") == 0
+        assert ms.pid is not None
         os.kill(ms.pid, signal.SIGSTOP)  # frozen: connections stay open, nothing answers
         try:
             t = time.monotonic()
@@ -156,7 +157,9 @@ def test_stalled_reader_never_reports_bytes_of_a_reused_space():
         assert owner.put("K", b"k" * 65536) == 0
         k_loc = ms.http("/query_key?key=K")["locations"]
         svc = reader._service()
-        real_read = svc.engine.read
+        engine = svc.engine
+        assert engine is not None
+        real_read = engine.read
 
         def stalled_read(ops):
             assert owner.remove("K") == 0
@@ -164,12 +167,12 @@ def test_stalled_reader_never_reports_bytes_of_a_reused_space():
                      "the lease (300 ms) to end and K's space to be freed")
             assert owner.put("J", b"j" * 65536) == 0  # best fit: J lands where K was
             real_read(ops)
-        svc.engine.read = stalled_read
+        engine.read = stalled_read  # type: ignore[method-assign]   # fault injection
         dst = np.zeros(65536, np.uint8)
         assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
         assert reader.get_into("K", dst.ctypes.data, 65536) == -3101
         assert ms.http("/query_key?key=J")["locations"] == k_loc   # the space really was reused
-        svc.engine.read = real_read
+        engine.read = real_read  # type: ignore[method-assign]
         assert owner.put("K", b"k" * 65536) == 0
         assert reader.get_into("K", dst.ctypes.data, 65536) == 0 and bytes(dst) == b"k" * 65536
         owner.close()

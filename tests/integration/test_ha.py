@@ -16,7 +16,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -74,8 +73,7 @@ class Pool:
         return self.leaders(among)[0]
 
     def store(self, url: str, **cfg: Any) -> StoreProcess:
-        s = StoreProcess(SimpleNamespace(meta_service_url=url, config_store_url=self.metas[0].config_store_url),
-                         meta_service_url=url, client_timeout_seconds=2, heartbeat_interval_ms=200,
+        s = StoreProcess(self.metas[0], meta_service_url=url, client_timeout_seconds=2, heartbeat_interval_ms=200,
                          dram_size="64MB", **cfg)
         self.stores.append(s)
         return s

@@ -80,7 +80,7 @@ def test_a_join_proposing_a_live_id_gets_a_fresh_one_and_reaches_its_own_segment
     svc.session = Session(a_id, 0, 10.0, 120.0, None)       # propose a's id
     svc.start(0, with_segment=True)
     try:
-        assert svc.client_id not in (0, a_id)
+        assert svc.client_id not in (0, a_id) and svc.segment is not None
         import numpy as np
 
         from tests.integration.store_worker import pattern

@@ -72,8 +72,11 @@ def test_put_remove_and_eviction_are_published():
                 assert s.put(f"ns@fill-{i}", b"f" * 400_000) == 0
             evictions = meta.http("/metrics/summary")["evictions"]
             assert evictions > 0
-            wait_for(lambda: (sub.poll(), len(sub.removed) == evictions + 1)[1], 10,
-                     "one BlockRemoved for the removal and one per eviction")
+
+            def all_removed() -> bool:
+                sub.poll()
+                return len(sub.removed) == evictions + 1
+            wait_for(all_removed, 10, "one BlockRemoved for the removal and one per eviction")
             assert "ns@block-1" in sub.removed and any(k.startswith("ns@fill-") for k in sub.removed)
             assert "ns@block-1" in sub.stored and sum(k.startswith("ns@fill-") for k in sub.stored) == 40
             assert sub.topics == {f"m1|{h}|{s.get_local_service_id()}".encode()

@@ -75,6 +75,7 @@ def test_a_corrupt_replica_is_read_around_and_dropped_alone():
             locs = ms.http("/query_key?key=K")["locations"]
             assert len(locs) == 2
             first = next(h._service() for h in holders if h.get_local_service_id() == locs[0]["segment"])
+            assert first.segment is not None
             view = first.segment.view(locs[0]["offset"] + HEADER_BYTES + 1000, 1)
             view[0] ^= 0xFF
             assert client.get("K") == data
@@ -170,6 +171,7 @@ def test_reads_prefer_a_same_host_replica_and_fall_back_to_the_other_host():
             data = {f"h{i}": bytes([i + 1]) * 30_000 for i in range(10)}
             assert readers["hostA"].put_batch(list(data), list(data.values()), ReplicateConfig(2)) == 0
             b_id, b_seg = on_b.get_local_service_id(), on_b._service().segment
+            assert b_seg is not None
             for k in data:
                 (loc,) = [x for x in ms.http(f"/query_key?key={k}")["locations"] if x["segment"] == b_id]
                 b_seg.view(loc["offset"] + HEADER_BYTES + 7, 1)[0] ^= 0xFF
@@ -196,7 +198,8 @@ def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(meta, sto
         data = {f"live-{i}": np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
                 for i in range(12)}
         assert client.put_batch(list(data), list(data.values()), ReplicateConfig(2)) == 0
-        stop, rounds, bad = threading.Event(), [0], []
+        stop, rounds = threading.Event(), [0]
+        bad: list[str] = []
 
         def read_loop() -> None:
             while not stop.is_set():

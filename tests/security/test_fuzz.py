@@ -27,6 +27,7 @@ from memcache_core.config import MetaConfig
 from memcache_core.memory import Mapping
 from memcache_core.meta.http import AdminServer
 from memcache_core.meta.service import MetaServiceCore, _answer
+from memcache_core.rpc import expect
 from memcache_core.transfer.tcp import DataServer, TcpClient
 
 pytestmark = pytest.mark.integration
@@ -142,7 +143,7 @@ def _member(core: MetaServiceCore) -> p.Joined:
     if not _MEMBER or _MEMBER[0].client_id not in core.members:
         seg = p.SegmentInfo(0, 1 << 24, "fuzz", f"/dev/shm/memcache-{os.getpid()}-{secrets.token_hex(6)}",
                             "127.0.0.1:9")
-        _MEMBER[:] = [_call(core, p.Join(0, "fuzz", os.getpid(), seg))]
+        _MEMBER[:] = [expect(_call(core, p.Join(0, "fuzz", os.getpid(), seg)), p.Joined)]
     return _MEMBER[0]
 
 

@@ -73,7 +73,9 @@ def test_a_failed_init_leaves_no_segment_file_and_close_stops_the_data_server(me
     assert os.listdir(shm_dir) == []
     s = DistributedObjectStore()
     assert s.setup(meta.local_config(heartbeat_interval_ms=200, protocol="host_tcp", dram_size="8MB")) == 0 and s.init(0, True) == 0
-    host, port = s._service().data_server.addr.rsplit(":", 1)
+    server = s._service().data_server
+    assert server is not None
+    host, port = server.addr.rsplit(":", 1)
     socket.create_connection((host, int(port)), timeout=2).close()     # listening while it lives
     assert len(os.listdir(shm_dir)) == 1
     assert s.close() == 0
@@ -98,6 +100,7 @@ def test_stale_cleanup_keeps_files_locked_by_a_live_owner_of_another_pid_namespa
         "fcntl.flock(fd, fcntl.LOCK_SH)\n"
         "print('locked', flush=True)\n"
         "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert owner.stdin and owner.stdout
     try:
         assert owner.stdout.readline().strip() == "locked"
         monkeypatch.setattr(segment_mod, "STALE_AFTER_S", 0)
@@ -157,7 +160,9 @@ def test_wildcard_hcom_url_needs_an_advertised_address(meta, stores, caplog):
                                      hcom_advertise_url="tcp://127.0.0.1:0")) == 0
     assert s.init(0, True) == 0
     try:
-        bound_port = s._service().data_server.addr.rsplit(":", 1)[1]
+        server = s._service().data_server
+        assert server is not None
+        bound_port = server.addr.rsplit(":", 1)[1]
         c = rpc(meta)
         try:
             seg = expect(c.call(p.GetSegments([s.get_local_service_id()]), idempotent=True), p.Segments).segments[0]

@@ -42,7 +42,9 @@ def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects
             assert owner.put("K", b"k" * SIZE) == 0
             k_loc = ms.http("/query_key?key=K")["locations"]
             svc = reader._service()
-            real_read = svc.engine.read
+            engine = svc.engine
+            assert engine is not None
+            real_read = engine.read
             landed: dict[str, float] = {}
 
             def stalled_read(ops):
@@ -59,7 +61,7 @@ def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects
                 landed["same_space"] = ms.http("/query_key?key=J")["locations"] == k_loc
                 real_read(ops)
 
-            svc.engine.read = stalled_read
+            engine.read = stalled_read  # type: ignore[method-assign]   # fault injection
             dst = np.zeros(SIZE, np.uint8)
             assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
             rc = reader.get_into("K", dst.ctypes.data, SIZE)
@@ -68,7 +70,7 @@ def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects
             # what matters is that no success code ever vouches for them)
             assert landed["same_space"]                 # the space really was reused ...
             assert landed["after_s"] >= 1.9             # ... only once an old lease would have ended
-            svc.engine.read = real_read
+            engine.read = real_read  # type: ignore[method-assign]
             got = np.zeros(SIZE, np.uint8)
             assert reader.register_buffer(got.ctypes.data, got.nbytes) == 0
             assert reader.get_into("J", got.ctypes.data, SIZE) == 0 and bytes(got) == b"j" * SIZE
@@ -88,6 +90,7 @@ def test_late_writer_bytes_in_reclaimed_and_reused_space_are_a_miss():
         reader = _store(ms, 1, False)
         try:
             svc = owner._service()
+            assert svc.segment is not None
             a = expect(svc.rpc.call(p.Alloc(svc.client_id, svc.session.token, ["late"], [SIZE])),
                        p.AllocReply).results[0]
             assert a.code == 0

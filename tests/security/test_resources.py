@@ -179,7 +179,12 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
     port = server.listeners[0].getsockname()[1]
     import threading
     stop = threading.Event()
-    t = threading.Thread(target=lambda: [server.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True)
+
+    def serve() -> None:
+        while not stop.is_set():
+            server.poll(0.05)
+
+    t = threading.Thread(target=serve, daemon=True)
     t.start()
     socks = []
     try:
@@ -270,7 +275,7 @@ def test_admin_scans_of_a_large_table_do_not_hold_up_the_control_plane(meta):
         scan = sorted(scans)[1]
 
         poller = subprocess.Popen([sys.executable, "-c", POLLER, meta.metrics_url, *meta.admin_headers().values()])
-        lat = []
+        lat: list[float] = []
         while poller.poll() is None:   # sample Exist across the poller's scans, spread out in time
             t = time.perf_counter()
             assert store.is_exist(f"k{len(lat) % 100}-{len(lat) % 1000}") == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from memcache_core import errors
@@ -34,6 +36,13 @@ def done(d: Drains, batch: p.DrainBatch, ok: bool = True, checksum: int | None =
                                    [m.checksum if checksum is None else checksum for m in ms], [ok] * len(ms)), now)
 
 
+def found(d: Drains, segment_id: int, now: float) -> dict[str, Any]:
+    """The drain's snapshot, which must exist."""
+    snap = d.find(segment_id, now)
+    assert snap is not None
+    return snap
+
+
 def test_a_drain_moves_every_object_most_free_first_and_releases_the_source_after():
     t, d = make()
     for i in range(4):
@@ -43,14 +52,15 @@ def test_a_drain_moves_every_object_most_free_first_and_releases_the_source_afte
     assert len(b.moves) == 4 and t.segments[1].alloc_after == float("inf")
     assert b.moves[0].target.segment_id == 3     # 3 is emptier than 2
     # Scenario: until the owner reports, readers find the object at its source only.
-    assert t.lookup("k0", 0.0, False).locations == [p.Location(1, b.moves[-1].source_offset)]
+    obj = t.lookup("k0", 0.0, False)
+    assert obj is not None and obj.locations == [p.Location(1, b.moves[-1].source_offset)]
     assert done(d, b) == [0] * 4
     for m in b.moves:
         o = t.objects[m.key]
         assert o.locations == [m.target] and o.generation == m.new_generation and o.checksum == m.checksum
     assert t.segments[1].allocator.used == 0 and not t.segments[1].lru
-    assert d.next_batch(1, 0, 0.0).done and d.find(1, 0.0)["state"] == "done"
-    assert d.find(1, 0.0)["moved_objects"] == 4 and d.totals.moved_bytes == 4 * OBJ
+    assert d.next_batch(1, 0, 0.0).done and found(d, 1, 0.0)["state"] == "done"
+    assert found(d, 1, 0.0)["moved_objects"] == 4 and d.totals.moved_bytes == 4 * OBJ
     # Scenario: new puts never land on a drained segment.
     assert t.alloc(1, "new", OBJ, 1, [1], 0.0)[0] == errors.OUT_OF_MEMORY
 
@@ -61,7 +71,7 @@ def test_objects_without_room_are_dropped_and_counted_and_the_drain_ends():
         put(t, f"k{i}", 1)
     b = d.next_batch(1, 0, 0.0)     # 2 MB segments under a 90% mark hold one 1 MB object each
     assert len(b.moves) == 2
-    assert d.find(1, 0.0)["dropped_objects"] == 4 and len(t.objects) == 2
+    assert found(d, 1, 0.0)["dropped_objects"] == 4 and len(t.objects) == 2
     assert done(d, b) == [0, 0]
     assert d.next_batch(1, 0, 0.0).done
     assert (d.totals.moved_objects, d.totals.dropped_objects) == (2, 4)
@@ -91,7 +101,7 @@ def test_a_new_table_forgets_its_drains_and_gives_members_time_to_rejoin():
     tables.append(fresh)
     put(fresh, "k", 1)                  # the owner re-joined the new leader with its object
     b = d.next_batch(1, 0, 10.0)
-    assert not d.find(1, 10.0)["moves_in_flight"] and b.moves == [] and not b.done   # others not back yet
+    assert not found(d, 1, 10.0)["moves_in_flight"] and b.moves == [] and not b.done   # others not back yet
     fresh.add_segment(p.SegmentInfo(2, 10 * MB, "h", "/dev/shm/x2", "127.0.0.1:1"))
     b = d.next_batch(1, 0, 11.0)
     assert [m.target.segment_id for m in b.moves] == [2] and done(d, b, now=11.0) == [0]
@@ -162,7 +172,7 @@ def test_failed_copies_are_retried_on_other_targets_then_dropped():
         assert done(d, b, ok=False) == [errors.ERROR]
     assert len(set(targets)) == MAX_ATTEMPTS
     assert d.next_batch(1, 0, 0.0).done and "k" not in t.objects
-    assert d.find(1, 0.0)["failed_moves"] == MAX_ATTEMPTS and d.find(1, 0.0)["dropped_objects"] == 1
+    assert found(d, 1, 0.0)["failed_moves"] == MAX_ATTEMPTS and found(d, 1, 0.0)["dropped_objects"] == 1
     assert sum(s.allocator.used for s in t.segments.values()) == 0
 
 
@@ -191,11 +201,11 @@ def test_deadline_timeout_unreported_moves_and_leaving_are_bounded():
     b = d.next_batch(1, 2000, 0.0)
     assert len(b.moves) == 3 and b.left_ms == 2000
     d.housekeeping(5.0)             # past the drain's deadline and the moves' (quarantined) deadline
-    assert d.find(1, 5.0)["state"] == "timed_out" and d.find(1, 5.0)["moves_in_flight"] == 0
+    assert found(d, 1, 5.0)["state"] == "timed_out" and found(d, 1, 5.0)["moves_in_flight"] == 0
     assert d.next_batch(1, 0, 5.0).moves     # asked again by its owner: a new drain starts
     d.segment_left(1, 6.0)
     t.drop_segment(1)
-    snap = d.find(1, 6.0)
+    snap = found(d, 1, 6.0)
     assert snap["state"] == "left" and snap["dropped_objects"] == 3
     t.reclaim(10.0)
     assert sum(s.allocator.used for s in t.segments.values()) == 0

@@ -48,7 +48,12 @@ def echo_server():
     """A real FrameServer whose handler answers each body reversed, polled on a thread."""
     server = FrameServer([("127.0.0.1", 0)], lambda body: body[::-1], SECRET)
     stop = threading.Event()
-    t = threading.Thread(target=lambda: [server.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True)
+
+    def serve() -> None:
+        while not stop.is_set():
+            server.poll(0.05)
+
+    t = threading.Thread(target=serve, daemon=True)
     t.start()
     yield server.listeners[0].getsockname()
     stop.set()

@@ -26,7 +26,7 @@ def segment():
 def write(m: Mapping, key: str, off: int, size: int, gen: int, fill: int) -> None:
     a = m.array()
     a[off + HEADER_BYTES:off + HEADER_BYTES + size] = fill
-    digest = xxhash.xxh3_64_intdigest(a[off + HEADER_BYTES:off + HEADER_BYTES + size])
+    digest = xxhash.xxh3_64_intdigest(a[off + HEADER_BYTES:off + HEADER_BYTES + size].data)
     a[off:off + HEADER_BYTES] = np.frombuffer(pack_header(key, gen, size, digest), np.uint8)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from memcache_core import errors
 from memcache_core import protocol as p
-from memcache_core.rpc import FrameServer, RpcClient
+from memcache_core.rpc import FrameServer, RpcClient, expect
 from memcache_core.testing import free_port
 
 
@@ -57,13 +57,13 @@ def test_a_reply_of_an_older_term_is_refused(servers):
     rpc = RpcClient(s.url, 2.0)
     try:
         s.term = 7
-        assert rpc.call(p.Exist(["k"])).flags == [True]
+        assert expect(rpc.call(p.Exist(["k"])), p.Flags).flags == [True]
         assert rpc.max_term == 7
         s.term = 5   # a deposed leader whose answers still arrive
         with pytest.raises(errors.NotLeader, match="older than term 7"):
             rpc.call(p.Exist(["k"]))
         s.term = 9
-        assert rpc.call(p.Exist(["k"])).flags == [True] and rpc.max_term == 9
+        assert expect(rpc.call(p.Exist(["k"])), p.Flags).flags == [True] and rpc.max_term == 9
     finally:
         rpc.close()
 
@@ -73,10 +73,11 @@ def test_a_list_client_moves_past_a_standby_at_once(servers):
     standby.leader, leader.term = False, 3
     rpc = RpcClient(f"{standby.url},{leader.url}", 2.0)
     try:
-        assert rpc.call(p.Exist(["k"])).flags == [True]   # one call: refused by the standby, then the leader
+        # one call: refused by the standby, then the leader
+        assert expect(rpc.call(p.Exist(["k"])), p.Flags).flags == [True]
         assert (standby.calls, leader.calls, rpc.url) == (1, 1, leader.url)
         leader.leader, standby.leader, standby.term = False, True, 4   # roles swap
-        assert rpc.call(p.Exist(["k"])).flags == [True] and rpc.url == standby.url
+        assert expect(rpc.call(p.Exist(["k"])), p.Flags).flags == [True] and rpc.url == standby.url
     finally:
         rpc.close()
 

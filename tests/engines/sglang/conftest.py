@@ -10,11 +10,14 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    import pluggy
 
 pytest.importorskip("sglang", reason="needs the SGLang test environment (.ci/sglang_env.sh)")
 import requests  # noqa: E402
@@ -159,7 +162,8 @@ def start(meta: serve_cpu.MetaHandle, model: str, log_dir: Path, name: str, **kw
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo
+                               ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     """On any failure, say for every server involved whether it is alive or died, with its log tail."""
     outcome = yield
     report = outcome.get_result()

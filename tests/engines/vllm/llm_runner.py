@@ -101,7 +101,7 @@ def main() -> None:
                                 ignore_eos=True)
         outs = []
         batches = [step["generate"]] if step.get("batch") else [[p] for p in step["generate"]]
-        produced = []
+        produced: list[tuple[Any, float]] = []
         for batch in batches:
             t = time.perf_counter()
             got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False,
