@@ -25,14 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "sglang"))
-import serve_cpu  # noqa: E402
+from memcache_sglang import testing as harness
 
 PAGE = 128
 
 
-def ttft(server: serve_cpu.ServerHandle, ids: list[int]) -> tuple[float, str, dict]:
+def ttft(server: harness.ServerHandle, ids: list[int]) -> tuple[float, str, dict]:
     start = time.perf_counter()
     r = requests.post(f"{server.url}/generate", timeout=600, json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
@@ -42,7 +40,7 @@ def ttft(server: serve_cpu.ServerHandle, ids: list[int]) -> tuple[float, str, di
     return elapsed, body["text"], body["meta_info"].get("cached_tokens_details") or {}
 
 
-def wait_written(meta: serve_cpu.MetaHandle, before: int, pages: int, timeout_s: float = 120) -> None:
+def wait_written(meta: harness.MetaHandle, before: int, pages: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         count = meta.admin("/get_all_keys")["count"]
@@ -52,7 +50,7 @@ def wait_written(meta: serve_cpu.MetaHandle, before: int, pages: int, timeout_s:
     raise RuntimeError(f"write-through did not store {pages} pages within {timeout_s}s")
 
 
-def key_count(meta: serve_cpu.MetaHandle) -> int:
+def key_count(meta: harness.MetaHandle) -> int:
     return meta.admin("/get_all_keys")["count"]
 
 
@@ -76,18 +74,18 @@ def main() -> int:
     p.add_argument("--plot", metavar="PNG", help="draw cold / restored / device-hit TTFT bars into this PNG "
                    "(bench extra)")
     args = p.parse_args()
-    model = serve_cpu.ensure_model(sys.executable, [
+    model = harness.ensure_model(sys.executable, [
         "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
         "--kv-heads", str(args.kv_heads), "--max-pos", "8192"])
     pages = args.tokens // PAGE
     kv_bytes = pages * PAGE * args.layers * 2 * args.kv_heads * (args.hidden // args.heads) * 2
     print(f"model {model}\nprompt {args.tokens} tokens ({pages} full pages, {kv_bytes / 2**20:.1f} MiB of KV)")
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
-        meta = serve_cpu.start_meta(tmp)
+        meta = harness.start_meta(tmp)
         try:
-            server = serve_cpu.start_server(serve_cpu.free_port(), meta, model=model,
-                                            log_path=Path(tmp) / "server.log",
-                                            extra_config={"dram_size": "2GB"})
+            server = harness.start_server(harness.free_port(), meta, model=model,
+                                          log_path=Path(tmp) / "server.log",
+                                          extra_config={"dram_size": "2GB"})
             try:
                 ttft(server, [5] * 64)  # warm-up
                 cold_s, restored_s, device_s = [], [], []

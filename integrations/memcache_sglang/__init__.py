@@ -5,6 +5,8 @@
   ``--hicache-storage-backend npu_memcache`` resolve to it.
 * ``python -m memcache_sglang.start_meta_service --config_path F`` - the MetaService launcher that
   users of SGLang's built-in backend know.
+* :mod:`memcache_sglang.testing` - real SGLang servers on the CPU joined to a MetaService, for the
+  engine tests, the TTFT benchmark and ``examples/sglang/serve_cpu.py``.
 
 Nothing here imports sglang or torch at package import time.
 """

@@ -21,10 +21,7 @@ if TYPE_CHECKING:
 
 pytest.importorskip("sglang", reason="needs the SGLang test environment (.ci/sglang_env.sh)")
 import requests  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "examples" / "sglang"))
-import serve_cpu  # noqa: E402
+from memcache_sglang import testing as harness  # noqa: E402
 
 PROMPT_TOKENS = 3200
 PAGE = 128
@@ -44,8 +41,8 @@ def prompt(seed: int) -> list[int]:
 
 # Servers started by start() and not stopped yet, plus those stopped during the running test: their
 # state and log tails are attached to the report of a failing test (pytest_runtest_makereport).
-_live_servers: list[serve_cpu.ServerHandle] = []
-_stopped_in_test: list[serve_cpu.ServerHandle] = []
+_live_servers: list[harness.ServerHandle] = []
+_stopped_in_test: list[harness.ServerHandle] = []
 
 ADMIN_RETRIES = 3
 
@@ -54,7 +51,7 @@ class ServerDied(AssertionError):
     """A request failed because the server process is gone (not a connection race)."""
 
 
-def request(server: serve_cpu.ServerHandle, method: str, path: str, *, idempotent: bool,
+def request(server: harness.ServerHandle, method: str, path: str, *, idempotent: bool,
             timeout: float = 60, **kw: Any) -> requests.Response:
     """One HTTP call on a fresh connection (``Connection: close``: no keep-alive to go stale).
 
@@ -77,7 +74,7 @@ def request(server: serve_cpu.ServerHandle, method: str, path: str, *, idempoten
     raise AssertionError("unreachable")
 
 
-def generate(server: serve_cpu.ServerHandle, ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
+def generate(server: harness.ServerHandle, ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]:
     """Greedy /generate; returns text, cached token details (device/host/storage) and latency."""
     start = time.monotonic()
     r = request(server, "POST", "/generate", idempotent=False, timeout=REQUEST_TIMEOUT_S, json={
@@ -90,7 +87,7 @@ def generate(server: serve_cpu.ServerHandle, ids: list[int], max_new_tokens: int
             "seconds": time.monotonic() - start}
 
 
-def flush(server: serve_cpu.ServerHandle) -> None:
+def flush(server: harness.ServerHandle) -> None:
     """Drop device and host caches (L1/L2); L3 is untouched. Retries while requests drain."""
     deadline = time.monotonic() + 30
     while True:
@@ -102,11 +99,11 @@ def flush(server: serve_cpu.ServerHandle) -> None:
         time.sleep(0.5)
 
 
-def pool_keys(meta: serve_cpu.MetaHandle) -> set[str]:
+def pool_keys(meta: harness.MetaHandle) -> set[str]:
     return set(meta.admin("/get_all_keys")["keys"])
 
 
-def wait_for_new_keys(meta: serve_cpu.MetaHandle, before: set[str], count: int,
+def wait_for_new_keys(meta: harness.MetaHandle, before: set[str], count: int,
                       timeout_s: float = BACKUP_TIMEOUT_S) -> set[str]:
     """Wait until write-through has committed at least ``count`` new objects; return them."""
     deadline = time.monotonic() + timeout_s
@@ -122,19 +119,19 @@ def wait_for_new_keys(meta: serve_cpu.MetaHandle, before: set[str], count: int,
 
 @pytest.fixture(scope="session")
 def model() -> str:
-    return serve_cpu.ensure_model(sys.executable)
+    return harness.ensure_model(sys.executable)
 
 
 @pytest.fixture(scope="module")
-def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[serve_cpu.MetaHandle]:
-    handle = serve_cpu.start_meta(tmp_path_factory.mktemp("meta"))
+def meta(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.MetaHandle]:
+    handle = harness.start_meta(tmp_path_factory.mktemp("meta"))
     try:
         yield handle
     finally:
         handle.stop()
 
 
-def start(meta: serve_cpu.MetaHandle, model: str, log_dir: Path, name: str, **kw: Any) -> serve_cpu.ServerHandle:
+def start(meta: harness.MetaHandle, model: str, log_dir: Path, name: str, **kw: Any) -> harness.ServerHandle:
     # Every server seeds Python's random the same way, as engines do: identities drawn from it collide.
     # Admission waits for a prefetch to complete: the default "timeout" policy (1 s plus 0.25 s per
     # 1k tokens) drops restores on this loaded 2-core machine, and the tests assert full restores.
@@ -143,9 +140,9 @@ def start(meta: serve_cpu.MetaHandle, model: str, log_dir: Path, name: str, **kw
     for attempt in range(PORT_ATTEMPTS):
         log_path = log_dir / (f"{name}.log" if attempt == 0 else f"{name}.{attempt}.log")
         try:
-            server = serve_cpu.start_server(serve_cpu.free_port(), meta, model=model, log_path=log_path, **kw)
+            server = harness.start_server(harness.free_port(), meta, model=model, log_path=log_path, **kw)
             break
-        except serve_cpu.PortTaken:  # other test runs on this machine pick free ports too
+        except harness.PortTaken:  # other test runs on this machine pick free ports too
             if attempt == PORT_ATTEMPTS - 1:
                 raise
     _live_servers.append(server)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import serve_cpu
 from conftest import PROMPT_TOKENS, generate, pool_keys, prompt, start, wait_for_new_keys
+from memcache_sglang import testing as harness
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -62,12 +62,12 @@ def wait_for_log(path: Path, text: str, starting: Future, timeout_s: float = 300
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_reader_restores_what_the_writer_holds(name: str, meta: serve_cpu.MetaHandle, tmp_path: Path) -> None:
+def test_reader_restores_what_the_writer_holds(name: str, meta: harness.MetaHandle, tmp_path: Path) -> None:
     """Scenario: writer serves a prompt (pages written into its own segment) and stays up; a
     reader seeded like it restores the pages from the writer's segment -> the writer's
     device-hit output."""
     case = CASES[name]
-    model = serve_cpu.ensure_model(sys.executable, ["--kv-heads", str(case.kv_heads)])
+    model = harness.ensure_model(sys.executable, ["--kv-heads", str(case.kv_heads)])
     args = ["--page-size", str(case.page), "--dtype", case.dtype]
     full_pages = PROMPT_TOKENS // case.page
     with ThreadPoolExecutor(2) as pool:

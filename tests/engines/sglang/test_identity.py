@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import serve_cpu
+from memcache_sglang import testing as harness
 from memcache_sglang.identity import (
     ModelIdentity,
     checkpoint_files_digest,
@@ -51,7 +51,7 @@ def test_fp8_variants_do_not_share_a_namespace() -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src = Path(serve_cpu.ensure_model(sys.executable))
+    src = Path(harness.ensure_model(sys.executable))
     dst = tmp_path_factory.mktemp("ckpt") / "model"
     shutil.copytree(src, dst)
     return dst

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import serve_cpu
 from conftest import FULL_PAGES, flush, generate, pool_keys, prompt, start, wait_for_new_keys
+from memcache_sglang import testing as harness
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -52,7 +52,7 @@ CASES = {
 }
 
 
-def round_trip(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle, ids: list[int],
+def round_trip(server: harness.ServerHandle, meta: harness.MetaHandle, ids: list[int],
                objects_per_page: int) -> tuple[dict, set[str]]:
     """Cold request, write-through, /flush_cache, restore from L3 with the same text."""
     before = pool_keys(meta)
@@ -68,8 +68,8 @@ def round_trip(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle, ids: 
 
 
 @pytest.fixture(scope="module")
-def writer(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[serve_cpu.ServerHandle, dict]]:
+def writer(meta: harness.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[harness.ServerHandle, dict]]:
     server = start(meta, model, tmp_path_factory.mktemp("writer"), "writer", extra_config={"tp_lcm_size": 2},
                    extra_args=PAGE_HEAD)
     try:
@@ -83,7 +83,7 @@ def writer(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.Temp
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_layout(name: str, writer: tuple, meta: serve_cpu.MetaHandle, model: str, tmp_path: Path) -> None:
+def test_layout(name: str, writer: tuple, meta: harness.MetaHandle, model: str, tmp_path: Path) -> None:
     """Scenario: a layout restores its own writes; it shares objects only with byte-identical layouts."""
     case = CASES[name]
     _, written = writer

@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import serve_cpu
 from conftest import (
     ADMIN,
     ADMIN_KEY,
@@ -39,6 +38,7 @@ from conftest import (
     start,
     wait_for_new_keys,
 )
+from memcache_sglang import testing as harness
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -50,12 +50,12 @@ ROPE = {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}}
 @pytest.fixture(scope="module")
 def model_b() -> str:
     """Same architecture and config as the default tiny model, other random weights."""
-    return serve_cpu.ensure_model(sys.executable, ["--seed", "1"])
+    return harness.ensure_model(sys.executable, ["--seed", "1"])
 
 
 @pytest.fixture(scope="module")
-def writer(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[serve_cpu.ServerHandle, dict]]:
+def writer(meta: harness.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[harness.ServerHandle, dict]]:
     server = start(meta, model, tmp_path_factory.mktemp("ns"), "writer",
                    extra_args=[*SERVED, "--admin-api-key", ADMIN_KEY])
     try:
@@ -68,7 +68,7 @@ def writer(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.Temp
         server.stop()
 
 
-def assert_separate_then_restores(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> dict:
+def assert_separate_then_restores(server: harness.ServerHandle, meta: harness.MetaHandle) -> dict:
     """The writer's pages are no hit for ``server``; its own pages restore with its own output."""
     before = pool_keys(meta)
     own = generate(server, IDS)
@@ -83,7 +83,7 @@ def assert_separate_then_restores(server: serve_cpu.ServerHandle, meta: serve_cp
     return own
 
 
-def test_same_served_name_other_checkpoint(writer: tuple, meta: serve_cpu.MetaHandle, model_b: str,
+def test_same_served_name_other_checkpoint(writer: tuple, meta: harness.MetaHandle, model_b: str,
                                           tmp_path: Path) -> None:
     """Scenario: two checkpoints served under one name -> separate namespaces."""
     _, written = writer
@@ -95,7 +95,7 @@ def test_same_served_name_other_checkpoint(writer: tuple, meta: serve_cpu.MetaHa
         server.stop()
 
 
-def test_rope_override(writer: tuple, meta: serve_cpu.MetaHandle, model: str, tmp_path: Path) -> None:
+def test_rope_override(writer: tuple, meta: harness.MetaHandle, model: str, tmp_path: Path) -> None:
     """Scenario: same checkpoint and served name, --json-model-override-args with another rope
     theta -> a separate namespace."""
     server = start(meta, model, tmp_path, "rope", extra_args=[*SERVED, "--json-model-override-args",
@@ -107,7 +107,7 @@ def test_rope_override(writer: tuple, meta: serve_cpu.MetaHandle, model: str, tm
         server.stop()
 
 
-def assert_harness_tells_a_dead_server(server: serve_cpu.ServerHandle) -> None:
+def assert_harness_tells_a_dead_server(server: harness.ServerHandle) -> None:
     """The harness's side: a request to a server that died fails as ServerDied, with its exit
     status and log tail, rather than as a connection error (or a retried keep-alive race)."""
     os.kill(server.pid, signal.SIGKILL)
@@ -118,13 +118,13 @@ def assert_harness_tells_a_dead_server(server: serve_cpu.ServerHandle) -> None:
         flush(server)
 
 
-def update_weights(server: serve_cpu.ServerHandle, body: dict) -> None:
+def update_weights(server: harness.ServerHandle, body: dict) -> None:
     r = request(server, "POST", "/update_weights_from_disk", idempotent=False, timeout=120,
                 headers=ADMIN, json=body)
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
-def test_weight_update_moves_the_namespace(writer: tuple, meta: serve_cpu.MetaHandle, model: str,
+def test_weight_update_moves_the_namespace(writer: tuple, meta: harness.MetaHandle, model: str,
                                            model_b: str) -> None:
     """Scenario: the writer's weights are replaced through /update_weights_from_disk (SGLang flushes
     its device and host caches, never L3) -> its own old pages are no hit; the new weights' pages

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import serve_cpu
 from conftest import (
     ADMIN,
     ADMIN_KEY,
@@ -25,6 +24,7 @@ from conftest import (
     start,
     wait_for_new_keys,
 )
+from memcache_sglang import testing as harness
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -36,8 +36,8 @@ EXTRA = {"client_timeout_seconds": 5, "metrics_url": UNREACHABLE_ADMIN_URL}
 
 
 @pytest.fixture(scope="module")
-def server_a(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[serve_cpu.ServerHandle]:
+def server_a(meta: harness.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[harness.ServerHandle]:
     server = start(meta, model, tmp_path_factory.mktemp("logs"), "server_a", extra_config=EXTRA,
                    extra_args=["--enable-metrics", "--admin-api-key", ADMIN_KEY])
     try:
@@ -46,7 +46,7 @@ def server_a(meta: serve_cpu.MetaHandle, model: str, tmp_path_factory: pytest.Te
         server.stop()
 
 
-def write_through(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle, ids: list[int]
+def write_through(server: harness.ServerHandle, meta: harness.MetaHandle, ids: list[int]
                   ) -> tuple[dict, set[str]]:
     """First (cold) request; returns it and the objects its write-through put in the pool."""
     before = pool_keys(meta)
@@ -55,7 +55,7 @@ def write_through(server: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle, id
     return cold, wait_for_new_keys(meta, before, FULL_PAGES)
 
 
-def storage_pages(server: serve_cpu.ServerHandle) -> tuple[float, float]:
+def storage_pages(server: harness.ServerHandle) -> tuple[float, float]:
     """Pages backed up and prefetched, from SGLang's histograms fed by ``get_stats()``."""
     text = request(server, "GET", "/metrics", idempotent=True, timeout=30).text
     sums = {"backup": 0.0, "prefetch": 0.0}
@@ -66,7 +66,7 @@ def storage_pages(server: serve_cpu.ServerHandle) -> tuple[float, float]:
     return sums["backup"], sums["prefetch"]
 
 
-def test_l3_restore_after_flush(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+def test_l3_restore_after_flush(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:
     """Scenario: cold -> device hit -> /flush_cache -> restored from L3 (same text) -> device hit;
     the backend's StorageMetrics reach SGLang's /metrics."""
     ids = prompt(1)
@@ -99,7 +99,7 @@ def test_l3_restore_after_flush(server_a: serve_cpu.ServerHandle, meta: serve_cp
     assert backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1, (backup, prefetch)
 
 
-def test_restore_uses_the_stored_bytes(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+def test_restore_uses_the_stored_bytes(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:
     """Scenario: the pool's objects are replaced by same-size garbage -> the restored text changes.
 
     Proves the restore comparison can fail: a backend that reported hits without delivering the
@@ -126,7 +126,7 @@ def test_restore_uses_the_stored_bytes(server_a: serve_cpu.ServerHandle, meta: s
         client.close()
 
 
-def meta_local_config(meta: serve_cpu.MetaHandle):  # noqa: ANN201
+def meta_local_config(meta: harness.MetaHandle):  # noqa: ANN201
     from memcache_core import LocalConfig
 
     cfg = LocalConfig()
@@ -137,8 +137,8 @@ def meta_local_config(meta: serve_cpu.MetaHandle):  # noqa: ANN201
     return cfg
 
 
-def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
-                                              meta: serve_cpu.MetaHandle) -> None:
+def test_clear_empties_this_servers_namespace(server_a: harness.ServerHandle,
+                                              meta: harness.MetaHandle) -> None:
     """Scenario: POST /hicache/storage-backend/clear on a server whose admin URL is unreachable ->
     its own namespace is emptied (no storage hit after), another tenant's object survives."""
     from memcache_core import DistributedObjectStore
@@ -164,7 +164,7 @@ def test_clear_empties_this_servers_namespace(server_a: serve_cpu.ServerHandle,
         client.close()
 
 
-def test_two_servers_share_one_pool(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle,
+def test_two_servers_share_one_pool(server_a: harness.ServerHandle, meta: harness.MetaHandle,
                                     model: str, tmp_path: Path) -> None:
     """Scenario: server A writes a prompt's KV into its own segment; server B (its own segment,
     Python's random seeded as A's) restores it from L3 with A's device-hit output."""
@@ -182,7 +182,7 @@ def test_two_servers_share_one_pool(server_a: serve_cpu.ServerHandle, meta: serv
         server_b.stop()
 
 
-def test_detach_and_reattach(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+def test_detach_and_reattach(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:
     """Scenario: DELETE /hicache/storage-backend closes the store (its LocalService leaves the pool,
     taking its objects); serving goes on without L3; PUT attaches a new instance that restores again."""
     import json
@@ -207,7 +207,7 @@ def test_detach_and_reattach(server_a: serve_cpu.ServerHandle, meta: serve_cpu.M
     assert restored["text"] == cold["text"]
 
 
-def test_meta_service_killed_while_serving(server_a: serve_cpu.ServerHandle, meta: serve_cpu.MetaHandle) -> None:
+def test_meta_service_killed_while_serving(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:
     """Scenario: MetaService SIGKILLed -> requests still succeed (recompute, same text, no hang);
     after a restart on the same ports -> storage hits resume."""
     ids = prompt(5)

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import serve_cpu
 from conftest import FULL_PAGES, generate, pool_keys, prompt, start, wait_for_new_keys
+from memcache_sglang import testing as harness
 
 from memcache_core.testing import wait_for
 
@@ -24,7 +24,7 @@ CLIENT = {"client_timeout_seconds": 5, "init_bm": False, "dram_size": "0"}
 
 
 @contextlib.contextmanager
-def provider(meta: serve_cpu.MetaHandle, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+def provider(meta: harness.MetaHandle, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
     secret_path = json.loads(Path(meta.config_path).read_text()).get("auth_secret_path", "")
     cfg = workdir / "provider.json"
     cfg.write_text(json.dumps({"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
@@ -42,7 +42,7 @@ def provider(meta: serve_cpu.MetaHandle, workdir: Path) -> Iterator[subprocess.P
         proc.wait(30)
 
 
-def test_a_restarted_server_finds_its_pages_in_the_provider(meta: serve_cpu.MetaHandle, model: str,
+def test_a_restarted_server_finds_its_pages_in_the_provider(meta: harness.MetaHandle, model: str,
                                                            tmp_path: Path) -> None:
     ids = prompt(60)
     with provider(meta, tmp_path):

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import serve_cpu
 from conftest import FULL_PAGES, flush, generate, pool_keys, prompt, wait_for_new_keys
+from memcache_sglang import testing as harness
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -28,10 +28,10 @@ STOCK_LAUNCHER = "sglang.srt.mem_cache.storage.npu_memcache.start_meta_service"
 
 def test_stock_npu_memcache_store_on_memcache_core(model: str, tmp_path: Path) -> None:
     """Scenario: stock backend writes through, /flush_cache, restores from L3 with the same text."""
-    meta = serve_cpu.start_meta(tmp_path / "meta", sys.executable, launcher=STOCK_LAUNCHER, env=STOCK_ENV)
+    meta = harness.start_meta(tmp_path / "meta", sys.executable, launcher=STOCK_LAUNCHER, env=STOCK_ENV)
     try:
-        server = serve_cpu.start_server(serve_cpu.free_port(), meta, model=model,
-                                        log_path=tmp_path / "stock_server.log", env=STOCK_ENV)
+        server = harness.start_server(harness.free_port(), meta, model=model,
+                                      log_path=tmp_path / "stock_server.log", env=STOCK_ENV)
         try:
             log = Path(server.log_path).read_text()
             assert "sglang.srt.mem_cache.storage.npu_memcache" in log, "the stock class was not used"
