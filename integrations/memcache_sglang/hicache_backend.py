@@ -7,11 +7,16 @@ process (one per TP/PP/attention-CP rank); each instance is a LocalService of th
 Data moves zero-copy between SGLang's host KV pool (registered with the store) and the pool:
 
 * KV pool (v1): ``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1``; one object per page
-  shard holding all its pieces (K and V, or the MLA components), see :mod:`memcache_sglang.keys`.
+  shard holding all its pieces (K and V, or the MLA components), see :mod:`memcache_sglang.kv_pool`
+  and :mod:`memcache_sglang.keys`.
 * Hybrid side pools (v2): ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``, any pool
-  whose host pool implements ``get_page_buffer_meta`` (Mamba, DSA indexer, draft, SWA, ...).
+  whose host pool implements ``get_page_buffer_meta`` (Mamba, DSA indexer, draft, SWA, ...), see
+  :mod:`memcache_sglang.side_pools`.
 * Legacy copy calls (``get``/``set``/``batch_get``/``batch_set``/``exists``) for SGLang's generic
-  path (``--hicache-storage-backend dynamic`` without ``interface_v1``).
+  path (``--hicache-storage-backend dynamic`` without ``interface_v1``), see
+  :mod:`memcache_sglang.copy_path`.
+
+The keys follow the weights served at the time of each call (:mod:`memcache_sglang.namespace`).
 
 Every failure - MetaService down, a peer gone, an object evicted between exists and get, an
 exception inside the store - is reported as a miss or a failed write, never raised into SGLang's
@@ -25,8 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,23 +44,15 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from memcache_sglang import copy_path, kv_pool
 from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag
-from memcache_sglang.identity import (
-    ModelIdentity,
-    checkpoint_files_digest,
-    effective_config_digest,
-    logical_kv_dtype,
-    lora_adapters_digest,
-    resolve_checkpoint,
-)
-from memcache_sglang.keys import KeyScheme, LayoutIdentity, shard_suffix
+from memcache_sglang.keys import KeyScheme, shard_suffix
+from memcache_sglang.namespace import Namespace, build_layout, model_config_digests
 from memcache_sglang.side_pools import exists_v2, io_v2, pool_object_key_prefix
-from memcache_sglang.weight_updates import WeightState, current_weight_state
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head", "page_first_kv_split")
-EXISTS_CHUNK_PAGES = 256
 CHECK_SERVER_TIMEOUT_S = 600.0
 LEGACY_POOL = "flat"
 
@@ -79,13 +75,8 @@ class NpuMemcacheStore(HiCacheStorage):
         self.config = BackendConfig.from_sources(self.storage_config.extra_config)
         self.mem_pool_host: Any = None
         self.registered_pools: dict[Any, Any] = {}
-        # The key scheme follows the served weights: (weights it was built for, scheme), swapped
-        # as a whole by _scheme(); every call reads it once.
-        self._namespace: tuple[WeightState, KeyScheme] | None = None
-        self._layout: LayoutIdentity | None = None
-        self._shard_ids: list[str] = []
-        self._model_digests: dict[str, str] = {}
-        self._namespace_lock = threading.Lock()
+        # The key scheme follows the served weights; set once the host pool is registered.
+        self._namespace: Namespace | None = None
         self.gb_per_page = 0.0
         self.enable_storage_metrics = bool(self.storage_config.enable_storage_metrics)
         extra = self.storage_config.extra_config or {}
@@ -147,8 +138,10 @@ class NpuMemcacheStore(HiCacheStorage):
         if self._mla_kv_split():
             for name in ("v_buffer", "index_k_buffer", "index_k_scale_buffer"):
                 self._register(getattr(mem_pool_host, name, None))
-        self._layout, self._shard_ids = self._build_layout(mem_pool_host)
-        self._model_digests = self._model_config_digests()
+        _, sizes = self._page_meta(torch.arange(mem_pool_host.page_size, dtype=torch.int64))
+        identity, shard_ids = build_layout(self.storage_config, mem_pool_host, sizes)
+        tag = self.config.extra_backend_tag
+        self._namespace = Namespace(identity, shard_ids, model_config_digests(), tag)
         keys = self._scheme()
         page_bytes = sum(keys.identity.piece_sizes) * keys.objects_per_page
         self.gb_per_page = page_bytes / (1 << 30)
@@ -180,72 +173,12 @@ class NpuMemcacheStore(HiCacheStorage):
     @property
     def keys(self) -> KeyScheme | None:
         """The key scheme of the weights served now (None before the host pool is registered)."""
-        return self._scheme() if self._layout is not None else None
-
-    def _model_config_digests(self) -> dict[str, str]:
-        """The parts of the model identity fixed at start-up: effective config and LoRA adapters."""
-        from sglang.srt.runtime_context import get_lora, get_model
-
-        model = get_model()
-        return {"config": effective_config_digest(model), "lora": lora_adapters_digest(get_lora().lora_paths),
-                "revision": str(model.revision or "")}
+        namespace = self._namespace
+        return namespace.scheme() if namespace is not None else None
 
     def _scheme(self) -> KeyScheme:
-        """The key scheme for the weights served now; rebuilt when a weight update changed them."""
-        assert self._layout is not None
-        state = current_weight_state()
-        current = self._namespace
-        if current is not None and current[0] == state:
-            return current[1]
-        with self._namespace_lock:
-            current = self._namespace
-            if current is not None and current[0] == state:
-                return current[1]
-            model = ModelIdentity(
-                checkpoint=resolve_checkpoint(state.model_path, self._model_digests["revision"] or None),
-                files=checkpoint_files_digest(state.model_path),
-                config=self._model_digests["config"],
-                lora=self._model_digests["lora"],
-                weights=state.label,
-            )
-            keys = KeyScheme(replace(self._layout, model=model.digest()), self._shard_ids,
-                             self.config.extra_backend_tag)
-            self._namespace = (state, keys)
-        page_bytes = sum(keys.identity.piece_sizes) * keys.objects_per_page
-        logger.info("npu_memcache keys: namespace %s (%s; %s), %d object(s) per page, %d bytes per page",
-                    keys.namespace, model, keys.identity, keys.objects_per_page, page_bytes)
-        return keys
-
-    def _build_layout(self, pool: Any) -> tuple[LayoutIdentity, list[str]]:
-        from sglang.srt.runtime_context import get_model
-
-        sc = self.storage_config
-        ppcp = shard_suffix(sc.pp_rank, sc.attn_cp_rank)
-        if sc.is_mla_model:
-            sharding, shard_ids = "replicated", [ppcp]
-        elif pool.layout == "page_head" and sc.tp_lcm_size and sc.tp_lcm_size % sc.tp_size == 0:
-            f = sc.tp_lcm_size // sc.tp_size
-            sharding = f"hs{sc.tp_lcm_size}"
-            shard_ids = [f"r{sc.tp_rank * f + i}{ppcp}" for i in range(f)]
-        else:
-            sharding, shard_ids = f"tp{sc.tp_size}", [f"r{sc.tp_rank}{ppcp}"]
-        _, sizes = self._page_meta(torch.arange(pool.page_size, dtype=torch.int64))
-        per_obj = len(sizes) // len(shard_ids)
-        storage_dtype = str(getattr(pool, "dtype", "")).removeprefix("torch.")
-        identity = LayoutIdentity(
-            model="",  # filled by _scheme() from the weights served at the time
-            kv_dtype=logical_kv_dtype(get_model().kv_cache_dtype, storage_dtype),
-            dtype=storage_dtype,
-            storage_format=str(getattr(pool, "storage_format_tag", None) or ""),
-            layout=pool.layout,
-            page_size=int(pool.page_size),
-            attention="mla" if sc.is_mla_model else "mha",
-            head_sharding=sharding,
-            pp_size=sc.pp_size,
-            attn_cp_size=sc.attn_cp_size,
-            piece_sizes=tuple(int(s) for s in sizes[:per_obj]),
-        )
-        return identity, shard_ids
+        assert self._namespace is not None
+        return self._namespace.scheme()
 
     def _page_meta(self, host_indices: torch.Tensor) -> tuple[list[int], list[int]]:
         pool = self.mem_pool_host
@@ -270,50 +203,22 @@ class NpuMemcacheStore(HiCacheStorage):
 
     # ------------------------------------------------------------------ v1 (KV pool, zero-copy)
 
-    def _objects(self, scheme: KeyScheme, page_hashes: list[str], host_indices: torch.Tensor
-                 ) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    def _objects(self, scheme: KeyScheme, page_hashes: list[str],
+                 host_indices: torch.Tensor) -> kv_pool.Objects:
         """Object keys and, per object, the pointers and sizes of its pieces."""
         assert self.mem_pool_host is not None
         if len(host_indices) != len(page_hashes) * self.mem_pool_host.page_size:
             raise ValueError(f"{len(page_hashes)} pages but {len(host_indices)} host indices")
         ptrs, sizes = self._page_meta(host_indices)
-        keys = scheme.kv_keys(page_hashes)
-        if len(ptrs) % len(keys):
-            raise ValueError(f"host pool returned {len(ptrs)} pieces for {len(keys)} objects")
-        n = len(ptrs) // len(keys)
-        return (keys, [ptrs[i:i + n] for i in range(0, len(ptrs), n)],
-                [sizes[i:i + n] for i in range(0, len(sizes), n)])
-
-    def _page_results(self, codes: Sequence[int], pages: int) -> list[bool]:
-        per_page = len(codes) // pages if pages else 1
-        return [all(int(c) == 0 for c in codes[i * per_page:(i + 1) * per_page]) for i in range(pages)]
+        return kv_pool.objects(scheme.kv_keys(page_hashes), ptrs, sizes)
 
     def _page_io(self, keys: list[str], host_indices: torch.Tensor,
                  move: str) -> tuple[list[bool], float | None]:
-        """One batched layered call (``batch_get_into_layers`` or ``batch_put_from_layers``) for the
-        pages; per-page results and the call's time, or all False and None when the store is gone or
-        the call fails (a miss)."""
+        """Per-page results and the call's time; all False and None when the store is gone."""
         store, scheme = self.store, self.keys
         if store is None or scheme is None:
             return [False] * len(keys), None
-        try:
-            obj_keys, ptrs, sizes = self._objects(scheme, keys, host_indices)
-            start = time.perf_counter()
-            codes = getattr(store, move)(obj_keys, ptrs, sizes)
-            elapsed = time.perf_counter() - start
-        except Exception:
-            logger.exception("npu_memcache %s of %d pages failed; reporting misses", move, len(keys))
-            return [False] * len(keys), None
-        results = self._page_results(codes, len(keys))
-        if not all(results):
-            failed = sorted({int(c) for c in codes if int(c) != 0})
-            if move == "batch_put_from_layers":
-                logger.warning("npu_memcache: %d of %d pages not written (codes %s)", results.count(False),
-                               len(keys), failed)
-            else:  # a miss (evicted or gone since batch_exists, or a failed check): recomputed
-                logger.info("npu_memcache: %d of %d pages not read (codes %s)", results.count(False),
-                            len(keys), failed)
-        return results, elapsed
+        return kv_pool.page_io(store, move, len(keys), partial(self._objects, scheme, keys, host_indices))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -343,22 +248,9 @@ class NpuMemcacheStore(HiCacheStorage):
         store = self.store
         if not keys or store is None:
             return 0
-        per_page = 1 if self.copy_path else scheme.objects_per_page
-        hits = 0
-        for start in range(0, len(keys), EXISTS_CHUNK_PAGES):
-            chunk = keys[start:start + EXISTS_CHUNK_PAGES]
-            obj_keys = ([self._legacy_key(scheme, k) for k in chunk] if self.copy_path
-                        else scheme.kv_keys(chunk))
-            try:
-                flags = store.batch_is_exist(obj_keys)
-            except Exception:
-                logger.exception("npu_memcache batch_exists failed; reporting a miss")
-                return hits
-            for i in range(len(chunk)):
-                if not all(int(f) == 1 for f in flags[i * per_page:(i + 1) * per_page]):
-                    return hits + i
-            hits += len(chunk)
-        return hits
+        if self.copy_path:
+            return kv_pool.leading_pages(store, keys, partial(self._legacy_keys, scheme), 1)
+        return kv_pool.leading_pages(store, keys, scheme.kv_keys, scheme.objects_per_page)
 
     # ------------------------------------------------------------------ v2 (hybrid side pools)
 
@@ -404,33 +296,20 @@ class NpuMemcacheStore(HiCacheStorage):
             raise RuntimeError("npu_memcache: the host pool is not registered yet")
         return scheme.page_key(key, self._rank_shard(), LEGACY_POOL)
 
+    def _legacy_keys(self, scheme: KeyScheme, keys: list[str]) -> list[str]:
+        return [self._legacy_key(scheme, k) for k in keys]
+
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location], [target_sizes])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[Any]:
         """Read whole flat pages: into tensors (returned) or raw registered pointers (True)."""
-        out: list[Any] = [None] * len(keys)
         store, scheme = self.store, self.keys
         if store is None or scheme is None or not keys:
-            return out
-        locations = list(target_locations) if target_locations is not None else [None] * len(keys)
-        sizes = list(target_sizes) if target_sizes is not None else [None] * len(keys)
-        for i, (key, loc, size) in enumerate(zip(keys, locations, sizes, strict=True)):
-            try:
-                if isinstance(loc, torch.Tensor):
-                    data = store.get(self._legacy_key(scheme, key))
-                    dst = loc.reshape(-1).view(torch.uint8)
-                    if data is None or len(data) != dst.numel():
-                        continue
-                    dst.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-                    out[i] = loc
-                elif loc is not None and size is not None:
-                    rc = store.batch_get_into([self._legacy_key(scheme, key)], [int(loc)], [int(size)])[0]
-                    out[i] = True if int(rc) == 0 else None
-            except Exception:
-                logger.exception("npu_memcache legacy get of %s failed", key)
-        return out
+            return [None] * len(keys)
+        return copy_path.batch_get(store, partial(self._legacy_key, scheme), keys, target_locations,
+                                   target_sizes)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value], [target_location], [target_sizes])
@@ -440,25 +319,8 @@ class NpuMemcacheStore(HiCacheStorage):
         store, scheme = self.store, self.keys
         if store is None or scheme is None or not keys:
             return False
-        n = len(keys)
-        values = list(values) if values is not None else [None] * n
-        locations = list(target_locations) if target_locations is not None else [None] * n
-        sizes = list(target_sizes) if target_sizes is not None else [None] * n
-        ok = True
-        for key, value, loc, size in zip(keys, values, locations, sizes, strict=True):
-            try:
-                if isinstance(value, torch.Tensor):
-                    src = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                    rc = store.put(self._legacy_key(scheme, key), memoryview(src))
-                elif loc is not None and size is not None:
-                    rc = store.batch_put_from([self._legacy_key(scheme, key)], [int(loc)], [int(size)])[0]
-                else:
-                    rc = -1
-            except Exception:
-                logger.exception("npu_memcache legacy set of %s failed", key)
-                rc = -1
-            ok = ok and int(rc) == 0
-        return ok
+        return copy_path.batch_set(store, partial(self._legacy_key, scheme), keys, values, target_locations,
+                                   target_sizes)
 
     def exists(self, key: str) -> bool:
         store, scheme = self.store, self.keys

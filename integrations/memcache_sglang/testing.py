@@ -106,7 +106,8 @@ def ensure_model(python: str, model_args: list[str] | None = None) -> str:
     """The directory of the tiny local model (``model_args`` pick its shape), made when missing."""
     script = REPO / "examples" / "make_tiny_model.py"
     if not script.is_file():
-        raise FileNotFoundError(f"{script} not found: the tiny model is made from a checkout of this repository")
+        raise FileNotFoundError(f"{script} not found: the tiny model is made from a checkout of this "
+                                "repository")
     cmd = [python, str(script), *(model_args or [])]
     return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
 
