@@ -11,6 +11,9 @@ two halves of the tensor) is a separate piece. So the CPU layout
 Host tensors are moved in place (the store reads and writes the pieces through registered
 buffers). Tensors on a CUDA device go through a pinned host staging buffer: blocks are gathered on
 the device and copied out in one transfer per layer, and scattered back the same way.
+
+:func:`check_kv_cache_config` refuses, in the scheduler and in every worker, the KV caches whose
+blocks are not all the request's own (sliding-window and chunked-local groups).
 """
 
 from __future__ import annotations
@@ -199,3 +202,31 @@ def current_layout_signature(vllm_config: Any, kv_caches: dict[str, torch.Tensor
     backends = [b.get_name() for b in get_current_attn_backends(vllm_config, list(kv_caches))]
     resolved = getattr(vllm_config.cache_config, "kv_cache_layout", None)
     return layout_signature(kv_caches, num_blocks, backends, resolved)
+
+
+_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def check_kv_cache_config(kv_cache_config: Any) -> None:
+    """Refuse, at start-up, models whose KV cache the connector cannot serve correctly.
+
+    One KV-cache group of full attention only. Sliding-window and chunked-local attention groups
+    replace blocks outside the window with vLLM's shared null block (block 0): loading into it or
+    saving it under a real block hash corrupts the engine and the pool. A model that mixes full and
+    sliding layers runs when vLLM's hybrid allocator is off (the connector turns it off): every
+    layer then keeps all its blocks (``FullAttentionSpec`` with ``sliding_window``).
+    """
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    if len(groups) != 1:
+        raise ValueError(f"MemCacheConnector supports one KV-cache group, got {len(groups)} "
+                         "(hybrid models are not supported)")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind not in _SUPPORTED_SPECS:
+        raise ValueError(
+            f"MemCacheConnector cannot serve this model: its KV cache is {kind} (sliding-window or "
+            "chunked-local attention on every layer keeps only the blocks inside the window and "
+            "pads the rest with vLLM's null block, which a pool must never load into or save). "
+            "Supported: full attention (also MLA, and models mixing full and sliding layers with "
+            "the hybrid KV-cache manager off). Serve this model without the connector, or with "
+            "--disable-sliding-window.")

@@ -1,6 +1,6 @@
 """Scheduler side of the MemCache connector (runs in vLLM's EngineCore process).
 
-It holds a pure pool client (``init(device_id, init_bm=False)``: no pool memory, no payload) and
+It holds a pure pool client (:mod:`memcache_vllm.pool_client`: no pool memory, no payload) and
 answers "how many more prompt tokens can be loaded" with one batched existence call per lookup,
 covering every rank's key of every candidate block. The hit is the longest run of blocks, starting
 right after vLLM's local hit, whose keys exist for all ranks; it never includes the last prompt
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from memcache_vllm.config import ConnectorConfig, RolePolicy
 from memcache_vllm.keys import AdapterDigests, Namespace, block_hashes_hex, block_names
+from memcache_vllm.layout import check_kv_cache_config
 from memcache_vllm.metadata import (
     LoadJob,
     MemCacheConnectorMetadata,
@@ -42,6 +43,7 @@ from memcache_vllm.metadata import (
     MemCacheWorkerMetadata,
     SaveJob,
 )
+from memcache_vllm.pool_client import PoolClient
 from memcache_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
@@ -50,10 +52,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm." + __name__)
-
-# Longest wait of a scheduler lookup for the MetaService: a slow pool must cost a miss, not a stall.
-LOOKUP_TIMEOUT_S = 2.0
-
 
 # A request that waits (no free blocks yet) is asked about every step; its answer is reused this
 # long, so a waiting request costs one existence call, not one per step.
@@ -77,90 +75,6 @@ class _SaveTracker:
     issued: dict[int, str] = field(default_factory=dict)
     """Block index -> block name of every block handed to a save (removed again if it turns out
     to have been computed over a block that failed to load)."""
-
-
-class PoolClient:
-    """A metadata-only pool client that turns failures into misses and backs off after them."""
-
-    def __init__(self, cfg: ConnectorConfig) -> None:
-        self._cfg = cfg
-        self._store: Any = None
-        self._down_until = 0.0
-
-    def _connect(self) -> Any:
-        from memcache_core import open_store
-
-        local = self._cfg.local_config()
-        local.client_timeout_seconds = min(float(local.client_timeout_seconds), LOOKUP_TIMEOUT_S)
-        store = open_store(local, 0, init_bm=False)
-        logger.info("MemCacheConnector: scheduler lookups through %s", local.meta_service_url)
-        return store
-
-    def exists(self, keys: list[str]) -> list[int] | None:
-        """Per-key 1/0/negative codes, or None when the pool cannot be asked now."""
-        now = time.monotonic()
-        if now < self._down_until:
-            return None
-        try:
-            if self._store is None:
-                self._store = self._connect()
-            codes = list(self._store.batch_is_exist(keys))
-            if len(codes) != len(keys):
-                raise RuntimeError(f"batch_is_exist returned {len(codes)} codes for {len(keys)} keys")
-        except Exception as exc:  # any failure of the pool is a miss
-            logger.warning("MemCacheConnector: pool lookup failed (%s); treating as a miss for %.1f s",
-                           exc, self._cfg.lookup_retry_s)
-            self._down_until = now + self._cfg.lookup_retry_s
-            return None
-        if any(c < 0 for c in codes):
-            self._down_until = now + self._cfg.lookup_retry_s
-        return codes
-
-    def remove_by_prefix(self, prefix: str) -> int:
-        """Remove every key under ``prefix``; the count removed, or a negative error code."""
-        if self._store is None:
-            self._store = self._connect()
-        remove = getattr(self._store, "remove_by_prefix", None)
-        if remove is None:
-            raise RuntimeError("this memcache_core has no remove_by_prefix")
-        return int(remove(prefix))
-
-    def close(self) -> None:
-        if self._store is not None:
-            try:
-                self._store.close()
-            except Exception:  # best effort at shutdown
-                logger.debug("MemCacheConnector: closing the lookup client failed", exc_info=True)
-            self._store = None
-
-
-
-_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
-
-
-def check_kv_cache_config(kv_cache_config: Any) -> None:
-    """Refuse, at start-up, models whose KV cache the connector cannot serve correctly.
-
-    One KV-cache group of full attention only. Sliding-window and chunked-local attention groups
-    replace blocks outside the window with vLLM's shared null block (block 0): loading into it or
-    saving it under a real block hash corrupts the engine and the pool. A model that mixes full and
-    sliding layers runs when vLLM's hybrid allocator is off (the connector turns it off): every
-    layer then keeps all its blocks (``FullAttentionSpec`` with ``sliding_window``).
-    """
-    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    if len(groups) != 1:
-        raise ValueError(f"MemCacheConnector supports one KV-cache group, got {len(groups)} "
-                         "(hybrid models are not supported)")
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind not in _SUPPORTED_SPECS:
-        raise ValueError(
-            f"MemCacheConnector cannot serve this model: its KV cache is {kind} (sliding-window or "
-            "chunked-local attention on every layer keeps only the blocks inside the window and "
-            "pads the rest with vLLM's null block, which a pool must never load into or save). "
-            "Supported: full attention (also MLA, and models mixing full and sliding layers with "
-            "the hybrid KV-cache manager off). Serve this model without the connector, or with "
-            "--disable-sliding-window.")
 
 
 class MemCacheScheduler:

@@ -35,6 +35,7 @@ from memcache_vllm.keys import Namespace
 from memcache_vllm.layout import (
     BlockLayout,
     DeviceStager,
+    check_kv_cache_config,
     current_layout_signature,
     describe,
     staging_capacity,
@@ -150,8 +151,6 @@ class MemCacheWorker:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig,
                  policy: RolePolicy, stats: StatsRecorder) -> None:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
-        from memcache_vllm.scheduler import check_kv_cache_config
 
         check_kv_cache_config(kv_cache_config)
         self._vllm_config = vllm_config
