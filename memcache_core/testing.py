@@ -14,10 +14,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .rpc import FrameServer
 
 
 def wait_for(cond: Any, timeout_s: float, what: str) -> None:
@@ -27,6 +31,25 @@ def wait_for(cond: Any, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def polling(server: FrameServer, interval_s: float = 0.05) -> Iterator[FrameServer]:
+    """``server`` polled on a thread for the block; then the thread is stopped and the server closed."""
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            server.poll(interval_s)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
 
 
 def make_tls_files(directory: str) -> dict[str, Any]:

@@ -171,39 +171,28 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
     from memcache_core import protocol as p
     from memcache_core.auth import client_handshake, load_secret
     from memcache_core.rpc import FRAME_HEAD, FrameServer, RpcClient
-    from memcache_core.testing import wait_for
+    from memcache_core.testing import polling, wait_for
 
     secret = load_secret("")
     server = FrameServer([("127.0.0.1", 0)], lambda body: p.request_encoder.encode(p.Ok()), secret)
     server.max_buffered_input = 8 << 20
     port = server.listeners[0].getsockname()[1]
-    import threading
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            server.poll(0.05)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
     socks = []
-    try:
-        for _ in range(4):                       # 4 x 3 MiB of a 200 MiB frame: over the 8 MiB budget
-            s = socket_.create_connection(("127.0.0.1", port))
-            client_handshake(s, secret)
-            s.sendall(FRAME_HEAD.pack(200 << 20, 1) + bytes(3 << 20))
-            socks.append(s)
-        honest = RpcClient(f"tcp://127.0.0.1:{port}", 5.0, 0, secret)
-        assert isinstance(honest.call(p.Exist(["k"])), p.Ok)
-        honest.close()
-        wait_for(lambda: server.connections <= 2, 5, "the connections over the budget to be dropped")
-        assert server.buffered_input <= 8 << 20
-    finally:
-        for s in socks:
-            s.close()
-        stop.set()
-        t.join()
-        server.close()
+    with polling(server):
+        try:
+            for _ in range(4):                       # 4 x 3 MiB of a 200 MiB frame: over the 8 MiB budget
+                s = socket_.create_connection(("127.0.0.1", port))
+                client_handshake(s, secret)
+                s.sendall(FRAME_HEAD.pack(200 << 20, 1) + bytes(3 << 20))
+                socks.append(s)
+            honest = RpcClient(f"tcp://127.0.0.1:{port}", 5.0, 0, secret)
+            assert isinstance(honest.call(p.Exist(["k"])), p.Ok)
+            honest.close()
+            wait_for(lambda: server.connections <= 2, 5, "the connections over the budget to be dropped")
+            assert server.buffered_input <= 8 << 20
+        finally:
+            for s in socks:
+                s.close()
 
 
 def _cpu_seconds(pid: int) -> float:

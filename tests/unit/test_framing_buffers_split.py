@@ -5,7 +5,6 @@ copies is split over threads."""
 from __future__ import annotations
 
 import socket
-import threading
 
 import pytest
 from hypothesis import given
@@ -16,6 +15,7 @@ from memcache_core.errors import InvalidParameter
 from memcache_core.local.buffers import BufferRegistry
 from memcache_core.protocol import SegmentInfo
 from memcache_core.rpc import FRAME_HEAD, MAX_FRAME, FrameServer, take_frame
+from memcache_core.testing import polling
 from memcache_core.transfer.engine import CopyOp, split_by_bytes
 
 SECRET = b"s" * 32
@@ -46,19 +46,8 @@ def test_a_header_announcing_too_much_is_refused_before_anything_is_buffered():
 @pytest.fixture
 def echo_server():
     """A real FrameServer whose handler answers each body reversed, polled on a thread."""
-    server = FrameServer([("127.0.0.1", 0)], lambda body: body[::-1], SECRET)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            server.poll(0.05)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    yield server.listeners[0].getsockname()
-    stop.set()
-    t.join()
-    server.close()
+    with polling(FrameServer([("127.0.0.1", 0)], lambda body: body[::-1], SECRET)) as server:
+        yield server.listeners[0].getsockname()
 
 
 def _reply(s: socket.socket) -> tuple[int, bytes]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import threading
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -11,11 +11,11 @@ import pytest
 from memcache_core import errors
 from memcache_core import protocol as p
 from memcache_core.rpc import FrameServer, RpcClient, expect
-from memcache_core.testing import free_port
+from memcache_core.testing import free_port, polling
 
 
 class Server:
-    """A FrameServer answering Exist with a fixed term (or NOT_LEADER), in a thread."""
+    """A FrameServer answering Exist with a fixed term (or NOT_LEADER)."""
 
     def __init__(self) -> None:
         self.port = free_port()
@@ -23,9 +23,6 @@ class Server:
         self.leader = True
         self.calls = 0
         self.srv = FrameServer([("127.0.0.1", self.port)], self.answer)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.loop, daemon=True)
-        self.thread.start()
 
     @property
     def url(self) -> str:
@@ -37,19 +34,15 @@ class Server:
             return p.request_encoder.encode(p.Error(errors.NOT_LEADER, "standby", term=self.term))
         return p.request_encoder.encode(p.Flags([True], term=self.term))
 
-    def loop(self) -> None:
-        while not self.stop.is_set():
-            self.srv.poll(0.05)
-        self.srv.close()
-
 
 @pytest.fixture
 def servers() -> Iterator[list[Server]]:
+    """Two servers, polled on threads."""
     made = [Server(), Server()]
-    yield made
-    for s in made:
-        s.stop.set()
-        s.thread.join(5)
+    with contextlib.ExitStack() as stack:
+        for s in made:
+            stack.enter_context(polling(s.srv))
+        yield made
 
 
 def test_a_reply_of_an_older_term_is_refused(servers):
