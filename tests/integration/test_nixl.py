@@ -120,3 +120,36 @@ def test_nixl_descriptors_stay_off_the_open_and_admin_views(stores, meta):
                                                   "/api/v1/segments/status")] + [meta.log_tail(100_000)]
     for text in views:
         assert d.agent not in text and d.metadata.hex()[:32] not in text and str(d.base) not in text
+
+
+def test_unregistered_buffers_fall_back_to_tcp_registered_ones_use_nixl(stores, meta, monkeypatch):
+    """The bytes API copies into internal buffers NIXL does not know: those go through the owner's TCP
+    data server; reads into a registered buffer of the same process go through NIXL."""
+    import numpy as np
+
+    from memcache_core import DistributedObjectStore
+
+    from .store_worker import pattern
+
+    owner = nixl_store(stores, "a")
+    assert owner("put", keys=["fb-0", "fb-1"], layout=[256 << 10])["codes"] == [0, 0]
+    store = DistributedObjectStore()
+    assert store.setup(meta.local_config(transfer_engine="nixl", host_id="t", client_timeout_seconds=5)) == 0
+    assert store.init(0, False) == 0
+    try:
+        assert store.get("fb-0") == pattern("fb-0", 256 << 10).tobytes()
+        paths = _paths(store)
+        assert paths.get("host_tcp/read") == 256 << 10 and not paths.get("nixl/read"), paths
+        buf = np.zeros(256 << 10, np.uint8)
+        assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        assert store.batch_get_into(["fb-1"], [buf.ctypes.data], [buf.nbytes]) == [0]
+        assert np.array_equal(buf, pattern("fb-1", 256 << 10))
+        assert _paths(store).get("nixl/read") == 256 << 10
+    finally:
+        store.close()
+
+
+def _paths(store) -> dict[str, float]:
+    reg = store._service().metrics.registry
+    return {f"{s.labels['path']}/{s.labels['direction']}": s.value for m in reg.collect()
+            if m.name == "memcache_local_transfer_bytes" for s in m.samples if s.name.endswith("_total")}
