@@ -372,6 +372,7 @@ class LocalConfig:
         _check_bool("checksum", self.checksum)
         _check_bool("auth_enable", self.auth_enable)
         _check_str("auth_secret_path", self.auth_secret_path)
+        _check_transfer_engine(self.transfer_engine, self.tls_enable)
         tls.check(self)
         if self.hcom_advertise_url:
             host, _ = parse_url(self.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
@@ -384,12 +385,14 @@ class LocalConfig:
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
-        _check_transfer_engine(self.transfer_engine)
 
 
-def _check_transfer_engine(v: Any) -> None:
+def _check_transfer_engine(v: Any, tls_enable: bool) -> None:
     if v not in ("builtin", "nixl"):
         raise ConfigError(f"transfer_engine: expected 'builtin' or 'nixl', got {v!r}")
+    if v == "nixl" and tls_enable:
+        raise ConfigError("transfer_engine: 'nixl' moves payload outside TLS (UCX does not encrypt); "
+                          "with tls_enable use 'builtin'")
     if v == "nixl" and importlib.util.find_spec("nixl") is None:
         raise ConfigError("transfer_engine: 'nixl' needs the nixl package "
                           "(pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1); it is not installed")

@@ -169,6 +169,10 @@ def test_transfer_engine_is_checked_by_name():
     assert LocalConfig().transfer_engine == "builtin"
     with pytest.raises(ConfigError, match="transfer_engine: expected 'builtin' or 'nixl'"):
         LocalConfig(transfer_engine="ucx")
+    cfg = LocalConfig()
+    cfg.tls_enable, cfg.transfer_engine = True, "nixl"
+    with pytest.raises(ConfigError, match="transfer_engine: 'nixl' moves payload outside TLS"):
+        cfg.validate()
 
 
 def test_transfer_engine_nixl_without_the_package_is_a_config_error(monkeypatch):
