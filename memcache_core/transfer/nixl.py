@@ -128,10 +128,15 @@ class NixlTransport:
     # ---- local registrations --------------------------------------------------------------------
 
     def register(self, ptr: int, size: int) -> None:
+        """Register with the agent; a buffer UCX refuses is left to the TCP path (logged)."""
         with self._lock:
             if (ptr, size) in self._handles:
                 return
-            self._handles[(ptr, size)] = self._agent.register_memory([(ptr, size, 0, "")], "DRAM")
+            try:
+                self._handles[(ptr, size)] = self._agent.register_memory([(ptr, size, 0, "")], "DRAM")
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+                logger.warning("NIXL did not register buffer %#x+%d (it goes through TCP): %s", ptr, size, e)
+                return
             i = bisect.bisect_right(self._starts, ptr)
             self._starts = self._starts[:i] + [ptr] + self._starts[i:]
             self._ends = self._ends[:i] + [ptr + size] + self._ends[i:]
@@ -273,3 +278,4 @@ class NixlTransport:
                 self._agent.deregister_memory(h)
             except Exception:  # noqa: BLE001, S110
                 pass
+        self._agent = None   # the last reference: the agent and its progress thread stop before unmapping

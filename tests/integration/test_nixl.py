@@ -60,7 +60,8 @@ def _cpu_seconds(pid: int) -> float:
 def test_idle_provider_does_not_spin_a_core(stores, meta):
     """NIXL's Python wrapper starts the progress thread with a zero poll timeout (a core at ~60-85%
     while idle); transfer/nixl.py sets a poll timeout. An idle provider that served NIXL reads and
-    writes uses little CPU (its own time, so a busy machine does not inflate it)."""
+    writes uses little CPU (its own time, so a busy machine does not inflate it). Measured: ~1% with
+    the timeout; with 0, 18% on a machine so loaded that the spinning thread got a fifth of a core."""
     owner, peer = nixl_store(stores, "a"), nixl_store(stores, "b")
     keys = [f"idle-{i}" for i in range(4)]
     assert peer("put", keys=keys, layout=[1 << 20], preferred=[owner("id")["id"]])["codes"] == [0] * 4
@@ -70,7 +71,7 @@ def test_idle_provider_does_not_spin_a_core(stores, meta):
     before, window = _cpu_seconds(pid), 3.0
     threading.Event().wait(window)   # the measuring window itself (nothing to wait for: the provider is idle)
     used = (_cpu_seconds(pid) - before) / window
-    assert used < 0.15, f"an idle NIXL provider used {used:.0%} of a core"
+    assert used < 0.05, f"an idle NIXL provider used {used:.0%} of a core"
 
 
 def test_owner_killed_mid_transfer_is_a_miss_never_wrong_bytes(stores):
