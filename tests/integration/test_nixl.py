@@ -93,6 +93,23 @@ def test_owner_killed_mid_transfer_is_a_miss_never_wrong_bytes(stores):
     assert after["seconds"] < 10
 
 
+def test_owner_killed_mid_put_fails_the_put_never_hangs(stores):
+    """Scenario: A writes 16 large objects into B through NIXL while B is killed: each put succeeds or
+    fails within the client timeout, and no read of those keys returns wrong bytes."""
+    a, b = nixl_store(stores, "a", dram_size="200MB"), nixl_store(stores, "b", dram_size="200MB")
+    keys = [f"kill-put-{i}" for i in range(16)]
+    bid = b("id")["id"]
+    assert a("put", keys=["kill-put-warm"], layout=[4096], preferred=[bid])["codes"] == [0]   # agent loaded
+    assert a.proc.stdin is not None and a.proc.stdout is not None
+    a.proc.stdin.write(json.dumps({"op": "put", "keys": keys, "layout": DSR1_LAYOUT, "preferred": [bid]}) + "\n")
+    a.proc.stdin.flush()
+    b.kill()
+    put = json.loads(a.proc.stdout.readline())
+    assert all(code == 0 or code < 0 for code in put["codes"]) and put["seconds"] < 10
+    got = a("get", keys=keys, layout=DSR1_LAYOUT)
+    assert got["mismatches"] == [] and all(code == 0 or code < 0 for code in got["codes"])
+
+
 def _admin_page(meta, path: str) -> str:
     req = urllib.request.Request(meta.metrics_url + path, headers=meta.admin_headers())
     with urllib.request.urlopen(req, timeout=5) as r:
