@@ -17,7 +17,7 @@ if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
 fi
 "$venv/bin/pip" install -q --no-deps -e "$repo" >&2
 # The nixl extra, without its dependencies (a CUDA torch the data plane never imports): docs/nixl.md.
-if ! "$venv/bin/python" -c "import nixl" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import nixl" >/dev/null 2>&1; then
   "$venv/bin/pip" install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" >&2
 fi
 echo "$venv"

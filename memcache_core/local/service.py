@@ -35,13 +35,13 @@ from ..rpc import Backoff, RpcClient, expect
 from ..transfer import CopyOp, TransferEngine
 from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
-
-if TYPE_CHECKING:
-    from ..transfer.nixl import NixlTransport
 from . import recovery
 from .drain import Drainer
 from .metrics import LocalMetrics, MetricsServer
 from .segment import create_segment
+
+if TYPE_CHECKING:
+    from ..transfer.nixl import NixlTransport
 
 logger = logging.getLogger(__name__)
 

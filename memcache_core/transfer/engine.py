@@ -3,8 +3,9 @@
 Path per segment: the caller's own segment and, with ``host_shm``, every segment on the same host are
 copied through shared memory; other segments (and all peers with ``host_tcp``) go over TCP to the
 owner's data server, or, with ``transfer_engine: "nixl"``, as one NIXL request per peer and batch when
-the segment has a NIXL agent and every local piece lies in registered memory (``nixl.py``). Copies release the GIL, so a batch is split over a few threads; small batches
-run inline, where thread hand-off would cost more than the copy.
+the segment has a NIXL agent and every local piece lies in registered memory (``nixl.py``). Copies
+release the GIL, so a batch is split over a few threads; small batches run inline, where thread
+hand-off would cost more than the copy.
 
 Integrity: a write hashes each piece (XXH3-64) right before copying it, while it is hot in cache,
 then writes the object's header (``layout.py``) after the payload; a verified read hashes each piece
