@@ -18,6 +18,7 @@ timeout is set in ``_make_agent``, the one place that works around the Python wr
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -54,6 +55,16 @@ class Descriptor(msgspec.Struct, array_like=True, frozen=True):
 
 
 _decoder = msgspec.msgpack.Decoder(Descriptor)
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    """A loaded remote agent and the requests using it."""
+
+    name: str
+    descriptor: Descriptor
+    refs: int = 0
+    retired: bool = False
 
 
 def available() -> bool:
@@ -117,7 +128,7 @@ class NixlTransport:
         self._starts: list[int] = []           # registered local regions, sorted (copy on write)
         self._ends: list[int] = []
         self._handles: dict[tuple[int, int], Any] = {}
-        self._peers: dict[bytes, tuple[str, Descriptor]] = {}   # descriptor -> loaded agent's name
+        self._peers: dict[bytes, _Peer] = {}    # descriptor -> loaded remote agent
         self._scratch: list[np.ndarray] = []    # free registered header buffers
         self.descriptor = b""
         if own is not None:
@@ -181,7 +192,14 @@ class NixlTransport:
             self._give_scratch(scratch)
 
     def _request(self, op: str, seg: SegmentInfo, ranges: Ranges) -> None:
-        peer, d = self._peer(seg)
+        peer = self._pin(seg)
+        try:
+            self._request_pinned(op, seg, ranges, peer)
+        finally:
+            self._unpin(peer)
+
+    def _request_pinned(self, op: str, seg: SegmentInfo, ranges: Ranges, peer: _Peer) -> None:
+        d = peer.descriptor
         local, remote = [], []
         for off, pieces in ranges:
             pos = d.base + off
@@ -196,7 +214,7 @@ class NixlTransport:
         a = self._agent
         try:
             handle = a.initialize_xfer(op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
-                                       a.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), peer)
+                                       a.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), peer.name)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
             raise PeerUnavailable(f"NIXL {op} to segment {seg.segment_id} refused: {e}") from e
         try:
@@ -221,22 +239,37 @@ class NixlTransport:
         if state != "DONE":
             raise PeerUnavailable(f"NIXL {op} with segment {seg.segment_id} failed")
 
-    def _peer(self, seg: SegmentInfo) -> tuple[str, Descriptor]:
+    def _pin(self, seg: SegmentInfo) -> _Peer:
+        """The segment's remote agent, loaded on first use; held until ``_unpin`` (a peer forgotten
+        meanwhile is removed from the agent when its last request ends, never under it)."""
         with self._lock:
-            known = self._peers.get(seg.nixl)
-            if known is not None:
-                return known
-            try:
-                d = _decoder.decode(seg.nixl)
-            except msgspec.DecodeError as e:
-                raise PeerUnavailable(f"segment {seg.segment_id}: unreadable NIXL descriptor") from e
-            try:
-                name = self._agent.add_remote_agent(d.metadata)
-            except Exception as e:  # noqa: BLE001
-                raise PeerUnavailable(f"segment {seg.segment_id}: NIXL metadata refused: {e}") from e
-            known = (name.decode() if isinstance(name, bytes) else str(name), d)
-            self._peers[seg.nixl] = known
-        return known
+            peer = self._peers.get(seg.nixl)
+            if peer is None:
+                try:
+                    d = _decoder.decode(seg.nixl)
+                except msgspec.DecodeError as e:
+                    raise PeerUnavailable(f"segment {seg.segment_id}: unreadable NIXL descriptor") from e
+                try:
+                    name = self._agent.add_remote_agent(d.metadata)
+                except Exception as e:  # noqa: BLE001
+                    raise PeerUnavailable(f"segment {seg.segment_id}: NIXL metadata refused: {e}") from e
+                peer = _Peer(name.decode() if isinstance(name, bytes) else str(name), d)
+                self._peers[seg.nixl] = peer
+            peer.refs += 1
+            return peer
+
+    def _unpin(self, peer: _Peer) -> None:
+        with self._lock:
+            peer.refs -= 1
+            remove = peer.retired and peer.refs == 0
+        if remove:
+            self._remove(peer)
+
+    def _remove(self, peer: _Peer) -> None:
+        try:
+            self._agent.remove_remote_agent(peer.name)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("NIXL remote agent not removed: %s", e)
 
     def _take_scratch(self, n: int) -> np.ndarray:
         with self._lock:
@@ -254,18 +287,20 @@ class NixlTransport:
             self.unregister(buf.ctypes.data, buf.nbytes)
 
     def forget(self, seg: SegmentInfo) -> None:
-        """The peer left or changed: drop its agent (a restarted peer brings new metadata)."""
+        """The peer left or changed: drop its agent once no request uses it (a restarted peer brings new
+        metadata)."""
         with self._lock:
-            known = self._peers.pop(seg.nixl, None)
-        if known is not None:
-            try:
-                self._agent.remove_remote_agent(known[0])
-            except Exception as e:  # noqa: BLE001
-                logger.debug("NIXL remote agent of segment %d not removed: %s", seg.segment_id, e)
+            peer = self._peers.pop(seg.nixl, None)
+            if peer is None:
+                return
+            peer.retired = True
+            remove = peer.refs == 0
+        if remove:
+            self._remove(peer)
 
     def close(self) -> None:
         with self._lock:
-            peers, self._peers = [name for name, _ in self._peers.values()], {}
+            peers, self._peers = [peer.name for peer in self._peers.values()], {}
             handles, self._handles = list(self._handles.values()), {}
             self._starts, self._ends, self._scratch = [], [], []
         for name in peers:
