@@ -132,32 +132,35 @@ class NixlTransport:
         self._scratch: list[np.ndarray] = []    # free registered header buffers
         self.descriptor = b""
         if own is not None:
-            self.register(own.addr, own.size)
+            if not self.register(own.addr, own.size):
+                raise InvalidParameter("transfer_engine: NIXL could not register this LocalService's segment")
             self.descriptor = msgspec.msgpack.encode(
                 Descriptor(self.name, self._agent.get_agent_metadata(), own.addr, own.size))
 
     # ---- local registrations --------------------------------------------------------------------
 
-    def register(self, ptr: int, size: int) -> None:
-        """Register with the agent; a buffer UCX refuses is left to the TCP path (logged)."""
+    def register(self, ptr: int, size: int) -> bool:
+        """Register with the agent; a buffer UCX refuses is left to the TCP path (logged, False)."""
         with self._lock:
             if (ptr, size) in self._handles:
-                return
+                return True
             try:
                 self._handles[(ptr, size)] = self._agent.register_memory([(ptr, size, 0, "")], "DRAM")
             except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
                 logger.warning("NIXL did not register buffer %#x+%d (it goes through TCP): %s", ptr, size, e)
-                return
+                return False
             i = bisect.bisect_right(self._starts, ptr)
             self._starts = self._starts[:i] + [ptr] + self._starts[i:]
             self._ends = self._ends[:i] + [ptr + size] + self._ends[i:]
+            return True
 
     def unregister(self, ptr: int, size: int) -> None:
         with self._lock:
             handle = self._handles.pop((ptr, size), None)
             if handle is None:
                 return
-            i = self._starts.index(ptr)
+            i = next(j for j, (s, e) in enumerate(zip(self._starts, self._ends, strict=True))
+                     if s == ptr and e == ptr + size)
             self._starts = self._starts[:i] + self._starts[i + 1:]
             self._ends = self._ends[:i] + self._ends[i + 1:]
             self._agent.deregister_memory(handle)
