@@ -16,4 +16,8 @@ if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 "$venv/bin/pip" install -q --no-deps -e "$repo" >&2
+# The nixl extra, without its dependencies (a CUDA torch the data plane never imports): docs/nixl.md.
+if ! "$venv/bin/python" -c "import nixl" >/dev/null 2>&1; then
+  "$venv/bin/pip" install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" >&2
+fi
 echo "$venv"

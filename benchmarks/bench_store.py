@@ -126,7 +126,7 @@ class CoreClient:
         cfg = LocalConfig()
         cfg.meta_service_url = spec["meta_service_url"]
         cfg.config_store_url = spec["config_store_url"]
-        cfg.protocol = spec["protocol"]
+        _bench_nixl().configure(cfg, spec["protocol"])
         cfg.dram_size = SEGMENT
         cfg.log_level = "warning"
         cfg.hcom_url = "tcp://127.0.0.1:0"
@@ -724,6 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("memcache", "mooncake"), default="memcache")
     ap.add_argument("--protocol", choices=("host_shm", "host_tcp", "all"), default="all",
                     help="Mooncake has only TCP: it always runs host_tcp")
+    ap.add_argument("--transfer-engine", choices=("builtin", "nixl"), default="builtin",
+                    help="nixl: also run both LocalServices as distinct hosts over NIXL/UCX (protocol column "
+                         "'nixl'), beside the built-in host_tcp path (benchmarks/bench_nixl.py)")
     ap.add_argument("--quick", action="store_true", help="small run (< 60 s), a smoke check")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=["contiguous", "layered"],
@@ -772,6 +775,11 @@ def main(argv: list[str] | None = None) -> int:
     args.exist_reps = 50 if args.quick else 300
     protocols = ["host_tcp"] if args.engine == "mooncake" else (
         ["host_shm", "host_tcp"] if args.protocol == "all" else [args.protocol])
+    if args.transfer_engine == "nixl" and args.engine == "memcache":
+        nixl_protocols = _bench_nixl().prepare(args.protocol)
+        if nixl_protocols is None:
+            return 2
+        protocols = nixl_protocols
     print(f"engine {args.engine}; object {OBJ_BYTES // KIB} KiB (contiguous, or {LAYERS}x128 KiB + {LAYERS}x16 KiB);"
           f" batches {args.batches}; {args.reps} reps (+{args.warmup} warm-up) per figure; medians; "
           f"xR = median over repetitions of (memcpy time / op time), the memcpy of the same bytes timed right after "
@@ -802,6 +810,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {_plot(out, args.plot)}")
     print(f"done in {time.monotonic() - t0:.0f} s")
     return 0
+
+
+def _bench_nixl() -> Any:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_nixl
+    return bench_nixl
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> str:

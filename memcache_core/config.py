@@ -12,6 +12,7 @@ Environment variables are read in this module only.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -333,6 +334,9 @@ class LocalConfig:
     port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics port binds (``metrics_port``)."""
+    transfer_engine: str = "builtin"
+    """How bytes cross hosts: ``builtin`` (the TCP data server) or ``nixl`` (one-sided READ/WRITE through
+    NIXL over UCX, for pieces in registered buffers; needs the ``nixl`` package, docs/nixl.md)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -368,6 +372,7 @@ class LocalConfig:
         _check_bool("checksum", self.checksum)
         _check_bool("auth_enable", self.auth_enable)
         _check_str("auth_secret_path", self.auth_secret_path)
+        _check_transfer_engine(self.transfer_engine, self.tls_enable)
         tls.check(self)
         if self.hcom_advertise_url:
             host, _ = parse_url(self.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
@@ -380,6 +385,17 @@ class LocalConfig:
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
+
+
+def _check_transfer_engine(v: Any, tls_enable: bool) -> None:
+    if v not in ("builtin", "nixl"):
+        raise ConfigError(f"transfer_engine: expected 'builtin' or 'nixl', got {v!r}")
+    if v == "nixl" and tls_enable:
+        raise ConfigError("transfer_engine: 'nixl' moves payload outside TLS (UCX does not encrypt); "
+                          "with tls_enable use 'builtin'")
+    if v == "nixl" and importlib.util.find_spec("nixl") is None:
+        raise ConfigError("transfer_engine: 'nixl' needs the nixl package "
+                          "(pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1); it is not installed")
 
 
 @dataclasses.dataclass

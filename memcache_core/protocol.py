@@ -18,6 +18,7 @@ class SegmentInfo(msgspec.Struct, frozen=True):
     shm_path: str          # shared-memory file, mappable by peers on the same host
     data_addr: str         # "host:port" of the owner's data server (TCP transfers)
     tag: str = ""
+    nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True):

@@ -47,6 +47,9 @@ class BufferRegistry:
                     return
         raise InvalidParameter(f"unregister_buffer: {ptr:#x}+{size} was not registered")
 
+    def regions(self) -> list[tuple[int, int]]:
+        return [(s, e - s) for s, e in zip(self._starts, self._ends, strict=True)]
+
     def check(self, ptr: int, size: int) -> None:
         """Raise InvalidParameter unless [ptr, ptr+size) lies inside one registered buffer."""
         _check_int("ptr", ptr)

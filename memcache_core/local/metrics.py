@@ -29,7 +29,7 @@ class LocalMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = ["path", "direction"]
         self.bytes = Counter("memcache_local_transfer_bytes", "Payload bytes moved, per transfer path "
-                             "(host_shm, host_tcp) and direction (read, write).", labels, registry=self.registry)
+                             "(host_shm, host_tcp, nixl) and direction (read, write).", labels, registry=self.registry)
         self.seconds = Histogram("memcache_local_transfer_seconds", "Time of one transfer job (a batch's "
                                  "copies to or from one segment group), per path and direction.", labels,
                                  buckets=TRANSFER_BUCKETS, registry=self.registry)

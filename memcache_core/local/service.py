@@ -23,6 +23,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .. import errors, tls
 from .. import protocol as p
@@ -38,6 +39,9 @@ from . import recovery
 from .drain import Drainer
 from .metrics import LocalMetrics, MetricsServer
 from .segment import create_segment
+
+if TYPE_CHECKING:
+    from ..transfer.nixl import NixlTransport
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +108,17 @@ class LocalService:
                 self.segment = create_segment(size)
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
                 self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg))
+            nixl = self._start_nixl()
+            if self.segment is not None and self.data_server is not None:
                 self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
                                                        self._advertised(self.data_server.addr),
-                                                       cfg.tag or f"device{device_id}")
+                                                       cfg.tag or f"device{device_id}",
+                                                       nixl.descriptor if nixl is not None else b"")
             threads = max(1, min(os.cpu_count() or 1, 8))
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
-                                         self._tls_client, self.metrics)
+                                         self._tls_client, self.metrics, nixl)
             self._start_metrics_server()
             self._join(recover=False)
         except BaseException:
@@ -119,6 +126,22 @@ class LocalService:
             raise
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _start_nixl(self) -> NixlTransport | None:
+        """The NIXL agent (``transfer_engine: "nixl"``), with our segment registered."""
+        if self.config.transfer_engine != "nixl":
+            return None
+        from ..transfer.nixl import NixlTransport
+        return NixlTransport(self.segment, self.config.client_timeout_seconds)
+
+    def register_memory(self, ptr: int, size: int) -> None:
+        """A caller's buffer (``register_buffer``): NIXL may move pieces that lie in it."""
+        if self.engine is not None and self.engine.nixl is not None:
+            self.engine.nixl.register(ptr, size)
+
+    def unregister_memory(self, ptr: int, size: int) -> None:
+        if self.engine is not None and self.engine.nixl is not None:
+            self.engine.nixl.unregister(ptr, size)
 
     def _start_metrics_server(self) -> None:
         cfg = self.config
@@ -578,4 +601,4 @@ def _clip(pieces: Pieces, size: int) -> Pieces:
 
 
 def _fields(info: p.SegmentInfo) -> tuple:
-    return (info.segment_id, info.size, info.host_id, info.shm_path, info.data_addr, info.tag)
+    return (info.segment_id, info.size, info.host_id, info.shm_path, info.data_addr, info.tag, info.nixl)

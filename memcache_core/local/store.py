@@ -119,6 +119,8 @@ class DistributedObjectStore:
         try:
             svc = LocalService(self._config)
             svc.start(int(device_id), with_segment=bool(init_bm))
+            for ptr, size in self._buffers.regions():
+                svc.register_memory(ptr, size)
         except MemCacheError as e:
             logger.error("init failed: %s", e)
             return e.code
@@ -148,6 +150,8 @@ class DistributedObjectStore:
     def register_buffer(self, ptr: int, size: int) -> int:
         try:
             self._buffers.register(ptr, size)
+            if self._svc is not None:
+                self._svc.register_memory(ptr, size)
         except MemCacheError as e:
             logger.warning("register_buffer refused: %s", e)
             return e.code
@@ -156,6 +160,8 @@ class DistributedObjectStore:
     def unregister_buffer(self, ptr: int, size: int) -> int:
         try:
             self._buffers.unregister(ptr, size)
+            if self._svc is not None:
+                self._svc.unregister_memory(ptr, size)
         except MemCacheError as e:
             logger.warning("unregister_buffer refused: %s", e)
             return e.code

@@ -21,6 +21,7 @@ MAX_OBJECT_BYTES = 1 << 40
 MAX_BATCH = 1 << 20
 MAX_REPLICAS = 8
 MAX_TEXT = 256
+MAX_NIXL_BYTES = 64 << 10    # a NIXL agent's metadata is about 0.5 KiB
 SEGMENT_NAME = re.compile(r"^/(?:[A-Za-z0-9._-]+/)*memcache-\d+-[0-9a-f]{1,32}$")
 
 
@@ -48,6 +49,8 @@ def segment(info: p.SegmentInfo) -> None:
     _int("segment.size", info.size, 1 << 12, MAX_SEGMENT_BYTES)
     _text("segment.host_id", info.host_id)
     _text("segment.tag", info.tag)
+    if len(info.nixl) > MAX_NIXL_BYTES:
+        raise InvalidParameter(f"segment.nixl: {len(info.nixl)} bytes; at most {MAX_NIXL_BYTES}")
     if not SEGMENT_NAME.match(info.shm_path) or "/../" in info.shm_path:
         raise InvalidParameter(f"segment.shm_path: {info.shm_path!r} is not a segment file path")
     host, sep, port = info.data_addr.rpartition(":")

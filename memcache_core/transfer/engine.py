@@ -2,8 +2,10 @@
 
 Path per segment: the caller's own segment and, with ``host_shm``, every segment on the same host are
 copied through shared memory; other segments (and all peers with ``host_tcp``) go over TCP to the
-owner's data server. Copies release the GIL, so a batch is split over a few threads; small batches
-run inline, where thread hand-off would cost more than the copy.
+owner's data server, or, with ``transfer_engine: "nixl"``, as one NIXL request per peer and batch when
+the segment has a NIXL agent and every local piece lies in registered memory (``nixl.py``). Copies
+release the GIL, so a batch is split over a few threads; small batches run inline, where thread
+hand-off would cost more than the copy.
 
 Integrity: a write hashes each piece (XXH3-64) right before copying it, while it is hot in cache,
 then writes the object's header (``layout.py``) after the payload; a verified read hashes each piece
@@ -19,7 +21,7 @@ import ssl
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -30,9 +32,13 @@ from ..protocol import SegmentInfo
 from .shm import ShmTransport, memmove
 from .tcp import TcpClient
 
+if TYPE_CHECKING:
+    from .nixl import NixlTransport
+
 logger = logging.getLogger(__name__)
 
 INLINE_BYTES = 1 << 20    # batches smaller than this are copied on the calling thread
+NIXL = "nixl:"            # job key prefix of ops moved by NIXL
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,12 +80,14 @@ def checksum_of(pieces: list[tuple[int, int]]) -> int:
 class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
                  read_threads: int, write_threads: int, secret: bytes | None = None,
-                 tls: ssl.SSLContext | None = None, metrics: Any = None) -> None:
+                 tls: ssl.SSLContext | None = None, metrics: Any = None,
+                 nixl: NixlTransport | None = None) -> None:
         self.protocol = protocol
         self.metrics = metrics   # local.metrics.LocalMetrics (transfer/ never imports local/)
         self.host_id = host_id
         self.shm = ShmTransport(own)
         self.tcp = TcpClient(timeout_s, secret, tls)
+        self.nixl = nixl
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="memcache-read")
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
         self._threads = {True: read_threads, False: write_threads}
@@ -101,19 +109,29 @@ class TransferEngine:
         by_peer: dict[str, list[CopyOp]] = defaultdict(list)
         for op in ops:
             if not self.local(op.segment):
-                by_peer[op.segment.data_addr].append(op)
+                by_peer[self._route(op)].append(op)
         jobs: list[tuple[str | None, list[CopyOp]]] = []
         nthreads = self._threads[reading] if sum(op.nbytes for op in ops) >= INLINE_BYTES else 1
         if shm_ops:
             jobs.extend((None, chunk) for chunk in split_by_bytes(shm_ops, nthreads))
         for addr, peer_ops in by_peer.items():
-            jobs.extend((addr, chunk) for chunk in split_by_bytes(peer_ops, nthreads))
+            if addr.startswith(NIXL):
+                jobs.append((addr, peer_ops))   # one request per peer and batch
+            else:
+                jobs.extend((addr, chunk) for chunk in split_by_bytes(peer_ops, nthreads))
         if len(jobs) == 1:
             self._job(jobs[0], reading)
             return
         pool = self._read_pool if reading else self._write_pool
         for f in [pool.submit(self._job, job, reading) for job in jobs]:
             f.result()
+
+    def _route(self, op: CopyOp) -> str:
+        """The job key of a remote op: the peer's data address, prefixed when NIXL moves it."""
+        seg = op.segment
+        if self.nixl is not None and seg.nixl and self.nixl.covers(op.pieces):
+            return NIXL + seg.data_addr
+        return seg.data_addr
 
     def _job(self, job: tuple[str | None, list[CopyOp]], reading: bool) -> None:
         t0 = time.perf_counter()
@@ -122,7 +140,8 @@ class TransferEngine:
         finally:
             if self.metrics is not None:
                 addr, ops = job
-                self.metrics.transfer("host_shm" if addr is None else "host_tcp", reading,
+                path = "host_shm" if addr is None else "nixl" if addr.startswith(NIXL) else "host_tcp"
+                self.metrics.transfer(path, reading,
                                       sum(op.nbytes for op in ops if op.error is None),
                                       time.perf_counter() - t0, sum(op.error is not None for op in ops))
 
@@ -135,6 +154,8 @@ class TransferEngine:
                         (self._shm_read if reading else self._shm_write)(op)
                     except MemCacheError as e:
                         op.error = e
+            elif addr.startswith(NIXL):
+                (self._nixl_read if reading else self._nixl_write)(ops)
             elif reading:
                 self._tcp_read(addr, ops)
             else:
@@ -191,22 +212,46 @@ class TransferEngine:
 
     def _tcp_read(self, addr: str, ops: list[CopyOp]) -> None:
         self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops])
+        _verify_all(ops)
+
+    # ---- NIXL: one request per peer; the same checksums as TCP ------------------------------------------
+
+    def _nixl_write(self, ops: list[CopyOp]) -> None:
+        assert self.nixl is not None
         for op in ops:
-            if op.hash and op.checksum:
-                try:
-                    _verify(op, checksum_of(op.pieces))
-                except ChecksumMismatch as e:
-                    op.error = e
+            if op.hash:
+                op.checksum = checksum_of(op.pieces)
+        self.nixl.write(ops[0].segment, [(op.payload_offset, op.pieces) for op in ops],
+                        [(op.offset, op.header()) for op in ops])
+
+    def _nixl_read(self, ops: list[CopyOp]) -> None:
+        assert self.nixl is not None
+        self.nixl.read(ops[0].segment, [(op.payload_offset, op.pieces) for op in ops])
+        _verify_all(ops)
 
     def forget(self, seg: SegmentInfo) -> None:
         self.shm.forget(seg)
         self.tcp.forget(seg.data_addr)
+        if self.nixl is not None:
+            self.nixl.forget(seg)
 
     def close(self) -> None:
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
         self.shm.close()
         self.tcp.close()
+        if self.nixl is not None:
+            self.nixl.close()
+
+
+def _verify_all(ops: list[CopyOp]) -> None:
+    """Hash what a batch read brought and compare with the committed checksums (per op)."""
+    for op in ops:
+        if op.hash and op.checksum:
+            try:
+                _verify(op, checksum_of(op.pieces))
+            except ChecksumMismatch as e:
+                op.error = e
 
 
 def _verify(op: CopyOp, got: int) -> None:

@@ -119,8 +119,14 @@ class Worker:
             self.puts_log.close()
             with open(self.out + ".json", "w", encoding="ascii") as f:
                 json.dump({"stats": self.stats, "wrong": self.wrong[:50], "wrong_count": len(self.wrong),
-                           "read": sorted(self.read)}, f)
+                           "read": sorted(self.read), "paths": self.paths()}, f)
             self.store.close()
+
+    def paths(self) -> dict[str, float]:
+        """Payload bytes moved per transfer path and direction, e.g. ``nixl/read``."""
+        reg = self.store._service().metrics.registry
+        return {f"{s.labels['path']}/{s.labels['direction']}": s.value for m in reg.collect()
+                if m.name == "memcache_local_transfer_bytes" for s in m.samples if s.name.endswith("_total")}
 
     def exist(self) -> None:
         keys, *_ = self._batch()

@@ -34,6 +34,8 @@ class Worker:
 
     def _buffer(self, n: int) -> np.ndarray:
         if self.buf.nbytes < n:
+            if self.buf.nbytes:
+                assert self.store.unregister_buffer(self.buf.ctypes.data, self.buf.nbytes) == 0
             self.buf = np.zeros(n, np.uint8)
             assert self.store.register_buffer(self.buf.ctypes.data, self.buf.nbytes) == 0
         return self.buf
@@ -84,6 +86,10 @@ class Worker:
             return {"codes": self.store.remove_batch(cmd["keys"])}
         if op == "id":
             return {"id": self.store.get_local_service_id()}
+        if op == "paths":   # payload bytes moved per transfer path and direction, e.g. "nixl/read"
+            reg = self.store._service().metrics.registry
+            return {f"{s.labels['path']}/{s.labels['direction']}": s.value for m in reg.collect()
+                    if m.name == "memcache_local_transfer_bytes" for s in m.samples if s.name.endswith("_total")}
         if op == "close":
             t = time.perf_counter()
             return {"rc": self.store.close(), "seconds": time.perf_counter() - t}

@@ -9,6 +9,7 @@ import pytest
 
 from memcache_core import DistributedObjectStore
 from memcache_core.testing import wait_for
+from memcache_core.transfer.nixl import available as nixl_available
 
 from .conftest import DSR1_LAYOUT
 from .store_worker import pattern
@@ -16,10 +17,22 @@ from .store_worker import pattern
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
-def test_layered_batches_between_three_processes(stores, protocol):
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl is not installed"))
+
+
+def _path(protocol: str, host: str, env: pytest.MonkeyPatch) -> dict:
+    """``nixl``: each process on its own host id (peers are other hosts), UCX over tcp on loopback."""
+    if protocol != "nixl":
+        return {"protocol": protocol}
+    env.setenv("UCX_TLS", "tcp")
+    env.setenv("UCX_NET_DEVICES", "lo")
+    return {"protocol": "host_shm", "transfer_engine": "nixl", "host_id": host}
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp", NIXL])
+def test_layered_batches_between_three_processes(stores, protocol, monkeypatch):
     """Scenario: A writes 32 DeepSeek-shaped blocks of 122 pieces; B and C read every one byte-exact."""
-    a, b, c = (stores(protocol=protocol, dram_size="160MB") for _ in range(3))
+    a, b, c = (stores(**_path(protocol, h, monkeypatch), dram_size="160MB") for h in "abc")
     keys = [f"{protocol}-blk-{i}" for i in range(32)]
     assert a("put", keys=keys[:16], layout=DSR1_LAYOUT)["codes"] == [0] * 16
     assert b("put", keys=keys[16:], layout=DSR1_LAYOUT)["codes"] == [0] * 16
@@ -30,9 +43,9 @@ def test_layered_batches_between_three_processes(stores, protocol):
     assert c("exist", keys=keys + ["absent"])["codes"] == [1] * 32 + [0]
 
 
-@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
-def test_contiguous_objects_and_same_layout_reads(stores, protocol):
-    a, b = stores(protocol=protocol), stores(protocol=protocol)
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp", NIXL])
+def test_contiguous_objects_and_same_layout_reads(stores, protocol, monkeypatch):
+    a, b = stores(**_path(protocol, "a", monkeypatch)), stores(**_path(protocol, "b", monkeypatch))
     keys = [f"c-{i}" for i in range(8)]
     assert a("put", keys=keys, layout=[8784 << 10])["codes"] == [0] * 8
     got = b("get", keys=keys, layout=[8784 << 10])

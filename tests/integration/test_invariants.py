@@ -27,6 +27,7 @@ from memcache_core import protocol as p
 from memcache_core.auth import load_secret
 from memcache_core.rpc import RpcClient, expect
 from memcache_core.testing import MetaServiceProcess, running_meta_service
+from memcache_core.transfer.nixl import available as nixl_available
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -129,6 +130,48 @@ def test_random_traffic_with_a_member_killed_and_the_meta_service_restarted(caps
     evictions = next(int(float(line.split()[-1])) for line in metrics.splitlines()
                      if line.startswith("memcache_evictions_total"))
     assert evictions > 0, "no eviction happened after the restart: the run had no eviction pressure"
+
+
+NIXL_SECONDS = min(SECONDS, 20.0)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl is not installed (pip install --no-deps nixl==1.5.1 "
+                                                 "nixl-cu12==1.5.1)")
+def test_random_traffic_over_nixl_with_a_member_killed_and_the_meta_service_restarted(capsys, monkeypatch):
+    """The same checker with every member on its own host id: gets and puts between segment holders and
+    clients cross through NIXL (UCX over tcp on loopback); one client keeps the built-in TCP path to the
+    same providers. A holder is killed mid-run, the MetaService restarted."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    with tempfile.TemporaryDirectory(prefix="memcache-chaos-nixl-") as d, \
+            running_meta_service(heartbeat_timeout_ms=1500, lease_ttl_ms=2000) as ms:
+        fleet = Fleet(ms, d, NIXL_SECONDS)
+        nixl = {"transfer_engine": "nixl"}
+        victim = fleet.start("holder-1", host_id="h1", **nixl)
+        fleet.start("holder-2", host_id="h2", **nixl)
+        fleet.start("client-nixl", host_id="h3", init_bm=False, **nixl)
+        fleet.start("client-tcp", host_id="h4", init_bm=False)
+        t0 = time.monotonic()
+        time.sleep(NIXL_SECONDS / 3)
+        victim.kill()
+        victim.wait()
+        fleet.seconds = NIXL_SECONDS - (time.monotonic() - t0)
+        fleet.start("holder-replacement", host_id="h5", **nixl)
+        time.sleep(max(0.0, t0 + 2 * NIXL_SECONDS / 3 - time.monotonic()))
+        ms.kill()
+        ms.start()
+        fleet.wait()
+        verified, misses, finished = check(fleet)
+        metrics = ms.http("/metrics")
+        nixl_client = fleet.results()["client-nixl"]["paths"]
+    with capsys.disabled():
+        print(f"\ninvariant checker over NIXL: {verified} verified reads, {misses} misses, 0 wrong bytes "
+              f"({len(finished)} workers finished, {NIXL_SECONDS:g} s, one member killed, MetaService restarted)")
+    assert "holder-1" not in finished and len(finished) == 4
+    assert verified > 200 and misses > 0
+    assert nixl_client.get("nixl/read", 0) > 0 and nixl_client.get("nixl/write", 0) > 0, nixl_client
+    assert not nixl_client.get("host_tcp/read") and not nixl_client.get("host_tcp/write"), nixl_client
+    assert "memcache_integrity_failures_total 0.0" in metrics
 
 
 def _corrupt_segments(ms: MetaServiceProcess, stop: threading.Event) -> int:

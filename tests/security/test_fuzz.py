@@ -55,7 +55,8 @@ FIELDS = {
     "generations": st.lists(INTS, max_size=20), "checksums": st.lists(INTS, max_size=20),
     "replicas": INTS, "preferred": st.lists(INTS, max_size=12), "segment_ids": st.lists(INTS, max_size=12),
     "segment": st.one_of(st.none(), VALUE, st.fixed_dictionaries({
-        "segment_id": INTS, "size": INTS, "host_id": TEXT, "shm_path": TEXT, "data_addr": TEXT, "tag": TEXT})),
+        "segment_id": INTS, "size": INTS, "host_id": TEXT, "shm_path": TEXT, "data_addr": TEXT, "tag": TEXT,
+        "nixl": st.one_of(st.binary(max_size=64), VALUE)})),
     "objects": st.lists(st.tuples(TEXT, INTS, INTS, INTS, INTS).map(list), max_size=10),
     "key": TEXT, "value": st.one_of(st.binary(max_size=256), VALUE), "prefix": TEXT, "lease": VALUE,
     "journal_ack": INTS, "timeout_ms": INTS, "ok": st.lists(VALUE, max_size=20),
@@ -95,6 +96,21 @@ def _honest_cycle(core: MetaServiceCore) -> None:
     found = _call(core, p.Lookup([key]))
     assert isinstance(found, p.LookupReply) and found.results[0] is not None
     assert (found.results[0].size, found.results[0].generation) == (4096, a.results[0].generation)
+    assert _call(core, p.Leave(j.client_id, j.token)) == p.Ok()
+
+
+def test_segment_nixl_descriptor_is_bounded_and_handed_to_members(core):
+    """A segment's NIXL descriptor (agent metadata: a capability) is opaque to the MetaService, bounded
+    in size (the error names the field) and given back with the segment table, unchanged."""
+    path = f"/dev/shm/memcache-{os.getpid()}-{secrets.token_hex(6)}"
+    big = p.SegmentInfo(0, 1 << 24, "h", path, "127.0.0.1:9", nixl=b"\1" * ((64 << 10) + 1))
+    reply = p.reply_decoder.decode(_answer(core, p.request_encoder.encode(p.Join(0, "h", os.getpid(), big))))
+    assert isinstance(reply, p.Error) and "segment.nixl" in reply.message
+    blob = secrets.token_bytes(600)
+    j = _call(core, p.Join(0, "h", os.getpid(), p.SegmentInfo(0, 1 << 24, "h", path, "127.0.0.1:9", nixl=blob)))
+    assert isinstance(j, p.Joined)
+    segs = _call(core, p.GetSegments([j.client_id]))
+    assert isinstance(segs, p.Segments) and [s.nixl for s in segs.segments] == [blob]
     assert _call(core, p.Leave(j.client_id, j.token)) == p.Ok()
 
 

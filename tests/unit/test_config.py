@@ -163,3 +163,23 @@ def test_meta_service_url_forms():
     for bad in ("etcd://h1:2379", "etcd://h1:2379/a b", "tcp://a:1,", "http://a:1"):
         with pytest.raises(ConfigError, match="meta_service_url"):
             apply_dict(LocalConfig(protocol="host_shm"), {"meta_service_url": bad})
+
+
+def test_transfer_engine_is_checked_by_name():
+    assert LocalConfig().transfer_engine == "builtin"
+    with pytest.raises(ConfigError, match="transfer_engine: expected 'builtin' or 'nixl'"):
+        LocalConfig(transfer_engine="ucx")
+    cfg = LocalConfig()
+    cfg.tls_enable, cfg.transfer_engine = True, "nixl"
+    with pytest.raises(ConfigError, match="transfer_engine: 'nixl' moves payload outside TLS"):
+        cfg.validate()
+
+
+def test_transfer_engine_nixl_without_the_package_is_a_config_error(monkeypatch):
+    """Asking for NIXL where it is not installed fails at setup, naming the key and the install command
+    (no silent fallback: a pool that should run on RDMA would quietly run on the TCP data server)."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nixl" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"transfer_engine: 'nixl' needs the nixl package \(pip install --no-deps"):
+        LocalConfig(transfer_engine="nixl")

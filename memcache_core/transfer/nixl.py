@@ -1,0 +1,319 @@
+"""Cross-host transfers through NIXL over UCX: one-sided READs and WRITEs of a peer's segment.
+
+Each LocalService (``transfer_engine: "nixl"``) runs one NIXL agent. A provider registers its segment
+with it and puts the agent's metadata (which holds the region's remote key: a capability to read and
+write that memory) and the region's address in its ``SegmentInfo.nixl``. That travels only through
+the MetaService's authenticated RPC port (``Join``, ``GetSegments``); the status page, metrics and logs
+never show it. A peer loads the metadata on first use and moves the pieces of a batch in one request,
+straight between its registered buffers and the segment; the owner's Python does nothing per
+transfer. Pieces outside registered memory are not ours to hand to NIXL: the engine sends them
+through the built-in TCP path instead.
+
+The initiator drives its own requests by polling ``check_xfer_state`` until a deadline: a failed or
+timed-out transfer raises (a miss or a failed put for its keys), never hangs. Only providers start
+NIXL's progress thread (a peer's emulated READ over UCX's tcp transport is served by it); its poll
+timeout is set in ``_make_agent``, the one place that works around the Python wrapper's busy poll.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import importlib.util
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..errors import InvalidParameter, PeerUnavailable, TransferFailed
+from ..memory import Mapping
+from ..protocol import SegmentInfo
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_POLL_US = 2000       # the progress thread's poll timeout (the wrapper's 0 spins a core idle)
+SPIN_S = 0.001                # poll without yielding this long, then sleep SLEEP_S between checks
+SLEEP_S = 0.00005
+SCRATCH_BYTES = 64 << 10      # registered buffers for object headers (written after the payload)
+INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+
+Ranges = list[tuple[int, list[tuple[int, int]]]]   # (segment offset, [(local pointer, size), ...])
+
+
+class Descriptor(msgspec.Struct, array_like=True, frozen=True):
+    """What a peer needs to reach a segment through NIXL: the owner's agent and the region."""
+
+    agent: str
+    metadata: bytes
+    base: int
+    size: int
+
+
+_decoder = msgspec.msgpack.Decoder(Descriptor)
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    """A loaded remote agent and the requests using it."""
+
+    name: str
+    descriptor: Descriptor
+    refs: int = 0
+    retired: bool = False
+
+
+def available() -> bool:
+    return importlib.util.find_spec("nixl") is not None
+
+
+_make_lock = threading.Lock()
+
+
+def _own_nixl_logging() -> None:
+    """nixl configures its logger on import to print INFO lines (agent names) on stdout, which belongs
+    to the application: send its warnings and errors through the application's logging instead. UCX
+    too prints to stdout unless told otherwise (``UCX_LOG_FILE``, read when it loads)."""
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    import nixl  # noqa: F401 - configures the "nixl" logger
+
+    log = logging.getLogger("nixl")
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    log.setLevel(logging.WARNING)
+    log.propagate = True
+
+
+def _make_agent(name: str, progress: bool) -> Any:
+    """A NIXL agent (UCX backend, thread-safe). With ``progress``, its progress thread polls with a
+    ``PROGRESS_POLL_US`` timeout: NIXL's C++ config has the knob (``pthrDelay``) but the Python
+    wrapper hard-codes 0, so the wrapper is handed a config class that keeps our value while it
+    builds the agent. ``tests/integration/test_nixl.py`` measures an idle provider's CPU and fails
+    when this stops working."""
+    import nixl._api as api
+    from nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    real = api.nixlBind.nixlAgentConfig
+
+    class _Config(real):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            real.__setattr__(self, key, PROGRESS_POLL_US if key == "pthrDelay" else value)
+
+    conf = nixl_agent_config(enable_prog_thread=progress, backends=["UCX"],
+                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with _make_lock:
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            agent = nixl_agent(name, conf)
+        finally:
+            api.nixlBind.nixlAgentConfig = real
+    if "UCX" not in agent.backends:
+        raise InvalidParameter("transfer_engine: 'nixl' found no UCX backend in the nixl package")
+    return agent
+
+
+class NixlTransport:
+    def __init__(self, own: Mapping | None, timeout_s: float) -> None:
+        if not available():
+            raise InvalidParameter(f"transfer_engine: 'nixl' needs the nixl package ({INSTALL})")
+        _own_nixl_logging()
+        self.timeout_s = timeout_s
+        self.name = f"memcache-{os.getpid()}-{secrets.token_hex(6)}"
+        self._agent = _make_agent(self.name, progress=own is not None)
+        self._lock = threading.Lock()
+        self._starts: list[int] = []           # registered local regions, sorted (copy on write)
+        self._ends: list[int] = []
+        self._handles: dict[tuple[int, int], Any] = {}
+        self._peers: dict[bytes, _Peer] = {}    # descriptor -> loaded remote agent
+        self._scratch: list[np.ndarray] = []    # free registered header buffers
+        self.descriptor = b""
+        if own is not None:
+            if not self.register(own.addr, own.size):
+                raise InvalidParameter("transfer_engine: NIXL could not register this LocalService's segment")
+            self.descriptor = msgspec.msgpack.encode(
+                Descriptor(self.name, self._agent.get_agent_metadata(), own.addr, own.size))
+
+    # ---- local registrations --------------------------------------------------------------------
+
+    def register(self, ptr: int, size: int) -> bool:
+        """Register with the agent; a buffer UCX refuses is left to the TCP path (logged, False)."""
+        with self._lock:
+            if (ptr, size) in self._handles:
+                return True
+            try:
+                self._handles[(ptr, size)] = self._agent.register_memory([(ptr, size, 0, "")], "DRAM")
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+                logger.warning("NIXL did not register buffer %#x+%d (it goes through TCP): %s", ptr, size, e)
+                return False
+            i = bisect.bisect_right(self._starts, ptr)
+            self._starts = self._starts[:i] + [ptr] + self._starts[i:]
+            self._ends = self._ends[:i] + [ptr + size] + self._ends[i:]
+            return True
+
+    def unregister(self, ptr: int, size: int) -> None:
+        with self._lock:
+            handle = self._handles.pop((ptr, size), None)
+            if handle is None:
+                return
+            i = next(j for j, (s, e) in enumerate(zip(self._starts, self._ends, strict=True))
+                     if s == ptr and e == ptr + size)
+            self._starts = self._starts[:i] + self._starts[i + 1:]
+            self._ends = self._ends[:i] + self._ends[i + 1:]
+            self._agent.deregister_memory(handle)
+
+    def covers(self, pieces: list[tuple[int, int]]) -> bool:
+        """Every piece lies inside one registered region (NIXL moves nothing else)."""
+        starts, ends = self._starts, self._ends
+        for ptr, size in pieces:
+            i = bisect.bisect_right(starts, ptr) - 1
+            if i < 0 or ptr + size > ends[i]:
+                return False
+        return True
+
+    # ---- transfers ------------------------------------------------------------------------------
+
+    def read(self, seg: SegmentInfo, ranges: Ranges) -> None:
+        self._request("READ", seg, ranges)
+
+    def write(self, seg: SegmentInfo, ranges: Ranges, headers: list[tuple[int, bytes]]) -> None:
+        """The payloads in one request, then (once they landed) the headers in a second one: a valid
+        header always describes a whole payload."""
+        self._request("WRITE", seg, ranges)
+        scratch = self._take_scratch(sum(len(h) for _, h in headers))
+        try:
+            pos, out = 0, []
+            for off, h in headers:
+                scratch[pos:pos + len(h)] = np.frombuffer(h, np.uint8)
+                out.append((off, [(scratch.ctypes.data + pos, len(h))]))
+                pos += len(h)
+            self._request("WRITE", seg, out)
+        finally:
+            self._give_scratch(scratch)
+
+    def _request(self, op: str, seg: SegmentInfo, ranges: Ranges) -> None:
+        peer = self._pin(seg)
+        try:
+            self._request_pinned(op, seg, ranges, peer)
+        finally:
+            self._unpin(peer)
+
+    def _request_pinned(self, op: str, seg: SegmentInfo, ranges: Ranges, peer: _Peer) -> None:
+        d = peer.descriptor
+        local, remote = [], []
+        for off, pieces in ranges:
+            pos = d.base + off
+            for ptr, size in pieces:
+                local.append((ptr, size, 0))
+                remote.append((pos, size, 0))
+                pos += size
+            if pos > d.base + d.size:
+                raise TransferFailed(f"segment {seg.segment_id}: range at {off} ends past the segment")
+        if not local:
+            return
+        a = self._agent
+        try:
+            handle = a.initialize_xfer(op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
+                                       a.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), peer.name)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise PeerUnavailable(f"NIXL {op} to segment {seg.segment_id} refused: {e}") from e
+        try:
+            self._wait(a, handle, op, seg)
+        finally:
+            try:
+                a.release_xfer_handle(handle)
+            except Exception as e:  # noqa: BLE001 - a request that cannot be cancelled is leaked
+                logger.warning("NIXL request to segment %d not released: %s", seg.segment_id, e)
+
+    def _wait(self, a: Any, handle: Any, op: str, seg: SegmentInfo) -> None:
+        state = a.transfer(handle)
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        while state == "PROC":
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferFailed(f"NIXL {op} with segment {seg.segment_id} took over {self.timeout_s} s")
+            if now - start > SPIN_S:
+                time.sleep(SLEEP_S)
+            state = a.check_xfer_state(handle)
+        if state != "DONE":
+            raise PeerUnavailable(f"NIXL {op} with segment {seg.segment_id} failed")
+
+    def _pin(self, seg: SegmentInfo) -> _Peer:
+        """The segment's remote agent, loaded on first use; held until ``_unpin`` (a peer forgotten
+        meanwhile is removed from the agent when its last request ends, never under it)."""
+        with self._lock:
+            peer = self._peers.get(seg.nixl)
+            if peer is None:
+                try:
+                    d = _decoder.decode(seg.nixl)
+                except msgspec.DecodeError as e:
+                    raise PeerUnavailable(f"segment {seg.segment_id}: unreadable NIXL descriptor") from e
+                try:
+                    name = self._agent.add_remote_agent(d.metadata)
+                except Exception as e:  # noqa: BLE001
+                    raise PeerUnavailable(f"segment {seg.segment_id}: NIXL metadata refused: {e}") from e
+                peer = _Peer(name.decode() if isinstance(name, bytes) else str(name), d)
+                self._peers[seg.nixl] = peer
+            peer.refs += 1
+            return peer
+
+    def _unpin(self, peer: _Peer) -> None:
+        with self._lock:
+            peer.refs -= 1
+            remove = peer.retired and peer.refs == 0
+        if remove:
+            self._remove(peer)
+
+    def _remove(self, peer: _Peer) -> None:
+        try:
+            self._agent.remove_remote_agent(peer.name)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("NIXL remote agent not removed: %s", e)
+
+    def _take_scratch(self, n: int) -> np.ndarray:
+        with self._lock:
+            if n <= SCRATCH_BYTES and self._scratch:
+                return self._scratch.pop()
+        buf = np.zeros(max(n, SCRATCH_BYTES), np.uint8)
+        self.register(buf.ctypes.data, buf.nbytes)
+        return buf
+
+    def _give_scratch(self, buf: np.ndarray) -> None:
+        if buf.nbytes == SCRATCH_BYTES:
+            with self._lock:
+                self._scratch.append(buf)
+        else:
+            self.unregister(buf.ctypes.data, buf.nbytes)
+
+    def forget(self, seg: SegmentInfo) -> None:
+        """The peer left or changed: drop its agent once no request uses it (a restarted peer brings new
+        metadata)."""
+        with self._lock:
+            peer = self._peers.pop(seg.nixl, None)
+            if peer is None:
+                return
+            peer.retired = True
+            remove = peer.refs == 0
+        if remove:
+            self._remove(peer)
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = [peer.name for peer in self._peers.values()], {}
+            handles, self._handles = list(self._handles.values()), {}
+            self._starts, self._ends, self._scratch = [], [], []
+        for name in peers:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001, S110 - closing: nothing left to do about it
+                pass
+        for h in handles:
+            try:
+                self._agent.deregister_memory(h)
+            except Exception:  # noqa: BLE001, S110
+                pass
+        self._agent = None   # the last reference: the agent and its progress thread stop before unmapping
