@@ -9,8 +9,8 @@ import pytest
 
 from memcache_core import DistributedObjectStore
 from memcache_core.testing import wait_for
+from tests.integration.stores import DSR1_LAYOUT
 
-from .conftest import DSR1_LAYOUT
 from .store_worker import pattern
 
 pytestmark = pytest.mark.integration

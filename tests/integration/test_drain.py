@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from memcache_core.testing import MetaServiceProcess, wait_for
-
-from .conftest import StoreProcess
+from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
 

@@ -184,7 +184,7 @@ def test_a_put_that_returned_success_survives_a_meta_service_kill(stores):
     segment (no heartbeat has told it), re-joins, and reports them. Zero objects lost, zero wrong bytes."""
     # a short lease: a re-joined segment takes new objects after one lease TTL (the rounds wait it out)
     with running_meta_service(heartbeat_timeout_ms=3000, lease_ttl_ms=300) as ms:
-        from tests.integration.conftest import StoreProcess
+        from tests.integration.stores import StoreProcess
         procs = [StoreProcess(ms, heartbeat_interval_ms=100, dram_size="128MB")]
         procs += [StoreProcess(ms, init_bm=False, heartbeat_interval_ms=100, protocol=proto)
                   for proto in ("host_shm", "host_tcp")]

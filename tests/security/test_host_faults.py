@@ -20,8 +20,8 @@ from memcache_core.config import ConfigError
 from memcache_core.layout import footprint
 from memcache_core.local import segment as segment_mod
 from memcache_core.rpc import expect
-
-from .conftest import LAYOUT, rpc, wait_for
+from memcache_core.testing import wait_for
+from tests.security.wire import LAYOUT, rpc
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,7 @@ from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.rpc import expect
-from memcache_core.testing import running_meta_service
-
-from .conftest import wait_for
+from memcache_core.testing import running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from memcache_core import DistributedObjectStore, ReplicateConfig, errors
 from memcache_core import protocol as p
 from memcache_core.config import env_host_id, shm_dir
 from memcache_core.rpc import expect
-
-from .conftest import LAYOUT, addr_of, ask, authed, rpc, wait_for
+from memcache_core.testing import wait_for
+from tests.security.wire import LAYOUT, addr_of, ask, authed, rpc
 
 pytestmark = pytest.mark.integration
 

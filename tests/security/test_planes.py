@@ -13,8 +13,7 @@ import pytest
 from memcache_core import protocol as p
 from memcache_core.auth import MAGIC, NONCE, AuthFailed, client_handshake
 from memcache_core.rpc import expect
-
-from .conftest import LAYOUT, addr_of, frame, recv_all, rpc
+from tests.security.wire import LAYOUT, addr_of, frame, recv_all, rpc
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,7 @@ from memcache_core import protocol as p
 from memcache_core.auth import load_secret
 from memcache_core.rpc import MAX_CLIENT_CONNECTIONS, MAX_PENDING_REPLY, RpcClient, expect
 from memcache_core.testing import MetaServiceProcess, wait_for
-
-from .conftest import LAYOUT, addr_of, ask, authed, frame, rpc
+from tests.security.wire import LAYOUT, addr_of, ask, authed, frame, rpc
 
 pytestmark = pytest.mark.integration
 
