@@ -17,20 +17,25 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from .rpc import FrameServer
 
+T = TypeVar("T")
 
-def wait_for(cond: Any, timeout_s: float, what: str) -> None:
-    """Poll ``cond()`` until it is true; fail naming ``what`` after ``timeout_s`` (never a fixed sleep)."""
+
+def wait_for(cond: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Poll ``cond()`` until it returns a true value, and return that value; fail naming ``what``
+    after ``timeout_s`` (never a fixed sleep). ``cond`` may raise to stop the wait at once (a
+    process it waits on died)."""
     deadline = time.monotonic() + timeout_s
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval_s)
+    return got
 
 
 @contextlib.contextmanager

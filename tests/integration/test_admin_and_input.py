@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from memcache_core import DistributedObjectStore, LocalConfig
+from memcache_core.testing import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -20,16 +20,17 @@ pytestmark = pytest.mark.integration
 def stop_once_healthy(proc: subprocess.Popen, port: int) -> None:
     """Wait for a MetaService process to answer /health, then SIGTERM it: it must exit 0."""
     import urllib.request
+
+    def healthy() -> bool:
+        assert proc.poll() is None, f"the MetaService exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                return json.load(r)["success"] is True
+        except OSError:
+            return False
+
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    assert json.load(r)["success"]
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
+        wait_for(healthy, 20, "the MetaService's /health")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:

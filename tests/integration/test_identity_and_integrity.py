@@ -194,10 +194,8 @@ def test_a_put_that_returned_success_survives_a_meta_service_kill(stores):
             for r in range(ROUNDS):
                 for w, name in ((shm_writer, "shm"), (tcp_writer, "tcp")):
                     key = f"round-{r}-{name}"
-                    deadline = time.monotonic() + 20
-                    while w("put", keys=[key], layout=LAYOUT)["codes"] != [0]:   # refused while recovering
-                        assert time.monotonic() < deadline, f"{key}: no put succeeded for 20 s"
-                        time.sleep(0.05)
+                    wait_for(lambda: w("put", keys=[key], layout=LAYOUT)["codes"] == [0],  # noqa: B023
+                             20, f"a put of {key} to succeed (refused while recovering)")
                     written.append(key)
                 ms.kill()
                 ms.start()
