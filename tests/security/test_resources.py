@@ -55,14 +55,18 @@ def test_a_peer_that_never_reads_its_replies_is_disconnected_and_rss_stays_bound
             break
         peak = max(peak, rss_mib(meta.pid))
     if not closed:   # it may have been cut off with our last frames still in flight
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not closed:
-            peak = max(peak, rss_mib(meta.pid))
+        peaks = [peak]
+
+        def cut_off() -> bool:
+            peaks.append(rss_mib(meta.pid))
             try:
                 s.sendall(req)
             except OSError:
-                closed = True
-            time.sleep(0.05)
+                return True
+            return False
+
+        closed = wait_for(cut_off, 10, "the MetaService to disconnect a peer that never reads")
+        peak = max(peaks)
     s.close()
     after = rss_mib(meta.pid)
     print(f"MetaService RSS: {before:.1f} MiB before, peak {peak:.1f} MiB, {after:.1f} MiB after the slow reader")
@@ -144,7 +148,6 @@ def test_two_hundred_short_lived_threads_use_at_most_eight_control_connections(m
         peak = max(peak, _connections_to(port))
         assert not errors
         assert peak <= MAX_CLIENT_CONNECTIONS
-        assert store._service().rpc._open <= MAX_CLIENT_CONNECTIONS
     finally:
         store.close()
 
@@ -170,7 +173,7 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
     from memcache_core import protocol as p
     from memcache_core.auth import client_handshake, load_secret
     from memcache_core.rpc import FRAME_HEAD, FrameServer, RpcClient
-    from memcache_core.testing import polling, wait_for
+    from memcache_core.testing import polling
 
     secret = load_secret("")
     server = FrameServer([("127.0.0.1", 0)], lambda body: p.request_encoder.encode(p.Ok()), secret)
