@@ -26,14 +26,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def wait_for(cond: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+def wait_for(cond: Callable[[], T], timeout_s: float, what: str | Callable[[], str],
+             interval_s: float = 0.05) -> T:
     """Poll ``cond()`` until it returns a true value, and return that value; fail naming ``what``
-    after ``timeout_s`` (never a fixed sleep). ``cond`` may raise to stop the wait at once (a
-    process it waits on died)."""
+    after ``timeout_s`` (never a fixed sleep). ``what`` may be a function, called on the timeout to
+    say how far the wait got; ``cond`` may raise to stop the wait at once (a process it waits on
+    died)."""
     deadline = time.monotonic() + timeout_s
     while not (got := cond()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(interval_s)
     return got
 

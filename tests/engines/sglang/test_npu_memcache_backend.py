@@ -7,7 +7,6 @@ own duration. The MetaService-failure test runs last because it restarts the Met
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from conftest import (
     wait_for_new_keys,
 )
 from memcache_sglang import testing as harness
+
+from memcache_core.testing import wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -89,14 +90,12 @@ def test_l3_restore_after_flush(server_a: harness.ServerHandle, meta: harness.Me
     assert again["device"] >= restored["storage"] and again["storage"] == 0, again
     assert again["text"] == cold["text"]
 
-    deadline = time.monotonic() + 30
-    while True:
+    def counted() -> bool:
         backup, prefetch = storage_pages(server_a)
-        done = backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1
-        if done or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1, (backup, prefetch)
+        return backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1
+
+    wait_for(counted, 30, lambda: f"the pages counted as backed up and prefetched: {storage_pages(server_a)}",
+             interval_s=0.5)
 
 
 def test_restore_uses_the_stored_bytes(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:
@@ -227,12 +226,9 @@ def test_meta_service_killed_while_serving(server_a: harness.ServerHandle, meta:
 
     # The server's LocalService re-joins on its next heartbeat and reports what it holds; its segment
     # takes new objects once a lease TTL has passed (reads leased before the crash may still run).
-    deadline = time.monotonic() + 30
-    while not pool_keys(meta) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    while not all(s["accepts_new_objects"] for s in meta.admin("/get_all_segments")["segments"]):
-        assert time.monotonic() < deadline + 30, "the recovered segment never took new objects again"
-        time.sleep(0.5)
+    wait_for(lambda: pool_keys(meta), 30, "the re-joined LocalService to report its objects", interval_s=0.5)
+    wait_for(lambda: all(s["accepts_new_objects"] for s in meta.admin("/get_all_segments")["segments"]), 30,
+             "the recovered segment to take new objects again", interval_s=0.5)
     ids7 = prompt(7)
     cold, _ = write_through(server_a, meta, ids7)
     flush(server_a)

@@ -10,11 +10,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from memcache_core.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -82,14 +83,15 @@ class Pool:
             [sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", str(cfg)],
             stdout=open(self.workdir / "local_service.log", "w"), stderr=subprocess.STDOUT,
             env=engine_env())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            segs = self.meta.http("/get_all_segments").get("segments", [])
-            if any(s.get("pid") == self.local.pid for s in segs):
-                return
-            assert self.local.poll() is None, (self.workdir / "local_service.log").read_text()[-2000:]
-            time.sleep(0.1)
-        raise TimeoutError("standalone LocalService did not join the pool")
+        wait_for(self._local_joined, 30, "the standalone LocalService to join the pool", interval_s=0.1)
+
+    def _local_joined(self) -> bool:
+        assert self.local is not None
+        segs = self.meta.http("/get_all_segments").get("segments", [])
+        if any(s.get("pid") == self.local.pid for s in segs):
+            return True
+        assert self.local.poll() is None, (self.workdir / "local_service.log").read_text()[-2000:]
+        return False
 
     def stop(self) -> None:
         if self.local is not None and self.local.poll() is None:
