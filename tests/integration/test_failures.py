@@ -12,6 +12,7 @@ import pytest
 
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core import protocol as p
+from memcache_core.local.service import LocalService
 from memcache_core.rpc import expect
 from memcache_core.testing import running_meta_service, wait_for
 
@@ -134,16 +135,18 @@ os.kill(os.getpid(), 9)
 
 def test_pending_deadline_and_commit_after_abort():
     with running_meta_service(pending_timeout_ms=300) as ms:
-        s = DistributedObjectStore()
-        assert s.setup(ms.local_config()) == 0 and s.init(0, True) == 0
-        svc = s._service()
-        r = expect(svc.rpc.call(p.Alloc(svc.client_id, svc.session.token, ["slow"], [4096])), p.AllocReply)
-        gen = r.results[0].generation
-        wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 5, "pending reclaim")
-        codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["slow"], [gen])), p.Codes).codes
-        assert codes == [-3101]
-        assert s.is_exist("slow") == 0
-        s.close()
+        svc = LocalService(ms.local_config())     # a member that allocates and commits by hand
+        svc.start(0, with_segment=True)
+        try:
+            r = expect(svc.rpc.call(p.Alloc(svc.client_id, svc.session.token, ["slow"], [4096])), p.AllocReply)
+            gen = r.results[0].generation
+            wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 5, "pending reclaim")
+            codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["slow"], [gen])),
+                           p.Codes).codes
+            assert codes == [-3101]
+            assert svc.exist(["slow"]) == [False]
+        finally:
+            svc.close()
 
 
 def test_stalled_reader_never_reports_bytes_of_a_reused_space():
