@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from .rpc import FrameServer
+    from .rpc import FrameServer, RpcClient
 
 T = TypeVar("T")
 
@@ -57,6 +58,17 @@ def polling(server: FrameServer, interval_s: float = 0.05) -> Iterator[FrameServ
         stop.set()
         thread.join()
         server.close()
+
+
+@contextlib.contextmanager
+def mapped_segment(path: str) -> Iterator[mmap.mmap]:
+    """A segment file mapped read-write from outside its owner, to play bit rot or a late writer."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0) as m:
+            yield m
+    finally:
+        os.close(fd)
 
 
 def make_tls_files(directory: str) -> dict[str, Any]:
@@ -153,6 +165,22 @@ class MetaServiceProcess:
         with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
             body = r.read()
         return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
+
+    def rpc(self, timeout_s: float = 10.0) -> RpcClient:
+        """A control-plane client with the pool's secret (the caller closes it)."""
+        from .auth import load_secret
+        from .rpc import RpcClient
+        return RpcClient(self.meta_service_url, timeout_s, 0, load_secret(self.config.get("auth_secret_path", "")))
+
+    def segment(self, segment_id: int) -> Any:
+        """A member's ``SegmentInfo`` as its peers get it (``GetSegments`` on the control plane)."""
+        from . import protocol as p
+        from .rpc import expect
+        client = self.rpc()
+        try:
+            return expect(client.call(p.GetSegments([segment_id]), idempotent=True), p.Segments).segments[0]
+        finally:
+            client.close()
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         if self.proc is None:

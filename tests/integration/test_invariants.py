@@ -24,8 +24,7 @@ import numpy as np
 import pytest
 
 from memcache_core import protocol as p
-from memcache_core.auth import load_secret
-from memcache_core.rpc import RpcClient, expect
+from memcache_core.rpc import expect
 from memcache_core.testing import MetaServiceProcess, running_meta_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -133,7 +132,7 @@ def test_random_traffic_with_a_member_killed_and_the_meta_service_restarted(caps
 
 def _corrupt_segments(ms: MetaServiceProcess, stop: threading.Event) -> int:
     """Flip random bytes in every segment until stopped (a bad DIMM, a stray write)."""
-    client = RpcClient(ms.meta_service_url, 3.0, 0, load_secret(""))
+    client = ms.rpc(3.0)
     rng = np.random.default_rng(7)
     flips = 0
     try:

@@ -125,11 +125,7 @@ def test_a_departed_peers_segment_is_unmapped_by_readers(meta, stores, monkeypat
     monkeypatch.setattr(service_mod, "SEGMENT_REFRESH_S", 0.3)
     peer = stores()
     assert peer("put", keys=["p"], layout=LAYOUT)["codes"] == [0]
-    c = rpc(meta)
-    try:
-        path = expect(c.call(p.GetSegments([peer("id")["id"]]), idempotent=True), p.Segments).segments[0].shm_path
-    finally:
-        c.close()
+    path = meta.segment(peer("id")["id"]).shm_path
     reader = DistributedObjectStore()
     assert reader.setup(meta.local_config(dram_size="8MB", heartbeat_interval_ms=100)) == 0
     assert reader.init(1, True) == 0
@@ -159,12 +155,7 @@ def test_wildcard_hcom_url_needs_an_advertised_address(meta, stores, caplog):
                                      hcom_advertise_url="tcp://127.0.0.1:0")) == 0
     assert s.init(0, True) == 0
     try:
-        c = rpc(meta)
-        try:
-            seg = expect(c.call(p.GetSegments([s.get_local_service_id()]), idempotent=True), p.Segments).segments[0]
-        finally:
-            c.close()
-        host, port = seg.data_addr.rsplit(":", 1)
+        host, port = meta.segment(s.get_local_service_id()).data_addr.rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) != 0     # the bound port: the TCP read below goes through it
         assert s.put("adv", b"a" * 200_000) == 0
         reader = stores(protocol="host_tcp", host_id="another-host")

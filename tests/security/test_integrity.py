@@ -3,8 +3,6 @@ deadline, never make a success code carry another object's (or stale) bytes."""
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
 
 import numpy as np
@@ -14,7 +12,7 @@ from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.rpc import expect
-from memcache_core.testing import running_meta_service, wait_for
+from memcache_core.testing import mapped_segment, running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -97,13 +95,9 @@ def test_late_writer_bytes_in_reclaimed_and_reused_space_are_a_miss():
             wait_for(lambda: ms.http("/api/v1/capacity/usage")["used_bytes"] == 0, 10, "the quarantine's end")
             assert owner.put("other", b"o" * SIZE) == 0
             assert ms.http("/query_key?key=other")["locations"][0]["offset"] == late_off
-            fd = os.open(svc.segment.path, os.O_RDWR)          # the stalled writer's copy lands now
-            try:
-                with mmap.mmap(fd, svc.segment.size) as m:
-                    start = late_off + HEADER_BYTES
-                    m[start:start + SIZE] = b"L" * SIZE
-            finally:
-                os.close(fd)
+            with mapped_segment(svc.segment.path) as m:     # the stalled writer's copy lands now
+                start = late_off + HEADER_BYTES
+                m[start:start + SIZE] = b"L" * SIZE
             codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["late"], [a.generation])),
                            p.Codes).codes
             assert codes == [errors.STATE_MISMATCH]

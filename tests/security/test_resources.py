@@ -18,9 +18,9 @@ import pytest
 from memcache_core import DistributedObjectStore
 from memcache_core import protocol as p
 from memcache_core.auth import load_secret
-from memcache_core.rpc import MAX_CLIENT_CONNECTIONS, MAX_PENDING_REPLY, RpcClient, expect
+from memcache_core.rpc import MAX_CLIENT_CONNECTIONS, MAX_PENDING_REPLY, RpcClient
 from memcache_core.testing import MetaServiceProcess, wait_for
-from tests.security.wire import LAYOUT, addr_of, ask, authed, frame, rpc
+from tests.security.wire import LAYOUT, addr_of, ask, authed, frame
 
 pytestmark = pytest.mark.integration
 
@@ -93,11 +93,7 @@ def test_a_thousand_idle_or_half_open_connections_per_port_do_not_lock_out_hones
     _raise_nofile(4000)
     owner = stores(protocol="host_tcp")
     reader = stores(protocol="host_tcp")
-    c = rpc(meta)
-    try:
-        seg = expect(c.call(p.GetSegments([owner("id")["id"]]), idempotent=True), p.Segments).segments[0]
-    finally:
-        c.close()
+    seg = meta.segment(owner("id")["id"])
     host, port = seg.data_addr.rsplit(":", 1)
     targets = {"control": addr_of(meta.meta_service_url), "data": (host, int(port)),
                "admin": addr_of(meta.metrics_url)}
@@ -171,8 +167,8 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
     import socket as socket_
 
     from memcache_core import protocol as p
-    from memcache_core.auth import client_handshake, load_secret
-    from memcache_core.rpc import FRAME_HEAD, FrameServer, RpcClient
+    from memcache_core.auth import client_handshake
+    from memcache_core.rpc import FRAME_HEAD, FrameServer
     from memcache_core.testing import polling
 
     secret = load_secret("")
@@ -227,7 +223,7 @@ def test_out_of_file_descriptors_the_meta_service_pauses_accepting_instead_of_sp
         for s in held:
             s.close()
         held.clear()
-        c = RpcClient(ms.meta_service_url, 10.0, 0, load_secret(""))
+        c = ms.rpc()
         try:
             assert c.call(p.Exist(["k"]), idempotent=True) == p.Flags([False])
         finally:

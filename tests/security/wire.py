@@ -19,7 +19,7 @@ def secret() -> bytes:
 
 
 def rpc(ms: Any) -> RpcClient:
-    return RpcClient(ms.meta_service_url, 10.0, 0, secret())
+    return ms.rpc()
 
 
 def addr_of(url: str) -> tuple[str, int]:
