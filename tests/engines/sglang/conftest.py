@@ -101,6 +101,16 @@ def flush(server: harness.ServerHandle) -> None:
              interval_s=0.5)
 
 
+def generate_from_storage(server: harness.ServerHandle, ids: list[int], pages: int = FULL_PAGES,
+                          page: int = PAGE) -> dict[str, Any]:
+    """generate() on a server whose device and host caches hold none of ``ids``: every full page but
+    the last must come from L3, the pool. Returns generate()'s result."""
+    got = generate(server, ids)
+    assert got["device"] == 0 and got["host"] == 0, got
+    assert got["storage"] >= (pages - 1) * page, got
+    return got
+
+
 def pool_keys(meta: harness.MetaHandle) -> set[str]:
     return set(meta.admin("/get_all_keys")["keys"])
 
