@@ -71,6 +71,23 @@ def mapped_segment(path: str) -> Iterator[mmap.mmap]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def started(make: Callable[..., T], stop: Callable[[T], object]) -> Iterator[Callable[..., T]]:
+    """A factory for the block (a fixture's ``start``): each thing ``make`` returns is kept and
+    stopped, in the order made, when the block ends."""
+    made: list[T] = []
+
+    def start(*args: Any, **kw: Any) -> T:
+        made.append(make(*args, **kw))
+        return made[-1]
+
+    try:
+        yield start
+    finally:
+        for thing in made:
+            stop(thing)
+
+
 def make_tls_files(directory: str) -> dict[str, Any]:
     """A throw-away CA and one member certificate signed by it (needs the ``openssl`` command).
 

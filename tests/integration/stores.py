@@ -5,17 +5,19 @@ imported by a test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from memcache_core.testing import MetaServiceProcess, running_meta_service
+from memcache_core import DistributedObjectStore
+from memcache_core.testing import MetaServiceProcess, running_meta_service, started
 
 WORKER = os.path.join(os.path.dirname(__file__), "store_worker.py")
 
@@ -74,12 +76,26 @@ def meta() -> Iterator[MetaServiceProcess]:
 
 @pytest.fixture
 def stores(meta: MetaServiceProcess) -> Iterator[Any]:
-    started: list[StoreProcess] = []
+    with started(lambda **cfg: StoreProcess(meta, **cfg), StoreProcess.stop) as start:
+        yield start
 
-    def start(**cfg: Any) -> StoreProcess:
-        p = StoreProcess(meta, **cfg)
-        started.append(p)
-        return p
-    yield start
-    for p in started:
-        p.stop()
+
+@contextlib.contextmanager
+def stalled_reads(store: DistributedObjectStore, meanwhile: Callable[[], None]) -> Iterator[None]:
+    """Fault injection: within the block, every copy ``store`` reads from the pool first runs
+    ``meanwhile()`` (the reader stalls between its lookup and its copy while the pool changes).
+    No public API can stall a read there: this is the one place the tests reach into the store's
+    LocalService."""
+    engine = store._service().engine
+    assert engine is not None
+    real_read = engine.read
+
+    def stalled(ops: Any) -> Any:
+        meanwhile()
+        return real_read(ops)
+
+    engine.read = stalled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        engine.read = real_read  # type: ignore[method-assign]

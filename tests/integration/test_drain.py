@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from memcache_core.testing import MetaServiceProcess, wait_for
+from memcache_core.testing import MetaServiceProcess, started, wait_for
 from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
@@ -90,15 +90,8 @@ class Provider:
 
 @pytest.fixture
 def providers(meta, tmp_path):
-    started: list[Provider] = []
-
-    def start(**cfg: Any) -> Provider:
-        p = Provider(meta, str(tmp_path), **cfg)
-        started.append(p)
-        return p
-    yield start
-    for p in started:
-        p.stop()
+    with started(lambda **cfg: Provider(meta, str(tmp_path), **cfg), Provider.stop) as start:
+        yield start
 
 
 def _all_read(rounds: list[dict[str, Any]], during: tuple[float, float]) -> None:

@@ -15,6 +15,7 @@ from memcache_core import protocol as p
 from memcache_core.local.service import LocalService
 from memcache_core.rpc import expect
 from memcache_core.testing import running_meta_service, wait_for
+from tests.integration.stores import stalled_reads
 
 pytestmark = pytest.mark.integration
 
@@ -161,23 +162,18 @@ def test_stalled_reader_never_reports_bytes_of_a_reused_space():
         assert reader.setup(ms.local_config(checksum_verify_ratio=0.0)) == 0 and reader.init(1, False) == 0
         assert owner.put("K", b"k" * 65536) == 0
         k_loc = ms.http("/query_key?key=K")["locations"]
-        svc = reader._service()
-        engine = svc.engine
-        assert engine is not None
-        real_read = engine.read
 
-        def stalled_read(ops):
+        def meanwhile() -> None:
             assert owner.remove("K") == 0
             wait_for(lambda: ms.http("/api/v1/capacity/usage")["used_bytes"] == 0, 10,
                      "the lease (300 ms) to end and K's space to be freed")
             assert owner.put("J", b"j" * 65536) == 0  # best fit: J lands where K was
-            real_read(ops)
-        engine.read = stalled_read  # type: ignore[method-assign]   # fault injection
+
         dst = np.zeros(65536, np.uint8)
         assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
-        assert reader.get_into("K", dst.ctypes.data, 65536) == -3101
+        with stalled_reads(reader, meanwhile):
+            assert reader.get_into("K", dst.ctypes.data, 65536) == -3101
         assert ms.http("/query_key?key=J")["locations"] == k_loc   # the space really was reused
-        engine.read = real_read  # type: ignore[method-assign]
         assert owner.put("K", b"k" * 65536) == 0
         assert reader.get_into("K", dst.ctypes.data, 65536) == 0 and bytes(dst) == b"k" * 65536
         owner.close()

@@ -13,6 +13,7 @@ from memcache_core import protocol as p
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.rpc import expect
 from memcache_core.testing import mapped_segment, running_meta_service, wait_for
+from tests.integration.stores import stalled_reads
 
 pytestmark = pytest.mark.integration
 
@@ -37,13 +38,9 @@ def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects
         try:
             assert owner.put("K", b"k" * SIZE) == 0
             k_loc = ms.http("/query_key?key=K")["locations"]
-            svc = reader._service()
-            engine = svc.engine
-            assert engine is not None
-            real_read = engine.read
             landed: dict[str, float] = {}
 
-            def stalled_read(ops):
+            def meanwhile() -> None:
                 ms.kill()
                 ms.start()
                 rejoined = time.monotonic()
@@ -52,18 +49,16 @@ def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects
                 wait_for(lambda: owner.put("J", b"j" * SIZE) == 0, 15, "J to fit")
                 landed["after_s"] = time.monotonic() - rejoined
                 landed["same_space"] = ms.http("/query_key?key=J")["locations"] == k_loc
-                real_read(ops)
 
-            engine.read = stalled_read  # type: ignore[method-assign]   # fault injection
             dst = np.zeros(SIZE, np.uint8)
             assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
-            rc = reader.get_into("K", dst.ctypes.data, SIZE)
+            with stalled_reads(reader, meanwhile):
+                rc = reader.get_into("K", dst.ctypes.data, SIZE)
             assert rc != 0, "a success code for K after its space went to J"
             # (the stalled copy did move J's bytes into dst: a failed get leaves its buffer undefined,
             # what matters is that no success code ever vouches for them)
             assert landed["same_space"]                 # the space really was reused ...
             assert landed["after_s"] >= 1.9             # ... only once an old lease would have ended
-            engine.read = real_read  # type: ignore[method-assign]
             got = np.zeros(SIZE, np.uint8)
             assert reader.register_buffer(got.ctypes.data, got.nbytes) == 0
             assert reader.get_into("J", got.ctypes.data, SIZE) == 0 and bytes(got) == b"j" * SIZE

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from vllm_harness import BLOCK, CROWD, CROWD_MAX_TOKENS, MAX_TOKENS, PROMPTS, REPO, Engine, Pool
 
-from memcache_core.testing import running_meta_service
+from memcache_core.testing import running_meta_service, started
 
 if importlib.util.find_spec("vllm") is None:
     # Not the vLLM test environment (.ci/vllm_env.sh): nothing here can run.
@@ -67,19 +67,14 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 
 @pytest.fixture
 def engines(tmp_path: Path, tiny_model: str) -> Iterator[Callable[..., Engine]]:
-    started: list[Engine] = []
-
-    def start(name: str, steps: list[dict[str, Any]], kv: dict[str, Any] | None = None,
-              **spec: Any) -> Engine:
+    def engine(name: str, steps: list[dict[str, Any]], kv: dict[str, Any] | None = None,
+               **spec: Any) -> Engine:
         full = {"model": tiny_model, "block_size": BLOCK, "steps": steps,
                 "kv_transfer_config": kv, "enable_prefix_caching": False, **spec}
-        e = Engine(full, tmp_path, name)
-        started.append(e)
-        return e
+        return Engine(full, tmp_path, name)
 
-    yield start
-    for e in started:
-        e.kill()
+    with started(engine, Engine.kill) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
