@@ -8,14 +8,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import BLOCK, CROWD, CROWD_MAX_TOKENS, MAX_TOKENS, PROMPTS, REPO, Engine, Pool
+from vllm_harness import BLOCK, CROWD, CROWD_MAX_TOKENS, MAX_TOKENS, PROMPTS, Engine, Pool, make_model
 
 from memcache_core.testing import running_meta_service, started
 
@@ -44,14 +42,7 @@ def private_shm_dir() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    out = Path(os.environ.get("MEMCACHE_CACHE_DIR", Path.home() / ".cache" / "memcache")) \
-        / "models" / "tiny-llama-vllm-tests"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out),
-         "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
+    return make_model("tests", "2", "256", "4", "2")
 
 
 @pytest.fixture(scope="module")

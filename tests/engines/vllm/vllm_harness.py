@@ -24,6 +24,18 @@ BLOCK = 32
 ENGINE_TIMEOUT_S = 420
 
 
+def make_model(name: str, layers: str, hidden: str, heads: str, kv_heads: str) -> str:
+    """A tiny random Llama (examples/make_tiny_model.py), cached by name; returns its directory."""
+    out = Path(os.environ.get("MEMCACHE_CACHE_DIR", Path.home() / ".cache" / "memcache")) \
+        / "models" / f"tiny-llama-vllm-{name}"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out),
+         "--layers", layers, "--hidden", hidden, "--heads", heads, "--kv-heads", kv_heads],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     paths = [str(REPO / "integrations"), str(HERE), str(REPO)]
