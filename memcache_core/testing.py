@@ -105,6 +105,17 @@ def make_tls_files(directory: str) -> dict[str, Any]:
     return {"tls_enable": True, "tls_ca_path": ca, "tls_cert_path": cert, "tls_key_path": key}
 
 
+def terminate(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Send ``sig`` to a live ``proc`` and reap it; SIGKILL when it has not exited in ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,13 +213,7 @@ class MetaServiceProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, sig, timeout_s)
         self.proc = None
 
     def kill(self) -> None:
@@ -273,13 +278,8 @@ class EtcdProcess:
             return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, sig)
         self.proc = None
 
 
