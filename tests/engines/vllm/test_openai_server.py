@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import requests
-from vllm_harness import BLOCK, MAX_TOKENS, P1, P2, REPO, engine_env, free_port
+from vllm_harness import BLOCK, MAX_TOKENS, P1, P2, REPO, engine_env
 
-from memcache_core.testing import wait_for
+from memcache_core.testing import free_port, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -46,14 +46,6 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def tokens(n: int, seed: int) -> list[int]:
     """A deterministic prompt of ``n`` token ids (no special tokens)."""
     return [(i * 7919 + seed * 104729) % 31000 + 10 for i in range(n)]
