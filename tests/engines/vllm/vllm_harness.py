@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from memcache_core.testing import wait_for
+from memcache_core.testing import start_local_service
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -79,23 +79,11 @@ class Pool:
         self.local: subprocess.Popen | None = None
 
     def start_local_service(self, dram: str = "512MB") -> None:
-        cfg = self.workdir / "local_service.json"
-        cfg.write_text(json.dumps({"meta_service_url": self.meta.meta_service_url,
-                                   "config_store_url": self.meta.config_store_url,
-                                   "protocol": "host_shm", "dram_size": dram}))
-        self.local = subprocess.Popen(
-            [sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", str(cfg)],
-            stdout=open(self.workdir / "local_service.log", "w"), stderr=subprocess.STDOUT,
-            env=engine_env())
-        wait_for(self._local_joined, 30, "the standalone LocalService to join the pool", interval_s=0.1)
-
-    def _local_joined(self) -> bool:
-        assert self.local is not None
-        segs = self.meta.http("/get_all_segments").get("segments", [])
-        if any(s.get("pid") == self.local.pid for s in segs):
-            return True
-        assert self.local.poll() is None, (self.workdir / "local_service.log").read_text()[-2000:]
-        return False
+        config = {"meta_service_url": self.meta.meta_service_url, "config_store_url": self.meta.config_store_url,
+                  "protocol": "host_shm", "dram_size": dram}
+        self.local, _ = start_local_service(config, self.workdir,
+                                            lambda: self.meta.http("/get_all_segments").get("segments", []),
+                                            name="local_service", env=engine_env())
 
     def stop(self) -> None:
         if self.local is not None and self.local.poll() is None:
