@@ -25,7 +25,7 @@ import pytest
 
 from memcache_core import protocol as p
 from memcache_core.rpc import expect
-from memcache_core.testing import MetaServiceProcess, running_meta_service
+from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -166,7 +166,7 @@ def test_corruption_is_caught_by_the_checker_without_checksums_and_is_a_miss_wit
         fleet.start("client-tcp", init_bm=False, protocol="host_tcp", checksum=checksum)
         stop = threading.Event()
         flips: list[int] = []
-        time.sleep(1.0)
+        wait_for(lambda: ms.http("/get_all_keys")["count"] > 0, 10, "the fleet's first objects to corrupt")
         t = threading.Thread(target=lambda: flips.append(_corrupt_segments(ms, stop)))
         t.start()
         fleet.wait()
