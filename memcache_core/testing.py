@@ -2,6 +2,9 @@
 
 ``running_meta_service()`` picks free ports, starts a MetaService process, waits for its /health
 (with a deadline; a process that died is never counted as started) and always terminates it.
+``start_local_service()`` starts a standalone provider and waits for its join; ``wait_for()`` polls
+for a state (never a fixed sleep); ``started()`` is a fixture's factory that stops what it made;
+``mapped_segment()`` maps a segment file from outside its owner (bit rot, a late writer).
 """
 
 from __future__ import annotations
