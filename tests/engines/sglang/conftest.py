@@ -111,6 +111,17 @@ def generate_from_storage(server: harness.ServerHandle, ids: list[int], pages: i
     return got
 
 
+def assert_a_fresh_server_restores(meta: harness.MetaHandle, model: str, log_dir: Path, name: str,
+                                   ids: list[int], text: str, **kw: Any) -> None:
+    """A server started now (nothing of ``ids`` in its device or host cache) restores them from L3
+    (generate_from_storage) and answers ``text``; it is stopped afterwards."""
+    server = start(meta, model, log_dir, name, **kw)
+    try:
+        assert generate_from_storage(server, ids)["text"] == text
+    finally:
+        server.stop()
+
+
 def pool_keys(meta: harness.MetaHandle) -> set[str]:
     return set(meta.admin("/get_all_keys")["keys"])
 

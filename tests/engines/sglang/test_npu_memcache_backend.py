@@ -15,6 +15,7 @@ from conftest import (
     ADMIN,
     ADMIN_KEY,
     FULL_PAGES,
+    assert_a_fresh_server_restores,
     flush,
     generate,
     generate_from_storage,
@@ -170,12 +171,8 @@ def test_two_servers_share_one_pool(server_a: harness.ServerHandle, meta: harnes
     cold, _ = write_through(server_a, meta, ids)
     warm = generate(server_a, ids)
     assert warm["device"] >= (FULL_PAGES - 1) * 128 and warm["storage"] == 0, warm
-    server_b = start(meta, model, tmp_path, "server_b", extra_config=EXTRA)
-    try:
-        got = generate_from_storage(server_b, ids)
-        assert got["text"] == warm["text"] == cold["text"]
-    finally:
-        server_b.stop()
+    assert warm["text"] == cold["text"]
+    assert_a_fresh_server_restores(meta, model, tmp_path, "server_b", ids, warm["text"], extra_config=EXTRA)
 
 
 def test_detach_and_reattach(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:

@@ -12,7 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FULL_PAGES, generate, generate_from_storage, pool_keys, prompt, start, wait_for_new_keys
+from conftest import (
+    FULL_PAGES,
+    assert_a_fresh_server_restores,
+    generate,
+    pool_keys,
+    prompt,
+    start,
+    wait_for_new_keys,
+)
 from memcache_sglang import testing as harness
 
 from memcache_core.testing import start_local_service
@@ -50,9 +58,5 @@ def test_a_restarted_server_finds_its_pages_in_the_provider(meta: harness.MetaHa
             assert warm["device"] >= (FULL_PAGES - 1) * 128, warm
         finally:
             first.stop()
-        second = start(meta, model, tmp_path, "client_2", extra_config=CLIENT)
-        try:
-            got = generate_from_storage(second, ids)
-            assert got["text"] == warm["text"] == cold["text"]
-        finally:
-            second.stop()
+        assert warm["text"] == cold["text"]
+        assert_a_fresh_server_restores(meta, model, tmp_path, "client_2", ids, warm["text"], extra_config=CLIENT)
