@@ -27,6 +27,8 @@ import numpy as np
 import requests
 from memcache_sglang import testing as harness
 
+from memcache_core.testing import wait_for
+
 PAGE = 128
 
 
@@ -40,18 +42,13 @@ def ttft(server: harness.ServerHandle, ids: list[int]) -> tuple[float, str, dict
     return elapsed, body["text"], body["meta_info"].get("cached_tokens_details") or {}
 
 
-def wait_written(meta: harness.MetaHandle, before: int, pages: int, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        count = meta.admin("/get_all_keys")["count"]
-        if count - before >= pages:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"write-through did not store {pages} pages within {timeout_s}s")
-
-
 def key_count(meta: harness.MetaHandle) -> int:
     return meta.admin("/get_all_keys")["count"]
+
+
+def wait_written(meta: harness.MetaHandle, before: int, pages: int, timeout_s: float = 120) -> None:
+    wait_for(lambda: key_count(meta) - before >= pages, timeout_s, f"write-through to store {pages} pages",
+             interval_s=0.2)
 
 
 def memcpy_seconds(nbytes: int) -> float:

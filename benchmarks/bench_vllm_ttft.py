@@ -71,7 +71,7 @@ def main() -> int:
         run_instance(*args.instance)
         return 0
 
-    from memcache_core.testing import running_meta_service
+    from memcache_core.testing import running_meta_service, start_local_service
 
     model = args.model
     if model is None:
@@ -85,16 +85,12 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "integrations"), str(REPO), env.get("PYTHONPATH", "")])
     seeds = list(range(1, args.prompts + 1))
     with running_meta_service() as meta:
-        (work / "local.json").write_text(json.dumps({
-            "meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
-            "protocol": "host_shm", "dram_size": "2GB"}))
-        local = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service",
-                                  "--config_path", str(work / "local.json")], env=env)
+        local, _ = start_local_service({"meta_service_url": meta.meta_service_url,
+                                        "config_store_url": meta.config_store_url,
+                                        "protocol": "host_shm", "dram_size": "2GB"},
+                                       work, lambda: meta.http("/get_all_segments").get("segments", []),
+                                       name="local", env=env)
         try:
-            deadline = time.monotonic() + 30
-            while not meta.http("/get_all_segments").get("segments"):
-                assert time.monotonic() < deadline and local.poll() is None, "LocalService did not join"
-                time.sleep(0.1)
             ktc = {"kv_connector": "MemCacheConnector", "kv_connector_module_path": "memcache_vllm",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"meta_service_url": meta.meta_service_url,

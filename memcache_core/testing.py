@@ -2,12 +2,16 @@
 
 ``running_meta_service()`` picks free ports, starts a MetaService process, waits for its /health
 (with a deadline; a process that died is never counted as started) and always terminates it.
+``start_local_service()`` starts a standalone provider and waits for its join; ``wait_for()`` polls
+for a state (never a fixed sleep); ``started()`` is a fixture's factory that stops what it made;
+``mapped_segment()`` maps a segment file from outside its owner (bit rot, a late writer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import signal
 import socket
@@ -17,20 +21,27 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from .rpc import FrameServer
+    from .rpc import FrameServer, RpcClient
+
+T = TypeVar("T")
 
 
-def wait_for(cond: Any, timeout_s: float, what: str) -> None:
-    """Poll ``cond()`` until it is true; fail naming ``what`` after ``timeout_s`` (never a fixed sleep)."""
+def wait_for(cond: Callable[[], T], timeout_s: float, what: str | Callable[[], str],
+             interval_s: float = 0.05) -> T:
+    """Poll ``cond()`` until it returns a true value, and return that value; fail naming ``what``
+    after ``timeout_s`` (never a fixed sleep). ``what`` may be a function, called on the timeout to
+    say how far the wait got; ``cond`` may raise to stop the wait at once (a process it waits on
+    died)."""
     deadline = time.monotonic() + timeout_s
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+        time.sleep(interval_s)
+    return got
 
 
 @contextlib.contextmanager
@@ -52,6 +63,34 @@ def polling(server: FrameServer, interval_s: float = 0.05) -> Iterator[FrameServ
         server.close()
 
 
+@contextlib.contextmanager
+def mapped_segment(path: str) -> Iterator[mmap.mmap]:
+    """A segment file mapped read-write from outside its owner, to play bit rot or a late writer."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0) as m:
+            yield m
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def started(make: Callable[..., T], stop: Callable[[T], object]) -> Iterator[Callable[..., T]]:
+    """A factory for the block (a fixture's ``start``): each thing ``make`` returns is kept and
+    stopped, in the order made, when the block ends."""
+    made: list[T] = []
+
+    def start(*args: Any, **kw: Any) -> T:
+        made.append(make(*args, **kw))
+        return made[-1]
+
+    try:
+        yield start
+    finally:
+        for thing in made:
+            stop(thing)
+
+
 def make_tls_files(directory: str) -> dict[str, Any]:
     """A throw-away CA and one member certificate signed by it (needs the ``openssl`` command).
 
@@ -67,6 +106,17 @@ def make_tls_files(directory: str) -> dict[str, Any]:
         "-subj", "/CN=memcache member", "-keyout", key, "-out", csr)
     run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2", "-out", cert)
     return {"tls_enable": True, "tls_ca_path": ca, "tls_cert_path": cert, "tls_key_path": key}
+
+
+def terminate(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Send ``sig`` to a live ``proc`` and reap it; SIGKILL when it has not exited in ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def free_port() -> int:
@@ -147,16 +197,26 @@ class MetaServiceProcess:
             body = r.read()
         return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
 
+    def rpc(self, timeout_s: float = 10.0) -> RpcClient:
+        """A control-plane client with the pool's secret (the caller closes it)."""
+        from .auth import load_secret
+        from .rpc import RpcClient
+        return RpcClient(self.meta_service_url, timeout_s, 0, load_secret(self.config.get("auth_secret_path", "")))
+
+    def segment(self, segment_id: int) -> Any:
+        """A member's ``SegmentInfo`` as its peers get it (``GetSegments`` on the control plane)."""
+        from . import protocol as p
+        from .rpc import expect
+        client = self.rpc()
+        try:
+            return expect(client.call(p.GetSegments([segment_id]), idempotent=True), p.Segments).segments[0]
+        finally:
+            client.close()
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, sig, timeout_s)
         self.proc = None
 
     def kill(self) -> None:
@@ -168,6 +228,37 @@ class MetaServiceProcess:
                 return f.read()[-n:].decode(errors="replace")
         except OSError:
             return ""
+
+
+def start_local_service(config: dict[str, Any], directory: str | os.PathLike[str],
+                        segments: Callable[[], list[dict[str, Any]]], name: str = "local-service",
+                        env: dict[str, str] | None = None, timeout_s: float = 30.0
+                        ) -> tuple[subprocess.Popen[bytes], int]:
+    """``memcache local-service`` (a standalone memory provider) with ``config``, written to
+    ``directory/name.json``, its output in ``name.log`` beside it. Returns the process and its
+    segment id once ``segments()`` (the MetaService's /get_all_segments) lists its pid; a process that
+    exits first fails the wait with its log's tail, one that never joins is killed."""
+    path = os.path.join(directory, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    log_path = os.path.join(directory, f"{name}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", path],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def joined() -> int:
+        ids = [s["segment_id"] for s in segments() if s.get("pid") == proc.pid]
+        if not ids and proc.poll() is not None:
+            with open(log_path, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace")
+            raise AssertionError(f"{name} exited with {proc.returncode} before joining: {tail}")
+        return ids[0] if ids else 0
+
+    try:
+        return proc, wait_for(joined, timeout_s, f"{name} to join the pool")
+    except BaseException:
+        terminate(proc, signal.SIGKILL)
+        raise
 
 
 def etcd_binary() -> str:
@@ -221,13 +312,8 @@ class EtcdProcess:
             return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, sig)
         self.proc = None
 
 

@@ -21,27 +21,32 @@ def _files(cfg: Any) -> tuple[str, str, str]:
     return cfg.tls_ca_path, cfg.tls_cert_path, cfg.tls_key_path
 
 
-def server_context(cfg: Any, require_client_cert: bool = True) -> ssl.SSLContext | None:
-    """The server-side context of a config with ``tls_enable``, else None."""
+def _context(cfg: Any, protocol: int) -> ssl.SSLContext | None:
+    """A TLS 1.2+ context holding the pool's CA and this member's certificate; None without
+    ``tls_enable``."""
     if not cfg.tls_enable:
         return None
-    ca, cert, key = _files(cfg)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    _load(ctx, ca, cert, key)
-    ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_NONE
+    _load(ctx, *_files(cfg))
+    return ctx
+
+
+def server_context(cfg: Any, require_client_cert: bool = True) -> ssl.SSLContext | None:
+    """The server-side context of a config with ``tls_enable``, else None."""
+    ctx = _context(cfg, ssl.PROTOCOL_TLS_SERVER)
+    if ctx is not None:
+        ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_NONE
     return ctx
 
 
 def client_context(cfg: Any) -> ssl.SSLContext | None:
-    if not cfg.tls_enable:
-        return None
-    ca, cert, key = _files(cfg)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = False
-    _load(ctx, ca, cert, key)
-    ctx.verify_mode = ssl.CERT_REQUIRED
+    """The client-side context of a config with ``tls_enable`` (the server's chain is verified, its
+    host name is not), else None."""
+    ctx = _context(cfg, ssl.PROTOCOL_TLS_CLIENT)
+    if ctx is not None:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 
 

@@ -36,15 +36,10 @@ import time
 import urllib.request
 from typing import Any
 
+from memcache_core.testing import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINE = os.path.join(HERE, "engine_client.py")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write(directory: str, name: str, config: dict[str, Any]) -> str:

@@ -84,6 +84,15 @@ class _Mover:
             return self.layout.regions()
         return [s.region() for s in self._stagers.values()]
 
+    def _pieces(self, stage: str, ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Pointers and sizes of each block's pieces: in its ``stage`` staging slot when the KV cache
+        is staged, else in the KV cache itself."""
+        if self._stagers:
+            parts = [self._stagers[stage].pieces(slot) for slot in range(len(ids))]
+        else:
+            parts = [self.layout.pieces(b) for b in ids]
+        return [p for p, _ in parts], [s for _, s in parts]
+
     def _chunks(self, n: int) -> list[range]:
         step = self._stagers["load"].capacity if self._stagers else max(n, 1)
         return [range(i, min(i + step, n)) for i in range(0, n, step)]
@@ -95,12 +104,9 @@ class _Mover:
         for part in self._chunks(len(block_ids)):
             ids = [block_ids[i] for i in part]
             keys = [all_keys[i] for i in part]
-            if self._stagers:
-                ptrs, sizes = zip(*(self._stagers["load"].pieces(s) for s in range(len(ids))), strict=False)
-            else:
-                ptrs, sizes = zip(*(self.layout.pieces(b) for b in ids), strict=False)
+            ptrs, sizes = self._pieces("load", ids)
             try:
-                codes = list(self.store.batch_get_into_layers(keys, list(ptrs), list(sizes)))
+                codes = list(self.store.batch_get_into_layers(keys, ptrs, sizes))
                 if len(codes) != len(keys):
                     raise RuntimeError(f"{len(codes)} codes for {len(keys)} keys")
             except Exception as exc:
@@ -128,11 +134,9 @@ class _Mover:
             keys = [all_keys[i] for i in part]
             if self._stagers:
                 self._stagers["save"].gather(ids)
-                ptrs, sizes = zip(*(self._stagers["save"].pieces(s) for s in range(len(ids))), strict=False)
-            else:
-                ptrs, sizes = zip(*(self.layout.pieces(b) for b in ids), strict=False)
+            ptrs, sizes = self._pieces("save", ids)
             try:
-                codes = list(self.store.batch_put_from_layers(keys, list(ptrs), list(sizes)))
+                codes = list(self.store.batch_put_from_layers(keys, ptrs, sizes))
             except Exception as exc:
                 logger.warning("MemCacheConnector: save of %d blocks failed: %s", len(keys), exc)
                 codes = [-1] * len(keys)

@@ -10,8 +10,8 @@ import pytest
 from memcache_core import DistributedObjectStore
 from memcache_core.testing import wait_for
 from memcache_core.transfer.nixl import available as nixl_available
+from tests.integration.stores import DSR1_LAYOUT
 
-from .conftest import DSR1_LAYOUT
 from .store_worker import pattern
 
 pytestmark = pytest.mark.integration

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -15,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from memcache_core.testing import MetaServiceProcess, wait_for
-
-from .conftest import StoreProcess
+from memcache_core.testing import MetaServiceProcess, start_local_service, started, wait_for
+from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
 
@@ -69,19 +66,8 @@ class Provider:
         conf = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
                 "protocol": "host_shm", "dram_size": "64MB", "heartbeat_interval_ms": 200,
                 "client_timeout_seconds": 5, "hcom_url": "tcp://127.0.0.1:0", **cfg}
-        path = os.path.join(directory, f"provider-{id(self)}.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(conf, f)
-        self.proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path",
-                                      path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.id = 0
-
-        def joined() -> bool:
-            segs = [s for s in meta.http("/get_all_segments")["segments"] if s["pid"] == self.proc.pid]
-            self.id = segs[0]["segment_id"] if segs else 0
-            return bool(segs) or self.proc.poll() is not None
-        wait_for(joined, 20, "the provider to join")
-        assert self.id, "the provider exited before joining"
+        self.proc, self.id = start_local_service(conf, directory, lambda: meta.http("/get_all_segments")["segments"],
+                                                 name=f"provider-{id(self)}", timeout_s=20)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -91,15 +77,8 @@ class Provider:
 
 @pytest.fixture
 def providers(meta, tmp_path):
-    started: list[Provider] = []
-
-    def start(**cfg: Any) -> Provider:
-        p = Provider(meta, str(tmp_path), **cfg)
-        started.append(p)
-        return p
-    yield start
-    for p in started:
-        p.stop()
+    with started(lambda **cfg: Provider(meta, str(tmp_path), **cfg), Provider.stop) as start:
+        yield start
 
 
 def _all_read(rounds: list[dict[str, Any]], during: tuple[float, float]) -> None:

@@ -8,8 +8,7 @@ import time
 import pytest
 
 from memcache_core.testing import running_meta_service, wait_for
-
-from .conftest import StoreProcess
+from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,10 @@ import pytest
 
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core import protocol as p
+from memcache_core.local.service import LocalService
 from memcache_core.rpc import expect
 from memcache_core.testing import running_meta_service, wait_for
+from tests.integration.stores import stalled_reads
 
 pytestmark = pytest.mark.integration
 
@@ -29,18 +31,20 @@ def test_kill9_of_a_local_service_mid_traffic(meta, stores, protocol):
     on_a = [f"a-{i}" for i in range(10)]
     assert a("put", keys=on_a, layout=layout)["codes"] == [0] * 10
     c.kill()
-    deadline = time.monotonic() + 15
-    rounds, gone = 0, False
-    while time.monotonic() < deadline and not gone:
-        keys = [f"traffic-{rounds}-{i}" for i in range(4)]
+    rounds = iter(range(1 << 30))
+
+    def traffic_round() -> bool:
+        """One round of traffic between A and B; true once C's keys are no longer listed."""
+        keys = [f"traffic-{next(rounds)}-{i}" for i in range(4)]
         assert a("put", keys=keys, layout=layout)["codes"] == [0] * 4
         got = b("get", keys=keys + on_a, layout=layout)
         assert got["codes"] == [0] * 14 and got["mismatches"] == []
         from_c = b("get", keys=on_c, layout=layout)
         assert from_c["mismatches"] == []        # whatever is read is right, or it is a miss
-        gone = b("exist", keys=on_c)["codes"] == [0] * 10
-        rounds += 1
-    assert gone, "keys of the dead LocalService were still listed after its heartbeat timeout"
+        return b("exist", keys=on_c)["codes"] == [0] * 10
+
+    wait_for(traffic_round, 15, "the dead LocalService's keys to leave the listing (its heartbeat timeout)",
+             interval_s=0)
     assert all(code == -3007 for code in b("get", keys=on_c, layout=layout)["codes"])
     assert len(meta.http("/get_all_segments")["segments"]) == 2
 
@@ -132,16 +136,18 @@ os.kill(os.getpid(), 9)
 
 def test_pending_deadline_and_commit_after_abort():
     with running_meta_service(pending_timeout_ms=300) as ms:
-        s = DistributedObjectStore()
-        assert s.setup(ms.local_config()) == 0 and s.init(0, True) == 0
-        svc = s._service()
-        r = expect(svc.rpc.call(p.Alloc(svc.client_id, svc.session.token, ["slow"], [4096])), p.AllocReply)
-        gen = r.results[0].generation
-        wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 5, "pending reclaim")
-        codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["slow"], [gen])), p.Codes).codes
-        assert codes == [-3101]
-        assert s.is_exist("slow") == 0
-        s.close()
+        svc = LocalService(ms.local_config())     # a member that allocates and commits by hand
+        svc.start(0, with_segment=True)
+        try:
+            r = expect(svc.rpc.call(p.Alloc(svc.client_id, svc.session.token, ["slow"], [4096])), p.AllocReply)
+            gen = r.results[0].generation
+            wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 5, "pending reclaim")
+            codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["slow"], [gen])),
+                           p.Codes).codes
+            assert codes == [-3101]
+            assert svc.exist(["slow"]) == [False]
+        finally:
+            svc.close()
 
 
 def test_stalled_reader_never_reports_bytes_of_a_reused_space():
@@ -156,23 +162,18 @@ def test_stalled_reader_never_reports_bytes_of_a_reused_space():
         assert reader.setup(ms.local_config(checksum_verify_ratio=0.0)) == 0 and reader.init(1, False) == 0
         assert owner.put("K", b"k" * 65536) == 0
         k_loc = ms.http("/query_key?key=K")["locations"]
-        svc = reader._service()
-        engine = svc.engine
-        assert engine is not None
-        real_read = engine.read
 
-        def stalled_read(ops):
+        def meanwhile() -> None:
             assert owner.remove("K") == 0
             wait_for(lambda: ms.http("/api/v1/capacity/usage")["used_bytes"] == 0, 10,
                      "the lease (300 ms) to end and K's space to be freed")
             assert owner.put("J", b"j" * 65536) == 0  # best fit: J lands where K was
-            real_read(ops)
-        engine.read = stalled_read  # type: ignore[method-assign]   # fault injection
+
         dst = np.zeros(65536, np.uint8)
         assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
-        assert reader.get_into("K", dst.ctypes.data, 65536) == -3101
+        with stalled_reads(reader, meanwhile):
+            assert reader.get_into("K", dst.ctypes.data, 65536) == -3101
         assert ms.http("/query_key?key=J")["locations"] == k_loc   # the space really was reused
-        engine.read = real_read  # type: ignore[method-assign]
         assert owner.put("K", b"k" * 65536) == 0
         assert reader.get_into("K", dst.ctypes.data, 65536) == 0 and bytes(dst) == b"k" * 65536
         owner.close()

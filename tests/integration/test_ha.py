@@ -25,8 +25,7 @@ from memcache_core import protocol as p
 from memcache_core.auth import load_secret
 from memcache_core.rpc import RpcClient
 from memcache_core.testing import EtcdProcess, MetaServiceProcess, wait_for
-
-from .conftest import StoreProcess
+from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,6 @@ engine seeds Python's ``random`` the same way (vLLM and SGLang call ``random.see
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 
@@ -15,40 +14,30 @@ import pytest
 
 from memcache_core import LocalConfig
 from memcache_core import protocol as p
-from memcache_core.auth import load_secret
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.local.service import LocalService, Session
-from memcache_core.rpc import RpcClient, expect
-from memcache_core.testing import running_meta_service, wait_for
+from memcache_core.rpc import expect
+from memcache_core.testing import mapped_segment, running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
 
 LAYOUT = [64 << 10, 16 << 10, 16 << 10]
 
 
-def rpc(meta) -> RpcClient:
-    return RpcClient(meta.meta_service_url, 5.0, 0, load_secret(""))
-
-
 def locate(meta, key: str) -> tuple[str, int, int]:
     """(shm path, payload offset, size) of a key's first replica, as the MetaService knows it."""
-    client = rpc(meta)
+    client = meta.rpc(5.0)
     try:
         f = expect(client.call(p.Lookup([key], lease=False), idempotent=True), p.LookupReply).results[0]
         assert f is not None, f"{key} is not in the pool"
-        segs = expect(client.call(p.GetSegments([f.locations[0].segment_id]), idempotent=True), p.Segments)
-        return segs.segments[0].shm_path, f.locations[0].offset + HEADER_BYTES, f.size
     finally:
         client.close()
+    return meta.segment(f.locations[0].segment_id).shm_path, f.locations[0].offset + HEADER_BYTES, f.size
 
 
 def flip_byte(path: str, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        with mmap.mmap(fd, offset + 1) as m:
-            m[offset] ^= 0xFF
-    finally:
-        os.close(fd)
+    with mapped_segment(path) as m:
+        m[offset] ^= 0xFF
 
 
 @pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
@@ -135,7 +124,7 @@ def test_second_writer_of_a_pending_key_waits_and_never_reports_a_false_success(
     """Scenario: writer 1 allocates a key and stalls; writer 2 puts the same key. Writer 2 is not told
     "stored" while the key is pending: when writer 1 aborts, writer 2 stores the key itself."""
     a = stores()
-    client = rpc(meta)
+    client = meta.rpc(5.0)
     try:
         j = expect(client.call(p.Join(0, "test-host", os.getpid(), None, [])), p.Joined)
         r = expect(client.call(p.Alloc(j.client_id, j.token, ["contended"], [sum(LAYOUT)])), p.AllocReply).results[0]
@@ -184,7 +173,7 @@ def test_a_put_that_returned_success_survives_a_meta_service_kill(stores):
     segment (no heartbeat has told it), re-joins, and reports them. Zero objects lost, zero wrong bytes."""
     # a short lease: a re-joined segment takes new objects after one lease TTL (the rounds wait it out)
     with running_meta_service(heartbeat_timeout_ms=3000, lease_ttl_ms=300) as ms:
-        from tests.integration.conftest import StoreProcess
+        from tests.integration.stores import StoreProcess
         procs = [StoreProcess(ms, heartbeat_interval_ms=100, dram_size="128MB")]
         procs += [StoreProcess(ms, init_bm=False, heartbeat_interval_ms=100, protocol=proto)
                   for proto in ("host_shm", "host_tcp")]
@@ -194,10 +183,8 @@ def test_a_put_that_returned_success_survives_a_meta_service_kill(stores):
             for r in range(ROUNDS):
                 for w, name in ((shm_writer, "shm"), (tcp_writer, "tcp")):
                     key = f"round-{r}-{name}"
-                    deadline = time.monotonic() + 20
-                    while w("put", keys=[key], layout=LAYOUT)["codes"] != [0]:   # refused while recovering
-                        assert time.monotonic() < deadline, f"{key}: no put succeeded for 20 s"
-                        time.sleep(0.05)
+                    wait_for(lambda: w("put", keys=[key], layout=LAYOUT)["codes"] == [0],  # noqa: B023
+                             20, f"a put of {key} to succeed (refused while recovering)")
                     written.append(key)
                 ms.kill()
                 ms.start()

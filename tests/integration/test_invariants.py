@@ -24,9 +24,8 @@ import numpy as np
 import pytest
 
 from memcache_core import protocol as p
-from memcache_core.auth import load_secret
-from memcache_core.rpc import RpcClient, expect
-from memcache_core.testing import MetaServiceProcess, running_meta_service
+from memcache_core.rpc import expect
+from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
 from memcache_core.transfer.nixl import available as nixl_available
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -176,7 +175,7 @@ def test_random_traffic_over_nixl_with_a_member_killed_and_the_meta_service_rest
 
 def _corrupt_segments(ms: MetaServiceProcess, stop: threading.Event) -> int:
     """Flip random bytes in every segment until stopped (a bad DIMM, a stray write)."""
-    client = RpcClient(ms.meta_service_url, 3.0, 0, load_secret(""))
+    client = ms.rpc(3.0)
     rng = np.random.default_rng(7)
     flips = 0
     try:
@@ -210,7 +209,7 @@ def test_corruption_is_caught_by_the_checker_without_checksums_and_is_a_miss_wit
         fleet.start("client-tcp", init_bm=False, protocol="host_tcp", checksum=checksum)
         stop = threading.Event()
         flips: list[int] = []
-        time.sleep(1.0)
+        wait_for(lambda: ms.http("/get_all_keys")["count"] > 0, 10, "the fleet's first objects to corrupt")
         t = threading.Thread(target=lambda: flips.append(_corrupt_segments(ms, stop)))
         t.start()
         fleet.wait()

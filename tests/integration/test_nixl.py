@@ -11,8 +11,7 @@ import urllib.request
 import pytest
 
 from memcache_core.transfer.nixl import available
-
-from .conftest import DSR1_LAYOUT
+from tests.integration.stores import DSR1_LAYOUT
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not available(), reason="nixl is not installed (pip install --no-deps "

@@ -10,7 +10,7 @@ import pytest
 
 from memcache_core import DistributedObjectStore, ReplicateConfig
 from memcache_core.layout import HEADER_BYTES
-from memcache_core.testing import running_meta_service, wait_for
+from memcache_core.testing import mapped_segment, running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -74,10 +74,8 @@ def test_a_corrupt_replica_is_read_around_and_dropped_alone():
             assert client.put("K", data, ReplicateConfig(2)) == 0
             locs = ms.http("/query_key?key=K")["locations"]
             assert len(locs) == 2
-            first = next(h._service() for h in holders if h.get_local_service_id() == locs[0]["segment"])
-            assert first.segment is not None
-            view = first.segment.view(locs[0]["offset"] + HEADER_BYTES + 1000, 1)
-            view[0] ^= 0xFF
+            with mapped_segment(ms.segment(locs[0]["segment"]).shm_path) as m:
+                m[locs[0]["offset"] + HEADER_BYTES + 1000] ^= 0xFF
             assert client.get("K") == data
             assert segments_of(ms, "K") == [locs[1]["segment"]]
             assert gauge(ms, "objects_under_replicated") == 1
@@ -170,11 +168,11 @@ def test_reads_prefer_a_same_host_replica_and_fall_back_to_the_other_host():
         try:
             data = {f"h{i}": bytes([i + 1]) * 30_000 for i in range(10)}
             assert readers["hostA"].put_batch(list(data), list(data.values()), ReplicateConfig(2)) == 0
-            b_id, b_seg = on_b.get_local_service_id(), on_b._service().segment
-            assert b_seg is not None
-            for k in data:
-                (loc,) = [x for x in ms.http(f"/query_key?key={k}")["locations"] if x["segment"] == b_id]
-                b_seg.view(loc["offset"] + HEADER_BYTES + 7, 1)[0] ^= 0xFF
+            b_id = on_b.get_local_service_id()
+            with mapped_segment(ms.segment(b_id).shm_path) as b_seg:
+                for k in data:
+                    (loc,) = [x for x in ms.http(f"/query_key?key={k}")["locations"] if x["segment"] == b_id]
+                    b_seg[loc["offset"] + HEADER_BYTES + 7] ^= 0xFF
             assert readers["hostA"].get_batch(list(data)) == list(data.values())
             assert gauge(ms, "integrity_failures_total") == 0
             assert readers["hostB"].get_batch(list(data)) == list(data.values())

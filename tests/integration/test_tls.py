@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from memcache_core.testing import free_port, make_tls_files, running_meta_service
-from tests.integration.conftest import StoreProcess
 from tests.integration.store_worker import pattern
+from tests.integration.stores import StoreProcess
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]

@@ -20,8 +20,8 @@ from memcache_core.config import ConfigError
 from memcache_core.layout import footprint
 from memcache_core.local import segment as segment_mod
 from memcache_core.rpc import expect
-
-from .conftest import LAYOUT, rpc, wait_for
+from memcache_core.testing import wait_for
+from tests.security.wire import LAYOUT, rpc
 
 pytestmark = pytest.mark.integration
 
@@ -73,9 +73,8 @@ def test_a_failed_init_leaves_no_segment_file_and_close_stops_the_data_server(me
     assert os.listdir(shm_dir) == []
     s = DistributedObjectStore()
     assert s.setup(meta.local_config(heartbeat_interval_ms=200, protocol="host_tcp", dram_size="8MB")) == 0 and s.init(0, True) == 0
-    server = s._service().data_server
-    assert server is not None
-    host, port = server.addr.rsplit(":", 1)
+    (seg,) = meta.http("/get_all_segments")["segments"]
+    host, port = seg["data_addr"].rsplit(":", 1)
     socket.create_connection((host, int(port)), timeout=2).close()     # listening while it lives
     assert len(os.listdir(shm_dir)) == 1
     assert s.close() == 0
@@ -126,11 +125,7 @@ def test_a_departed_peers_segment_is_unmapped_by_readers(meta, stores, monkeypat
     monkeypatch.setattr(service_mod, "SEGMENT_REFRESH_S", 0.3)
     peer = stores()
     assert peer("put", keys=["p"], layout=LAYOUT)["codes"] == [0]
-    c = rpc(meta)
-    try:
-        path = expect(c.call(p.GetSegments([peer("id")["id"]]), idempotent=True), p.Segments).segments[0].shm_path
-    finally:
-        c.close()
+    path = meta.segment(peer("id")["id"]).shm_path
     reader = DistributedObjectStore()
     assert reader.setup(meta.local_config(dram_size="8MB", heartbeat_interval_ms=100)) == 0
     assert reader.init(1, True) == 0
@@ -160,15 +155,8 @@ def test_wildcard_hcom_url_needs_an_advertised_address(meta, stores, caplog):
                                      hcom_advertise_url="tcp://127.0.0.1:0")) == 0
     assert s.init(0, True) == 0
     try:
-        server = s._service().data_server
-        assert server is not None
-        bound_port = server.addr.rsplit(":", 1)[1]
-        c = rpc(meta)
-        try:
-            seg = expect(c.call(p.GetSegments([s.get_local_service_id()]), idempotent=True), p.Segments).segments[0]
-        finally:
-            c.close()
-        assert seg.data_addr == f"127.0.0.1:{bound_port}"
+        host, port = meta.segment(s.get_local_service_id()).data_addr.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) != 0     # the bound port: the TCP read below goes through it
         assert s.put("adv", b"a" * 200_000) == 0
         reader = stores(protocol="host_tcp", host_id="another-host")
         got = reader("get", keys=["adv"], layout=[200_000])

@@ -3,8 +3,6 @@ deadline, never make a success code carry another object's (or stale) bytes."""
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
 
 import numpy as np
@@ -14,9 +12,8 @@ from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
 from memcache_core.layout import HEADER_BYTES
 from memcache_core.rpc import expect
-from memcache_core.testing import running_meta_service
-
-from .conftest import wait_for
+from memcache_core.testing import mapped_segment, running_meta_service, wait_for
+from tests.integration.stores import stalled_reads
 
 pytestmark = pytest.mark.integration
 
@@ -41,36 +38,27 @@ def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects
         try:
             assert owner.put("K", b"k" * SIZE) == 0
             k_loc = ms.http("/query_key?key=K")["locations"]
-            svc = reader._service()
-            engine = svc.engine
-            assert engine is not None
-            real_read = engine.read
             landed: dict[str, float] = {}
 
-            def stalled_read(ops):
+            def meanwhile() -> None:
                 ms.kill()
                 ms.start()
                 rejoined = time.monotonic()
                 wait_for(lambda: owner.is_exist("K") == 1, 15, "the owner's re-join")
                 assert owner.remove("K") == 0
-                deadline = time.monotonic() + 15
-                while owner.put("J", b"j" * SIZE) != 0:
-                    assert time.monotonic() < deadline, "J never fit"
-                    time.sleep(0.05)
+                wait_for(lambda: owner.put("J", b"j" * SIZE) == 0, 15, "J to fit")
                 landed["after_s"] = time.monotonic() - rejoined
                 landed["same_space"] = ms.http("/query_key?key=J")["locations"] == k_loc
-                real_read(ops)
 
-            engine.read = stalled_read  # type: ignore[method-assign]   # fault injection
             dst = np.zeros(SIZE, np.uint8)
             assert reader.register_buffer(dst.ctypes.data, dst.nbytes) == 0
-            rc = reader.get_into("K", dst.ctypes.data, SIZE)
+            with stalled_reads(reader, meanwhile):
+                rc = reader.get_into("K", dst.ctypes.data, SIZE)
             assert rc != 0, "a success code for K after its space went to J"
             # (the stalled copy did move J's bytes into dst: a failed get leaves its buffer undefined,
             # what matters is that no success code ever vouches for them)
             assert landed["same_space"]                 # the space really was reused ...
             assert landed["after_s"] >= 1.9             # ... only once an old lease would have ended
-            engine.read = real_read  # type: ignore[method-assign]
             got = np.zeros(SIZE, np.uint8)
             assert reader.register_buffer(got.ctypes.data, got.nbytes) == 0
             assert reader.get_into("J", got.ctypes.data, SIZE) == 0 and bytes(got) == b"j" * SIZE
@@ -102,13 +90,9 @@ def test_late_writer_bytes_in_reclaimed_and_reused_space_are_a_miss():
             wait_for(lambda: ms.http("/api/v1/capacity/usage")["used_bytes"] == 0, 10, "the quarantine's end")
             assert owner.put("other", b"o" * SIZE) == 0
             assert ms.http("/query_key?key=other")["locations"][0]["offset"] == late_off
-            fd = os.open(svc.segment.path, os.O_RDWR)          # the stalled writer's copy lands now
-            try:
-                with mmap.mmap(fd, svc.segment.size) as m:
-                    start = late_off + HEADER_BYTES
-                    m[start:start + SIZE] = b"L" * SIZE
-            finally:
-                os.close(fd)
+            with mapped_segment(svc.segment.path) as m:     # the stalled writer's copy lands now
+                start = late_off + HEADER_BYTES
+                m[start:start + SIZE] = b"L" * SIZE
             codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["late"], [a.generation])),
                            p.Codes).codes
             assert codes == [errors.STATE_MISMATCH]

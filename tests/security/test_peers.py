@@ -13,8 +13,8 @@ from memcache_core import DistributedObjectStore, ReplicateConfig, errors
 from memcache_core import protocol as p
 from memcache_core.config import env_host_id, shm_dir
 from memcache_core.rpc import expect
-
-from .conftest import LAYOUT, addr_of, ask, authed, rpc, wait_for
+from memcache_core.testing import wait_for
+from tests.security.wire import LAYOUT, addr_of, ask, authed, rpc
 
 pytestmark = pytest.mark.integration
 
@@ -55,10 +55,9 @@ def test_symlinked_segment_file_is_never_mapped_by_peers(meta, stores, tmp_path)
     honest = DistributedObjectStore()
     try:
         assert honest.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="16MB")) == 0 and honest.init(0, True) == 0
+        host_id = meta.http(f"/query_segment?segment={honest.get_local_service_id()}")["host_id"]
         s = authed(addr_of(meta.meta_service_url))
-        joined = expect(ask(s, p.Join(0, honest._service().host_id, os.getpid(), _segment(link, len(original),
-                                                                                          honest._service().host_id))),
-                        p.Joined)
+        joined = expect(ask(s, p.Join(0, host_id, os.getpid(), _segment(link, len(original), host_id))), p.Joined)
         payload = b"\x5a" * (1 << 20)
         rc = honest.put("into-the-link", payload, ReplicateConfig(replicaNum=1,
                                                                   preferredLocalServiceIDs=[joined.client_id]))

@@ -12,9 +12,7 @@ import pytest
 
 from memcache_core import protocol as p
 from memcache_core.auth import MAGIC, NONCE, AuthFailed, client_handshake
-from memcache_core.rpc import expect
-
-from .conftest import LAYOUT, addr_of, frame, recv_all, rpc
+from tests.security.wire import LAYOUT, addr_of, frame, recv_all
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +20,7 @@ HELLO = len(MAGIC) + NONCE
 
 
 def _data_addr(meta, store) -> tuple[str, int]:
-    c = rpc(meta)
-    try:
-        segs = expect(c.call(p.GetSegments([store("id")["id"]]), idempotent=True), p.Segments).segments
-    finally:
-        c.close()
-    host, port = segs[0].data_addr.rsplit(":", 1)
+    host, port = meta.segment(store("id")["id"]).data_addr.rsplit(":", 1)
     return host, int(port)
 
 

@@ -18,10 +18,9 @@ import pytest
 from memcache_core import DistributedObjectStore
 from memcache_core import protocol as p
 from memcache_core.auth import load_secret
-from memcache_core.rpc import MAX_CLIENT_CONNECTIONS, MAX_PENDING_REPLY, RpcClient, expect
+from memcache_core.rpc import MAX_CLIENT_CONNECTIONS, MAX_PENDING_REPLY, RpcClient
 from memcache_core.testing import MetaServiceProcess, wait_for
-
-from .conftest import LAYOUT, addr_of, ask, authed, frame, rpc
+from tests.security.wire import LAYOUT, addr_of, ask, authed, frame
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +55,18 @@ def test_a_peer_that_never_reads_its_replies_is_disconnected_and_rss_stays_bound
             break
         peak = max(peak, rss_mib(meta.pid))
     if not closed:   # it may have been cut off with our last frames still in flight
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not closed:
-            peak = max(peak, rss_mib(meta.pid))
+        peaks = [peak]
+
+        def cut_off() -> bool:
+            peaks.append(rss_mib(meta.pid))
             try:
                 s.sendall(req)
             except OSError:
-                closed = True
-            time.sleep(0.05)
+                return True
+            return False
+
+        closed = wait_for(cut_off, 10, "the MetaService to disconnect a peer that never reads")
+        peak = max(peaks)
     s.close()
     after = rss_mib(meta.pid)
     print(f"MetaService RSS: {before:.1f} MiB before, peak {peak:.1f} MiB, {after:.1f} MiB after the slow reader")
@@ -90,11 +93,7 @@ def test_a_thousand_idle_or_half_open_connections_per_port_do_not_lock_out_hones
     _raise_nofile(4000)
     owner = stores(protocol="host_tcp")
     reader = stores(protocol="host_tcp")
-    c = rpc(meta)
-    try:
-        seg = expect(c.call(p.GetSegments([owner("id")["id"]]), idempotent=True), p.Segments).segments[0]
-    finally:
-        c.close()
+    seg = meta.segment(owner("id")["id"])
     host, port = seg.data_addr.rsplit(":", 1)
     targets = {"control": addr_of(meta.meta_service_url), "data": (host, int(port)),
                "admin": addr_of(meta.metrics_url)}
@@ -145,7 +144,6 @@ def test_two_hundred_short_lived_threads_use_at_most_eight_control_connections(m
         peak = max(peak, _connections_to(port))
         assert not errors
         assert peak <= MAX_CLIENT_CONNECTIONS
-        assert store._service().rpc._open <= MAX_CLIENT_CONNECTIONS
     finally:
         store.close()
 
@@ -169,9 +167,9 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
     import socket as socket_
 
     from memcache_core import protocol as p
-    from memcache_core.auth import client_handshake, load_secret
-    from memcache_core.rpc import FRAME_HEAD, FrameServer, RpcClient
-    from memcache_core.testing import polling, wait_for
+    from memcache_core.auth import client_handshake
+    from memcache_core.rpc import FRAME_HEAD, FrameServer
+    from memcache_core.testing import polling
 
     secret = load_secret("")
     server = FrameServer([("127.0.0.1", 0)], lambda body: p.request_encoder.encode(p.Ok()), secret)
@@ -225,7 +223,7 @@ def test_out_of_file_descriptors_the_meta_service_pauses_accepting_instead_of_sp
         for s in held:
             s.close()
         held.clear()
-        c = RpcClient(ms.meta_service_url, 10.0, 0, load_secret(""))
+        c = ms.rpc()
         try:
             assert c.call(p.Exist(["k"]), idempotent=True) == p.Flags([False])
         finally:

@@ -23,6 +23,8 @@ pytest.importorskip("sglang", reason="needs the SGLang test environment (.ci/sgl
 import requests  # noqa: E402
 from memcache_sglang import testing as harness  # noqa: E402
 
+from memcache_core.testing import wait_for  # noqa: E402
+
 PROMPT_TOKENS = 3200
 PAGE = 128
 FULL_PAGES = PROMPT_TOKENS // PAGE
@@ -89,14 +91,35 @@ def generate(server: harness.ServerHandle, ids: list[int], max_new_tokens: int =
 
 def flush(server: harness.ServerHandle) -> None:
     """Drop device and host caches (L1/L2); L3 is untouched. Retries while requests drain."""
-    deadline = time.monotonic() + 30
-    while True:
-        r = request(server, "POST", "/flush_cache", idempotent=True, timeout=30, headers=ADMIN)
-        if r.status_code == 200:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"/flush_cache refused: {r.status_code} {r.text}")
-        time.sleep(0.5)
+    last: list[Any] = []
+
+    def flushed() -> bool:
+        last[:] = [request(server, "POST", "/flush_cache", idempotent=True, timeout=30, headers=ADMIN)]
+        return last[0].status_code == 200
+
+    wait_for(flushed, 30, lambda: f"/flush_cache to be accepted: {last[0].status_code} {last[0].text}",
+             interval_s=0.5)
+
+
+def generate_from_storage(server: harness.ServerHandle, ids: list[int], pages: int = FULL_PAGES,
+                          page: int = PAGE) -> dict[str, Any]:
+    """generate() on a server whose device and host caches hold none of ``ids``: every full page but
+    the last must come from L3, the pool. Returns generate()'s result."""
+    got = generate(server, ids)
+    assert got["device"] == 0 and got["host"] == 0, got
+    assert got["storage"] >= (pages - 1) * page, got
+    return got
+
+
+def assert_a_fresh_server_restores(meta: harness.MetaHandle, model: str, log_dir: Path, name: str,
+                                   ids: list[int], text: str, **kw: Any) -> None:
+    """A server started now (nothing of ``ids`` in its device or host cache) restores them from L3
+    (generate_from_storage) and answers ``text``; it is stopped afterwards."""
+    server = start(meta, model, log_dir, name, **kw)
+    try:
+        assert generate_from_storage(server, ids)["text"] == text
+    finally:
+        server.stop()
 
 
 def pool_keys(meta: harness.MetaHandle) -> set[str]:
@@ -106,15 +129,11 @@ def pool_keys(meta: harness.MetaHandle) -> set[str]:
 def wait_for_new_keys(meta: harness.MetaHandle, before: set[str], count: int,
                       timeout_s: float = BACKUP_TIMEOUT_S) -> set[str]:
     """Wait until write-through has committed at least ``count`` new objects; return them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        new = pool_keys(meta) - before
-        if len(new) >= count:
-            time.sleep(0.5)  # let the last batch of this backup land too
-            return pool_keys(meta) - before
-        if time.monotonic() > deadline:
-            raise AssertionError(f"only {len(new)} of {count} objects written within {timeout_s}s")
-        time.sleep(0.25)
+    wait_for(lambda: len(pool_keys(meta) - before) >= count, timeout_s,
+             lambda: f"{count} new objects (only {len(pool_keys(meta) - before)} within {timeout_s}s)",
+             interval_s=0.25)
+    time.sleep(0.5)  # let the last batch of this backup land too (nothing tells when it has)
+    return pool_keys(meta) - before
 
 
 @pytest.fixture(scope="session")

@@ -19,14 +19,23 @@ pool once the writer's store has joined.
 from __future__ import annotations
 
 import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import PROMPT_TOKENS, generate, pool_keys, prompt, start, wait_for_new_keys
+from conftest import (
+    PROMPT_TOKENS,
+    generate,
+    generate_from_storage,
+    pool_keys,
+    prompt,
+    start,
+    wait_for_new_keys,
+)
 from memcache_sglang import testing as harness
+
+from memcache_core.testing import wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -50,15 +59,15 @@ STORE_READY = "MemCache store ready"
 
 def wait_for_log(path: Path, text: str, starting: Future, timeout_s: float = 300) -> None:
     """Wait until a starting server's log shows ``text`` (or its start fails: re-raise that)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def logged() -> bool:
         if path.exists() and text in path.read_text(errors="replace"):
-            return
+            return True
         if starting.done():
             starting.result()  # raises if the start failed
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in {path} within {timeout_s:.0f}s")
+            return True
+        return False
+
+    wait_for(logged, timeout_s, f"{text!r} in {path}", interval_s=0.2)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -95,9 +104,7 @@ def test_reader_restores_what_the_writer_holds(name: str, meta: harness.MetaHand
         warm = generate(writer, ids)
         assert warm["device"] >= (full_pages - 1) * case.page and warm["storage"] == 0, warm
 
-        got = generate(reader, ids)
-        assert got["device"] == 0 and got["host"] == 0, got
-        assert got["storage"] >= (full_pages - 1) * case.page, got
+        got = generate_from_storage(reader, ids, full_pages, case.page)
         assert got["text"] == warm["text"], (got, warm)
     finally:
         writer.stop()

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from conftest import (
     ServerDied,
     flush,
     generate,
+    generate_from_storage,
     pool_keys,
     prompt,
     request,
@@ -39,6 +39,8 @@ from conftest import (
     wait_for_new_keys,
 )
 from memcache_sglang import testing as harness
+
+from memcache_core.testing import wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -76,9 +78,7 @@ def assert_separate_then_restores(server: harness.ServerHandle, meta: harness.Me
         f"hit pages of another model or configuration: {own}"
     wait_for_new_keys(meta, before, FULL_PAGES)
     flush(server)
-    restored = generate(server, IDS)
-    assert restored["device"] == 0 and restored["host"] == 0, restored
-    assert restored["storage"] >= (FULL_PAGES - 1) * 128, restored
+    restored = generate_from_storage(server, IDS)
     assert restored["text"] == own["text"]
     return own
 
@@ -111,9 +111,7 @@ def assert_harness_tells_a_dead_server(server: harness.ServerHandle) -> None:
     """The harness's side: a request to a server that died fails as ServerDied, with its exit
     status and log tail, rather than as a connection error (or a retried keep-alive race)."""
     os.kill(server.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while server.exit_status() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: server.exit_status() is not None, 30, "the killed server's exit status", interval_s=0.1)
     with pytest.raises(ServerDied, match=r"EXITED with status -9(.|\n)*last 40 lines"):
         flush(server)
 

@@ -7,7 +7,6 @@ own duration. The MetaService-failure test runs last because it restarts the Met
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +15,10 @@ from conftest import (
     ADMIN,
     ADMIN_KEY,
     FULL_PAGES,
+    assert_a_fresh_server_restores,
     flush,
     generate,
+    generate_from_storage,
     pool_keys,
     prompt,
     request,
@@ -25,6 +26,8 @@ from conftest import (
     wait_for_new_keys,
 )
 from memcache_sglang import testing as harness
+
+from memcache_core.testing import wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -79,24 +82,20 @@ def test_l3_restore_after_flush(server_a: harness.ServerHandle, meta: harness.Me
     assert warm["text"] == cold["text"]
 
     flush(server_a)
-    restored = generate(server_a, ids)
+    restored = generate_from_storage(server_a, ids)
     assert restored["backend"] == "NpuMemcacheStore", restored
-    assert restored["device"] == 0 and restored["host"] == 0, restored
-    assert restored["storage"] >= (FULL_PAGES - 1) * 128, restored
     assert restored["text"] == cold["text"]
 
     again = generate(server_a, ids)
     assert again["device"] >= restored["storage"] and again["storage"] == 0, again
     assert again["text"] == cold["text"]
 
-    deadline = time.monotonic() + 30
-    while True:
+    def counted() -> bool:
         backup, prefetch = storage_pages(server_a)
-        done = backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1
-        if done or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1, (backup, prefetch)
+        return backup - backup0 >= FULL_PAGES and prefetch - prefetch0 >= FULL_PAGES - 1
+
+    wait_for(counted, 30, lambda: f"the pages counted as backed up and prefetched: {storage_pages(server_a)}",
+             interval_s=0.5)
 
 
 def test_restore_uses_the_stored_bytes(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:
@@ -172,14 +171,8 @@ def test_two_servers_share_one_pool(server_a: harness.ServerHandle, meta: harnes
     cold, _ = write_through(server_a, meta, ids)
     warm = generate(server_a, ids)
     assert warm["device"] >= (FULL_PAGES - 1) * 128 and warm["storage"] == 0, warm
-    server_b = start(meta, model, tmp_path, "server_b", extra_config=EXTRA)
-    try:
-        got = generate(server_b, ids)
-        assert got["device"] == 0 and got["host"] == 0, got
-        assert got["storage"] >= (FULL_PAGES - 1) * 128, got
-        assert got["text"] == warm["text"] == cold["text"]
-    finally:
-        server_b.stop()
+    assert warm["text"] == cold["text"]
+    assert_a_fresh_server_restores(meta, model, tmp_path, "server_b", ids, warm["text"], extra_config=EXTRA)
 
 
 def test_detach_and_reattach(server_a: harness.ServerHandle, meta: harness.MetaHandle) -> None:
@@ -201,9 +194,7 @@ def test_detach_and_reattach(server_a: harness.ServerHandle, meta: harness.MetaH
     ids = prompt(9)
     cold, _ = write_through(server_a, meta, ids)
     flush(server_a)
-    restored = generate(server_a, ids)
-    assert restored["device"] == 0 and restored["host"] == 0, restored
-    assert restored["storage"] >= (FULL_PAGES - 1) * 128, restored
+    restored = generate_from_storage(server_a, ids)
     assert restored["text"] == cold["text"]
 
 
@@ -227,12 +218,9 @@ def test_meta_service_killed_while_serving(server_a: harness.ServerHandle, meta:
 
     # The server's LocalService re-joins on its next heartbeat and reports what it holds; its segment
     # takes new objects once a lease TTL has passed (reads leased before the crash may still run).
-    deadline = time.monotonic() + 30
-    while not pool_keys(meta) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    while not all(s["accepts_new_objects"] for s in meta.admin("/get_all_segments")["segments"]):
-        assert time.monotonic() < deadline + 30, "the recovered segment never took new objects again"
-        time.sleep(0.5)
+    wait_for(lambda: pool_keys(meta), 30, "the re-joined LocalService to report its objects", interval_s=0.5)
+    wait_for(lambda: all(s["accepts_new_objects"] for s in meta.admin("/get_all_segments")["segments"]), 30,
+             "the recovered segment to take new objects again", interval_s=0.5)
     ids7 = prompt(7)
     cold, _ = write_through(server_a, meta, ids7)
     flush(server_a)

@@ -8,15 +8,22 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FULL_PAGES, generate, pool_keys, prompt, start, wait_for_new_keys
+from conftest import (
+    FULL_PAGES,
+    assert_a_fresh_server_restores,
+    generate,
+    pool_keys,
+    prompt,
+    start,
+    wait_for_new_keys,
+)
 from memcache_sglang import testing as harness
 
-from memcache_core.testing import wait_for
+from memcache_core.testing import start_local_service
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -26,16 +33,11 @@ CLIENT = {"client_timeout_seconds": 5, "init_bm": False, "dram_size": "0"}
 @contextlib.contextmanager
 def provider(meta: harness.MetaHandle, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
     secret_path = json.loads(Path(meta.config_path).read_text()).get("auth_secret_path", "")
-    cfg = workdir / "provider.json"
-    cfg.write_text(json.dumps({"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
-                               "protocol": "host_shm", "dram_size": "512MB", "auth_secret_path": secret_path}))
-    with open(workdir / "provider.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", str(cfg)],
-                                stdout=log, stderr=subprocess.STDOUT)
+    config = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
+              "protocol": "host_shm", "dram_size": "512MB", "auth_secret_path": secret_path}
+    proc, _ = start_local_service(config, workdir, lambda: meta.admin("/get_all_segments")["segments"],
+                                  name="provider", timeout_s=60)
     try:
-        wait_for(lambda: proc.poll() is not None or meta.admin("/get_all_segments")["segments"], 60,
-                 "the provider's segment")
-        assert proc.poll() is None, (workdir / "provider.log").read_text()[-2000:]
         yield proc
     finally:
         proc.terminate()
@@ -56,11 +58,5 @@ def test_a_restarted_server_finds_its_pages_in_the_provider(meta: harness.MetaHa
             assert warm["device"] >= (FULL_PAGES - 1) * 128, warm
         finally:
             first.stop()
-        second = start(meta, model, tmp_path, "client_2", extra_config=CLIENT)
-        try:
-            got = generate(second, ids)
-            assert got["device"] == 0 and got["host"] == 0, got
-            assert got["storage"] >= (FULL_PAGES - 1) * 128, got
-            assert got["text"] == warm["text"] == cold["text"]
-        finally:
-            second.stop()
+        assert warm["text"] == cold["text"]
+        assert_a_fresh_server_restores(meta, model, tmp_path, "client_2", ids, warm["text"], extra_config=CLIENT)

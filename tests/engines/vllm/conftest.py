@@ -8,16 +8,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import BLOCK, CROWD, CROWD_MAX_TOKENS, MAX_TOKENS, PROMPTS, REPO, Engine, Pool
+from vllm_harness import BLOCK, CROWD, CROWD_MAX_TOKENS, MAX_TOKENS, PROMPTS, Engine, Pool, make_model
 
-from memcache_core.testing import running_meta_service
+from memcache_core.testing import running_meta_service, started
 
 if importlib.util.find_spec("vllm") is None:
     # Not the vLLM test environment (.ci/vllm_env.sh): nothing here can run.
@@ -44,14 +42,7 @@ def private_shm_dir() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    out = Path(os.environ.get("MEMCACHE_CACHE_DIR", Path.home() / ".cache" / "memcache")) \
-        / "models" / "tiny-llama-vllm-tests"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out),
-         "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2"],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
+    return make_model("tests", "2", "256", "4", "2")
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +58,14 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 
 @pytest.fixture
 def engines(tmp_path: Path, tiny_model: str) -> Iterator[Callable[..., Engine]]:
-    started: list[Engine] = []
-
-    def start(name: str, steps: list[dict[str, Any]], kv: dict[str, Any] | None = None,
-              **spec: Any) -> Engine:
+    def engine(name: str, steps: list[dict[str, Any]], kv: dict[str, Any] | None = None,
+               **spec: Any) -> Engine:
         full = {"model": tiny_model, "block_size": BLOCK, "steps": steps,
                 "kv_transfer_config": kv, "enable_prefix_caching": False, **spec}
-        e = Engine(full, tmp_path, name)
-        started.append(e)
-        return e
+        return Engine(full, tmp_path, name)
 
-    yield start
-    for e in started:
-        e.kill()
+    with started(engine, Engine.kill) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memcache_core.testing import wait_for
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Same thread count with and without a connector, so logprobs are comparable bit for bit.
@@ -71,11 +73,7 @@ def main() -> None:
     result: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
     for step in spec["steps"]:
         if "wait_for_file" in step:
-            deadline = time.monotonic() + step.get("timeout_s", 300)
-            while not Path(step["wait_for_file"]).exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(step["wait_for_file"])
-                time.sleep(0.05)
+            wait_for(Path(step["wait_for_file"]).exists, step.get("timeout_s", 300), step["wait_for_file"])
             result["steps"].append(None)
             continue
         if "signal_file" in step:

@@ -17,15 +17,12 @@ prefill in tokens.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import REPO, Engine, tokens
+from vllm_harness import Engine, make_model, tokens
 
 from memcache_core.testing import running_meta_service
 
@@ -33,17 +30,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = tokens(600, 77)
 SHAPES = {"gqa": ("4", "256", "4", "2"), "mha": ("2", "256", "4", "4")}
-
-
-def make_model(name: str, layers: str, hidden: str, heads: str, kv_heads: str) -> str:
-    out = Path(os.environ.get("MEMCACHE_CACHE_DIR", Path.home() / ".cache" / "memcache")) \
-        / "models" / f"tiny-llama-vllm-{name}"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out),
-         "--layers", layers, "--hidden", hidden, "--heads", heads, "--kv-heads", kv_heads],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

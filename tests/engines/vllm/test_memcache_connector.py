@@ -28,6 +28,8 @@ from vllm_harness import (
     full_hit,
 )
 
+from memcache_core.testing import wait_for
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
 
 P1_BLOCKS = len(P1) // BLOCK
@@ -89,11 +91,11 @@ def test_two_instances_at_once_async_and_sync(seeded: Pool, engines, baseline, t
                                gen(P1), {"wait_for_file": str(c_saved)}, gen(P3), gen(P2),
                                {"signal_file": str(tmp_path / "d_done")}],
                 seeded.kv_transfer_config(), enable_prefix_caching=True)
-    deadline = time.monotonic() + 400
-    while not (ready_c.exists() and ready_d.exists()):
+    def started() -> bool:
         assert c.proc.poll() is None and d.proc.poll() is None, "an instance died during start-up"
-        assert time.monotonic() < deadline, "instances did not start"
-        time.sleep(0.2)
+        return ready_c.exists() and ready_d.exists()
+
+    wait_for(started, 400, "both instances to start", interval_s=0.2)
     go.write_text("go")
     rc, rd = c.result(), d.result()
     c_p1, c_p3 = rc["steps"][2][0], rc["steps"][3][0]
@@ -136,11 +138,11 @@ def test_meta_service_down_is_a_miss(seeded: Pool, engines, baseline, tmp_path: 
     stop, stopped = tmp_path / "stop_meta", tmp_path / "meta_stopped"
     e = engines("meta_down", [gen(P1), {"signal_file": str(stop)}, {"wait_for_file": str(stopped)},
                               gen(P4)], seeded.kv_transfer_config())
-    deadline = time.monotonic() + 400
-    while not stop.exists():
+    def asked_to_stop() -> bool:
         assert e.proc.poll() is None, "instance died"
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+        return stop.exists()
+
+    wait_for(asked_to_stop, 400, "the instance's first request", interval_s=0.2)
     seeded.meta.stop()
     stopped.write_text("ok")
     t0 = time.monotonic()

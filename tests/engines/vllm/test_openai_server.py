@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from vllm_harness import BLOCK, MAX_TOKENS, P1, P2, REPO, engine_env, free_port
+from vllm_harness import BLOCK, MAX_TOKENS, P1, P2, REPO, engine_env
+
+from memcache_core.testing import free_port, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,10 +56,13 @@ def test_openai_server_reports_pool_hits(tiny_model: str, baseline, tmp_path: Pa
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        deadline = time.monotonic() + 400
-        while not ready.wait(0.5):
+        def up() -> bool:
+            if ready.wait(0.5):
+                return True
             assert proc.poll() is None, "".join(lines[-60:])
-            assert time.monotonic() < deadline, "server not ready:\n" + "".join(lines[-60:])
+            return False
+
+        wait_for(up, 400, lambda: "the server to get ready:\n" + "".join(lines[-60:]), interval_s=0)
         url = f"http://127.0.0.1:{port}"
         first = complete(url, tiny_model, P1)
         second = complete(url, tiny_model, P2)

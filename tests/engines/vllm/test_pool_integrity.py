@@ -32,6 +32,8 @@ from vllm_harness import (
     tokens,
 )
 
+from memcache_core.testing import wait_for
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
 
 P1_BLOCKS = len(P1) // BLOCK
@@ -56,13 +58,14 @@ def release_when_saved(pool: Pool, engine: Engine, ready: Path, go: Path,
     """Saves are asynchronous: once ``engine`` signals ``ready``, wait until the pool holds what
     it saved (``saved(keys)``), then let it go on (``go``)."""
     deadline = time.monotonic() + timeout_s
-    while not ready.exists():
+
+    def got_ready() -> bool:
         assert engine.proc.poll() is None, f"{engine.name} died:\n{engine.log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"{engine.name} did not get ready"
-        time.sleep(0.2)
-    while not saved(pool.keys()):
-        assert time.monotonic() < deadline, f"{engine.name}'s blocks never reached the pool"
-        time.sleep(0.2)
+        return ready.exists()
+
+    wait_for(got_ready, timeout_s, f"{engine.name} to get ready", interval_s=0.2)
+    wait_for(lambda: saved(pool.keys()), max(0.0, deadline - time.monotonic()),
+             f"{engine.name}'s blocks to reach the pool", interval_s=0.2)
     go.write_text("go")
 
 

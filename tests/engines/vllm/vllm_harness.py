@@ -10,17 +10,30 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from memcache_core.testing import start_local_service
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "llm_runner.py"
 BLOCK = 32
 ENGINE_TIMEOUT_S = 420
+
+
+def make_model(name: str, layers: str, hidden: str, heads: str, kv_heads: str) -> str:
+    """A tiny random Llama (examples/make_tiny_model.py), cached by name; returns its directory."""
+    out = Path(os.environ.get("MEMCACHE_CACHE_DIR", Path.home() / ".cache" / "memcache")) \
+        / "models" / f"tiny-llama-vllm-{name}"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out),
+         "--layers", layers, "--hidden", hidden, "--heads", heads, "--kv-heads", kv_heads],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def engine_env() -> dict[str, str]:
@@ -31,14 +44,6 @@ def engine_env() -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     return env
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -74,22 +79,11 @@ class Pool:
         self.local: subprocess.Popen | None = None
 
     def start_local_service(self, dram: str = "512MB") -> None:
-        cfg = self.workdir / "local_service.json"
-        cfg.write_text(json.dumps({"meta_service_url": self.meta.meta_service_url,
-                                   "config_store_url": self.meta.config_store_url,
-                                   "protocol": "host_shm", "dram_size": dram}))
-        self.local = subprocess.Popen(
-            [sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", str(cfg)],
-            stdout=open(self.workdir / "local_service.log", "w"), stderr=subprocess.STDOUT,
-            env=engine_env())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            segs = self.meta.http("/get_all_segments").get("segments", [])
-            if any(s.get("pid") == self.local.pid for s in segs):
-                return
-            assert self.local.poll() is None, (self.workdir / "local_service.log").read_text()[-2000:]
-            time.sleep(0.1)
-        raise TimeoutError("standalone LocalService did not join the pool")
+        config = {"meta_service_url": self.meta.meta_service_url, "config_store_url": self.meta.config_store_url,
+                  "protocol": "host_shm", "dram_size": dram}
+        self.local, _ = start_local_service(config, self.workdir,
+                                            lambda: self.meta.http("/get_all_segments").get("segments", []),
+                                            name="local_service", env=engine_env())
 
     def stop(self) -> None:
         if self.local is not None and self.local.poll() is None:

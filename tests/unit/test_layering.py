@@ -1,0 +1,112 @@
+"""The layers of ``memcache_core`` (docs/design.md, "Where things live"), read from the source: every
+import statement, at module level or inside a function or ``if TYPE_CHECKING``, counts.
+
+* leaf modules import only leaf modules;
+* the control-plane plumbing (``rpc``, ``endpoints``, ``etcd``) imports leaves and itself;
+* ``transfer/`` and ``meta/`` import the two layers below and themselves, never each other nor ``local/``;
+* ``local/`` may use ``transfer/`` (it owns the transfer engine), never ``meta/``;
+* the entry points (the package, ``meta_service``, ``cli``, ``cli_status``, ``testing``) sit on top;
+* nothing in the core imports an integration or an engine, and the two integrations do not import
+  each other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = REPO / "memcache_core"
+
+LEAF = {"errors", "config", "protocol", "layout", "memory", "auth", "tls", "logs"}
+PLUMBING = {"rpc", "endpoints", "etcd"}
+ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing"}
+PACKAGES = {"transfer", "meta", "local"}
+ALLOWED = {
+    "leaf": {"leaf"},
+    "plumbing": {"leaf", "plumbing"},
+    "transfer": {"leaf", "plumbing", "transfer"},
+    "meta": {"leaf", "plumbing", "meta"},
+    "local": {"leaf", "plumbing", "transfer", "local"},
+    "entry": {"leaf", "plumbing", "transfer", "meta", "local", "entry"},
+}
+# (importing module, imported module) pairs that break a rule today, each with the reason it stays.
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
+ENGINES = ("sglang", "vllm", "torch", "memcache_sglang", "memcache_vllm", "integrations")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The absolute names of the modules ``path`` imports (relative imports resolved)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+            found.update([f"{base}.{node.module}"] if node.module else [f"{base}.{a.name}" for a in node.names])
+    return found
+
+
+def layer(module: str) -> str:
+    """The layer of a ``memcache_core`` module (KeyError for one no rule places)."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    if top in PACKAGES:
+        return top
+    return {**dict.fromkeys(LEAF, "leaf"), **dict.fromkeys(PLUMBING, "plumbing"),
+            **dict.fromkeys(ENTRY, "entry")}[top]
+
+
+def core_files() -> list[Path]:
+    return sorted(CORE.rglob("*.py"))
+
+
+def test_every_core_module_has_a_layer():
+    unplaced = []
+    for f in core_files():
+        try:
+            layer(module_name(f))
+        except KeyError:
+            unplaced.append(module_name(f))
+    assert unplaced == [], "place these modules in a layer here and in docs/design.md"
+
+
+@pytest.mark.parametrize("path", core_files(), ids=lambda p: module_name(p))
+def test_no_import_runs_upward_or_sideways(path: Path):
+    importer = module_name(path)
+    upward = [(importer, m) for m in sorted(imports(path))
+              if m.split(".")[0] == "memcache_core" and layer(m) not in ALLOWED[layer(importer)]]
+    assert [u for u in upward if u not in KNOWN_EXCEPTIONS] == [], \
+        f"{layer(importer)} may import only {sorted(ALLOWED[layer(importer)])}"
+
+
+@pytest.mark.parametrize("path", core_files(), ids=lambda p: module_name(p))
+def test_the_core_never_imports_an_integration_or_an_engine(path: Path):
+    assert [m for m in imports(path) if m.split(".")[0] in ENGINES] == []
+
+
+@pytest.mark.parametrize("this, other", [("memcache_sglang", "memcache_vllm"), ("memcache_vllm", "memcache_sglang")])
+def test_the_integrations_do_not_import_each_other(this: str, other: str):
+    files = sorted((REPO / "integrations" / this).rglob("*.py"))
+    assert files
+    assert [str(f.relative_to(REPO)) for f in files if any(m.split(".")[0] == other for m in imports(f))] == []
+
+
+def test_the_rules_see_relative_imports():
+    """The resolver itself: ``from ..transfer import engine`` in local/ is transfer/, ``from . import x``
+    in a package is that package's module (a rule that never sees an import passes for nothing)."""
+    seen = imports(CORE / "local" / "service.py")
+    assert "memcache_core.transfer" in seen and "memcache_core.protocol" in seen
+    assert layer("memcache_core.transfer.engine") == "transfer" and layer("memcache_core") == "entry"
+    assert layer("memcache_core.local.store") not in ALLOWED[layer("memcache_core.transfer.shm")]
