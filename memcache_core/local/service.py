@@ -328,6 +328,8 @@ class LocalService:
             if op.error is not None and results[i] is None:
                 results[i] = op.error
         self._finish_put(s, allocated, ops, results, todo)
+        if self.disk is not None and allocated:
+            self.disk.poke()   # our segment may have grown: the disk tier asks for copies now
         return results
 
     def _alloc(self, sizes: dict[str, int], replicas: int, preferred: Sequence[int],

@@ -72,6 +72,10 @@ class DiskTier:
 
     # ---- sync ------------------------------------------------------------------------------------
 
+    def poke(self) -> None:
+        """Sync soon (a put of ours may have filled our segment towards its offload mark)."""
+        self._wake.set()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(SYNC_INTERVAL_S)

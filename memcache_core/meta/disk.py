@@ -30,7 +30,7 @@ from ..layout import footprint
 from .table import Obj, ObjectTable
 
 OFFER_RETRY_S = 30.0
-OFFLOAD_MARK = 0.5         # on_evict: copies start above this fraction of the low-water mark
+OFFLOAD_MARK = 0.25        # on_evict: copies start above this fraction of the low-water mark
 MAX_SCAN = 8192            # objects of the LRU list looked at per sync
 
 
