@@ -39,6 +39,7 @@ from ..layout import payload_offset
 from ..memory import Mapping, view_at
 from ..protocol import ObjectReport
 from . import disk_record as rec
+from .aligned import Aligned, AlignedPool
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class DiskStore:
         self.queued_bytes = 0
         self._cv = threading.Condition(self._mu)
         self._reads = threading.BoundedSemaphore(READ_THREADS)
+        self._buffers = AlignedPool(READ_THREADS + 2)
         self._stop = False
         self._next_write = 0.0
         self._logged: dict[str, float] = {}
@@ -183,9 +185,9 @@ class DiskStore:
             cur = self.index.get(r.key)
             if cur is not None and cur.generation == r.generation:
                 return
-        buf = mmap.mmap(-1, fp)
+        buf = self._buffers.take(fp)
         try:
-            mv = memoryview(buf)
+            mv = buf.view()
             mv[rec.BLOCK:rec.BLOCK + r.size] = view_at(segment.addr + payload_offset(r.offset), r.size)
             got = xxhash.xxh3_64_intdigest(mv[rec.BLOCK:rec.BLOCK + r.size])
             if r.checksum and got != r.checksum:
@@ -196,7 +198,7 @@ class DiskStore:
             written = self._write_file(r.key, mv)
         finally:
             mv.release()
-            _close(buf)
+            buf.close()
         if not written:
             return
         with self._mu:
@@ -251,7 +253,7 @@ class DiskStore:
 
     # ---- reads -----------------------------------------------------------------------------------
 
-    def read(self, key: str, size: int, checksum: int) -> tuple[mmap.mmap, memoryview]:
+    def read(self, key: str, size: int, checksum: int) -> tuple[Aligned, memoryview]:
         """The record's verified payload: (its buffer, to close when done; a view of the payload).
 
         KeyNotFound when no record of this object is here; ChecksumMismatch when its bytes fail (the
@@ -262,19 +264,19 @@ class DiskStore:
                 raise KeyNotFound(f"{key!r} ({size} bytes) is not on the disk tier {self.root}")
             self.index.move_to_end(key)
         path = os.path.join(self.objects_dir, rec.name_of(key))
-        buf = mmap.mmap(-1, r.footprint)
+        buf = self._buffers.take(r.footprint)
         try:
             with self._reads:
-                self._read_file(key, path, buf)
-            self._verify(key, path, r, memoryview(buf))
+                self._read_file(key, path, buf.view())
+            self._verify(key, path, r, buf.view())
         except BaseException:
-            _close(buf)
+            buf.close()
             raise
         self.counters.reads += 1
         self.counters.read_bytes += size
-        return buf, memoryview(buf)[rec.BLOCK:rec.BLOCK + size]
+        return buf, buf.view()[rec.BLOCK:rec.BLOCK + size]
 
-    def _read_file(self, key: str, path: str, buf: mmap.mmap) -> None:
+    def _read_file(self, key: str, path: str, mv: memoryview) -> None:
         try:
             fd = os.open(path, os.O_RDONLY | (_O_DIRECT if self.direct else 0))
         except FileNotFoundError as e:
@@ -284,8 +286,8 @@ class DiskStore:
             self.counters.read_errors += 1
             raise DiskIOError(f"disk tier: cannot open {path} for {key!r}: {e.strerror}") from e
         try:
-            mv, got = memoryview(buf), 0
-            while got < len(buf):
+            got = 0
+            while got < len(mv):
                 n = os.preadv(fd, [mv[got:]], got)
                 if n == 0:
                     break

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -41,6 +42,8 @@ MIN_SYNC_GAP_S = 0.02
 PROMOTE_AFTER = 2          # disk reads of one object ...
 PROMOTE_WINDOW_S = 60.0    # ... within this long bring it back into DRAM
 MAX_PROMOTE_QUEUE = 1024
+READ_STREAMS = 4           # disk reads of one batch from one provider run in this many parts at once
+PARALLEL_BYTES = 1 << 20   # smaller batches are read in one part
 
 
 class DiskTier:
@@ -239,6 +242,18 @@ def read_disk(svc: LocalService, keys: list[str], pieces: list[Pieces], found: l
 
 
 def _read_from(svc: LocalService, sid: int, items: list) -> list[MemCacheError | None]:
+    """Read ``items`` from provider ``sid``, in up to ``READ_STREAMS`` parts at once (the provider
+    reads records in parallel; a direct read releases the GIL)."""
+    parts = [items[i::READ_STREAMS] for i in range(min(READ_STREAMS, len(items)))]
+    if len(parts) == 1 or sum(size for _, size, _, _ in items) < PARALLEL_BYTES:
+        return _read_part(svc, sid, items)
+    errs: list[MemCacheError | None] = [None] * len(items)
+    for i, got in enumerate(_pool().map(lambda part: _read_part(svc, sid, part), parts)):
+        errs[i::READ_STREAMS] = got
+    return errs
+
+
+def _read_part(svc: LocalService, sid: int, items: list) -> list[MemCacheError | None]:
     if svc.disk is not None and sid == svc.client_id:
         return svc.disk.read_into(items)
     try:
@@ -246,6 +261,19 @@ def _read_from(svc: LocalService, sid: int, items: list) -> list[MemCacheError |
         return svc.engine.tcp.disk_request(svc._segment(sid).data_addr, OP_DISK_READ, items)
     except MemCacheError as e:
         return [e] * len(items)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that read disk records for this process's readers (shared, created on first use)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(READ_STREAMS, thread_name_prefix="memcache-disk-read")
+        return _POOL
 
 
 def promote_remote(svc: LocalService, sid: int, items: list[tuple[str, int, int]]) -> list[int]:
