@@ -16,17 +16,15 @@
 * **Errors** (disk full, I/O error) are counted and logged (at most every ``LOG_EVERY_S``); a failed
   write leaves the object DRAM-only, a failed read is a miss (``DiskIOError``). Nothing raises out of
   the writer thread.
-* **One provider per directory**: an exclusive ``flock`` on ``disk_path/LOCK``.
+* **One provider per directory**: an exclusive ``flock`` on ``disk_path/LOCK`` (``disk_files.py``, with
+  the scan and the direct-I/O probe).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
-import fcntl
 import logging
-import mmap
 import os
 import threading
 import time
@@ -40,23 +38,14 @@ from ..memory import Mapping, view_at
 from ..protocol import ObjectReport
 from . import disk_record as rec
 from .aligned import Aligned, AlignedPool
+from .disk_files import O_DIRECT, Record, scan_records, supports_direct, take_lock, unlink
 
 logger = logging.getLogger(__name__)
 
 QUEUE_BYTES = 64 << 20     # bytes of background writes queued at most; offers beyond are skipped
 READ_THREADS = 4           # disk reads served at once
 LOG_EVERY_S = 10.0
-
-
-@dataclasses.dataclass(slots=True)
-class Record:
-    generation: int
-    size: int
-    checksum: int
-
-    @property
-    def footprint(self) -> int:
-        return rec.footprint(self.size)
+MAX_REPORTED = 1 << 20     # records a Join may carry (meta/validate.py MAX_BATCH)
 
 
 @dataclasses.dataclass
@@ -82,10 +71,10 @@ class DiskStore:
             os.makedirs(self.objects_dir, mode=0o700, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"disk_path: cannot create {self.objects_dir}: {e.strerror}") from e
-        self._lock_fd: int | None = _take_lock(self.root)
+        self._lock_fd: int | None = take_lock(self.root)
         self.capacity = capacity
         self.write_limit = write_limit
-        self.direct = _supports_direct(self.objects_dir)
+        self.direct = supports_direct(self.objects_dir)
         self.index: collections.OrderedDict[str, Record] = collections.OrderedDict()
         self.used = 0
         self.counters = DiskCounters()
@@ -108,10 +97,20 @@ class DiskStore:
     # ---- reporting -------------------------------------------------------------------------------
 
     def reports(self) -> list[ObjectReport]:
-        """Every record, for a Join (which supersedes the changes not yet synced)."""
+        """Every record, for a Join (which supersedes the changes not yet synced). A Join carries at most
+        ``MAX_REPORTED`` records: beyond that the least recently used are deleted (and said so)."""
         with self._mu:
             self._added, self._dropped = [], []
-            return [ObjectReport(k, 0, r.size, r.generation, r.checksum) for k, r in self.index.items()]
+            extra = len(self.index) - MAX_REPORTED
+            gone = [self.index.popitem(last=False) for _ in range(max(0, extra))]
+            self.used -= sum(r.footprint for _, r in gone)
+            out = [ObjectReport(k, 0, r.size, r.generation, r.checksum) for k, r in self.index.items()]
+        for key, _r in gone:
+            unlink(os.path.join(self.objects_dir, rec.name_of(key)))
+        if gone:
+            logger.warning("disk tier %s: %d records over the %d a provider reports were deleted", self.root,
+                           len(gone), MAX_REPORTED)
+        return out
 
     def take_changes(self) -> tuple[list[ObjectReport], list[ObjectReport]]:
         with self._mu:
@@ -214,7 +213,7 @@ class DiskStore:
         tmp = final + ".tmp"
         try:
             os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if self.direct else 0), 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if self.direct else 0), 0o600)
             try:
                 done = 0
                 while done < len(data):
@@ -226,7 +225,7 @@ class DiskStore:
             self.counters.write_errors += 1
             self._log("write", f"disk tier: cannot write {key!r} to {tmp}: {e.strerror or e} "
                                f"({self.counters.write_errors} write errors so far); it stays in DRAM only")
-            _unlink(tmp)
+            unlink(tmp)
             return False
         return True
 
@@ -236,7 +235,7 @@ class DiskStore:
             while self.index and self.used + fp > self.capacity:
                 key, r = self.index.popitem(last=False)
                 self.used -= r.footprint
-                _unlink(os.path.join(self.objects_dir, rec.name_of(key)))
+                unlink(os.path.join(self.objects_dir, rec.name_of(key)))
                 self._dropped.append(ObjectReport(key, 0, r.size, r.generation, r.checksum))
                 self.counters.lru_drops += 1
 
@@ -249,7 +248,7 @@ class DiskStore:
                     continue
                 del self.index[r.key]
                 self.used -= cur.footprint
-            _unlink(os.path.join(self.objects_dir, rec.name_of(r.key)))
+            unlink(os.path.join(self.objects_dir, rec.name_of(r.key)))
 
     # ---- reads -----------------------------------------------------------------------------------
 
@@ -278,7 +277,7 @@ class DiskStore:
 
     def _read_file(self, key: str, path: str, mv: memoryview) -> None:
         try:
-            fd = os.open(path, os.O_RDONLY | (_O_DIRECT if self.direct else 0))
+            fd = os.open(path, os.O_RDONLY | (O_DIRECT if self.direct else 0))
         except FileNotFoundError as e:
             self._forget(key)
             raise KeyNotFound(f"{key!r}: its record {path} is gone") from e
@@ -321,27 +320,14 @@ class DiskStore:
             del self.index[key]
             self.used -= cur.footprint
             self._dropped.append(ObjectReport(key, 0, cur.size, cur.generation, cur.checksum))
-        _unlink(os.path.join(self.objects_dir, rec.name_of(key)))
+        unlink(os.path.join(self.objects_dir, rec.name_of(key)))
 
     # ---- start / stop ------------------------------------------------------------------------------
 
     def _scan(self) -> None:
         """Rebuild the index from the record headers (oldest file first = least recently used)."""
-        t0, found, bad = time.monotonic(), [], 0
-        for sub in sorted(os.listdir(self.objects_dir)):
-            d = os.path.join(self.objects_dir, sub)
-            if not os.path.isdir(d):
-                continue
-            for name in os.listdir(d):
-                path = os.path.join(d, name)
-                if name.endswith(".tmp"):
-                    _unlink(path)   # a write cut short by a crash
-                    continue
-                got = _read_record_header(path, os.path.join(sub, name)) if name.endswith(rec.SUFFIX) else None
-                if got is None:
-                    bad += 1
-                    continue
-                found.append(got)
+        t0 = time.monotonic()
+        found, bad = scan_records(self.objects_dir)
         for _mtime, key, r in sorted(found, key=lambda x: x[0]):
             self.index[key] = r
             self.used += r.footprint
@@ -366,76 +352,3 @@ class DiskStore:
         if now >= self._logged.get(what, 0.0):
             self._logged[what] = now + LOG_EVERY_S
             logger.warning(msg)
-
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def _read_record_header(path: str, rel: str) -> tuple[float, str, Record] | None:
-    """(mtime, key, record) of a whole, valid record file filed under its own key's name, else None
-    (the file is removed: it is torn, foreign or filed under another key)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(rec.BLOCK)
-            st = os.fstat(f.fileno())
-    except OSError as e:
-        logger.warning("disk tier: cannot read %s: %s", path, e.strerror)
-        return None
-    h = rec.unpack_header(head)
-    if h is None or rec.name_of(h[0]) != rel or st.st_size < rec.footprint(h[2]):
-        logger.warning("disk tier: %s is not a whole record of the key it is filed under; removed", path)
-        _unlink(path)
-        return None
-    key, gen, size, checksum = h
-    return st.st_mtime, key, Record(gen, size, checksum)
-
-
-def _take_lock(root: str) -> int:
-    path = os.path.join(root, "LOCK")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(f"disk_path: {root} is in use by another provider (pid {holder}); "
-                          f"each provider needs a disk_path of its own") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _supports_direct(directory: str) -> bool:
-    if not _O_DIRECT:
-        return False
-    probe = os.path.join(directory, f".direct-probe-{os.getpid()}")
-    buf = mmap.mmap(-1, rec.BLOCK)
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
-        try:
-            os.pwrite(fd, buf, 0)
-        finally:
-            os.close(fd)
-        return True
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise ConfigError(f"disk_path: cannot write to {directory}: {e.strerror}") from e
-        logger.info("disk tier: %s does not take O_DIRECT (tmpfs?); using buffered I/O", directory)
-        return False
-    finally:
-        _close(buf)
-        _unlink(probe)
-
-
-def _close(buf: mmap.mmap) -> None:
-    try:
-        buf.close()
-    except BufferError:   # a view is still held (an exception's traceback): the GC frees it
-        pass
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
