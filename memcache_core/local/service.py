@@ -109,6 +109,7 @@ class LocalService:
                 self.segment = create_segment(size)
                 if cfg.disk_path:
                     self.disk = tier.DiskTier(self)
+                    self.metrics.watch_disk(self.disk.counters)
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
                 self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg),
                                               self.disk)

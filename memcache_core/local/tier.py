@@ -96,6 +96,7 @@ class DiskTier:
     def counters(self) -> dict[str, int]:
         c = dict(vars(self.store.counters))
         c["objects"] = len(self.store.index)
+        c["used_bytes"] = self.store.used
         c["queued_bytes"] = self.store.queued_bytes
         c["promotion_failures"] = self.promotion_failures
         return c
