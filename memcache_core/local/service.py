@@ -453,6 +453,10 @@ class LocalService:
                            self.config.checksum and self.config.checksum_verify_ratio > 0)
             todo = [i for i in todo if found[i].locations]  # type: ignore[union-attr]
         corrupt = self._read(keys, pieces, found, todo, results)
+        fallback = [i for i in todo if results[i] is not None and found[i].disk]  # type: ignore[union-attr]
+        if fallback:   # every DRAM copy failed: the provider's disk record is one more replica
+            tier.read_disk(self, list(keys), list(pieces), found, fallback, results,
+                           self.config.checksum and self.config.checksum_verify_ratio > 0)
         failed = [e for e in (results[i] for i in todo) if e is not None]
         if failed:   # a miss the engine will recompute: say why, once per batch
             logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 from typing import Any
 
 import pytest
 
+from memcache_core import protocol as p
+from memcache_core.auth import load_secret
+from memcache_core.layout import payload_offset
 from memcache_core.local import disk_record
+from memcache_core.rpc import RpcClient, expect
 from memcache_core.testing import MetaServiceProcess, free_port, running_meta_service, wait_for
 
 from .conftest import StoreProcess
-from .test_local_metrics import scrape
 
 pytestmark = pytest.mark.integration
 
@@ -38,6 +42,31 @@ def metric(ms: MetaServiceProcess, name: str) -> float:
 def disk_event(ms: MetaServiceProcess, event: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in ms.http("/metrics").splitlines()
                if line.startswith("memcache_disk_events_total{") and f'event="{event}"' in line)
+
+
+def scrape(port: int, headers: dict[str, str]) -> dict[str, float]:
+    """A LocalService's own metrics port, as {series: value}."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def flip_dram_byte(ms: MetaServiceProcess, key: str) -> None:
+    """Change one payload byte of the key's first DRAM copy, in its segment file."""
+    client = RpcClient(ms.meta_service_url, 5.0, 0, load_secret(""))
+    try:
+        f = expect(client.call(p.Lookup([key], lease=False), idempotent=True), p.LookupReply).results[0]
+        assert f is not None and f.locations
+        seg = expect(client.call(p.GetSegments([f.locations[0].segment_id]), idempotent=True), p.Segments)
+    finally:
+        client.close()
+    with open(seg.segments[0].shm_path, "r+b") as fh:
+        fh.seek(payload_offset(f.locations[0].offset) + 10)
+        b = fh.read(1)
+        fh.seek(payload_offset(f.locations[0].offset) + 10)
+        fh.write(bytes([b[0] ^ 0xFF]))
 
 
 def read_all(reader: StoreProcess, keys: list[str]) -> list[int]:
@@ -199,6 +228,23 @@ def test_disk_objects_survive_a_metaservice_restart(tmp_path):
         # every record is known again (a DRAM copy whose eviction had not reached the provider's
         # journal before the kill may come back too: its bytes are verified all the same)
         assert all("DISK" in m for m in reader("key_info", keys=keys)["media"])
+        reader.stop()
+        prov.stop()
+
+
+def test_a_corrupt_dram_copy_is_read_from_the_disk_record(tmp_path):
+    """Every DRAM copy of an object fails its checksum: the read moves on to the provider's disk record
+    (byte-exact), and the bad DRAM copy is dropped while the object stays, on disk."""
+    with running_meta_service(**MS_CONFIG) as ms:
+        prov = provider(ms, str(tmp_path / "d"), disk_write_policy="write_through")
+        assert prov("put", keys=["fb"], layout=LAYOUT)["codes"] == [0]
+        wait_for(lambda: prov("key_info", keys=["fb"])["media"] == [["DRAM", "DISK"]], 10, "the disk record")
+        flip_dram_byte(ms, "fb")
+        reader = StoreProcess(ms, init_bm=False)
+        got = reader("get", keys=["fb"], layout=LAYOUT)
+        assert got["codes"] == [0] and not got["mismatches"]
+        wait_for(lambda: reader("key_info", keys=["fb"])["media"] == [["DISK"]], 10, "the bad copy dropped")
+        assert metric(ms, "memcache_integrity_failures_total") == 1
         reader.stop()
         prov.stop()
 
