@@ -17,7 +17,10 @@ location per object (``Obj.disk``: the provider's segment id and the record's ge
 * **Promotion** (``Promote`` / ``Promoted``): the provider asks for space in its own segment, copies
   the record into it (header last) and reports; the object then has that DRAM location again.
 * Reports are checked like DRAM ones: a record is attached only to the committed object of the same
-  key, size and checksum; anything else is sent back to be deleted.
+  key, size and checksum; anything else is sent back to be deleted. An object has one disk location:
+  a record reported for an object another provider holds a record of replaces it (a provider killed
+  and restarted on its disk_path re-joins before its old self is declared dead), and the other
+  provider is told to delete its copy.
 """
 
 from __future__ import annotations
@@ -54,7 +57,10 @@ def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool) -> bool:
     if cur is None or not cur.committed or cur.size != r.size or (cur.checksum and cur.checksum != r.checksum):
         return False
     if cur.disk is not None and cur.disk[0] != sid:
-        return False           # another provider's record already stands for it
+        # the newest report wins: the other may be a provider killed and restarted on the same disk_path
+        # before its old self was declared dead (whose records these are now); else a duplicate copy
+        t.disk_drops.setdefault(cur.disk[0], []).append(p.ObjectReport(r.key, 0, cur.size, cur.disk[1],
+                                                                       cur.checksum))
     cur.disk = (sid, r.generation)
     if not cur.checksum:
         cur.checksum = r.checksum

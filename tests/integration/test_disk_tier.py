@@ -232,6 +232,24 @@ def test_disk_objects_survive_a_metaservice_restart(tmp_path):
         prov.stop()
 
 
+def test_a_provider_killed_and_restarted_at_once_keeps_its_disk_objects(tmp_path):
+    """A provider is SIGKILLed and started again on its disk_path before the MetaService declares the
+    old one dead: the new one's records take over, and the old one's death loses nothing."""
+    with running_meta_service(**MS_CONFIG) as ms:
+        prov = provider(ms, str(tmp_path / "d"), disk_write_policy="write_through")
+        keys = [f"kr-{i}" for i in range(4)]
+        assert prov("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 4
+        wait_for(lambda: prov("evict", keys=keys)["codes"] == [0] * 4, 10, "objects on disk only")
+        prov.kill()
+        prov = provider(ms, str(tmp_path / "d"))
+        wait_for(lambda: metric(ms, 'memcache_member_events_total{event="deaths"}') == 1, 15, "the old one dead")
+        reader = StoreProcess(ms, init_bm=False)
+        got = reader("get", keys=keys, layout=LAYOUT)
+        assert got["codes"] == [0] * 4 and not got["mismatches"]
+        reader.stop()
+        prov.stop()
+
+
 def test_a_corrupt_dram_copy_is_read_from_the_disk_record(tmp_path):
     """Every DRAM copy of an object fails its checksum: the read moves on to the provider's disk record
     (byte-exact), and the bad DRAM copy is dropped while the object stays, on disk."""

@@ -101,3 +101,16 @@ def test_demote_keeps_disk_objects_on_disk_only_and_asks_for_copies_of_the_other
     sync(t, added=[report(t, "a")])
     assert disk.demote(t, ["a", "b", "x"], 0.0) == [0, errors.STATE_MISMATCH, errors.OBJECT_NOT_EXISTS]
     assert t.objects["a"].locations == [] and [r.key for r in sync(t).offload] == ["b"]
+
+
+def test_a_restarted_provider_s_records_replace_those_of_its_old_self():
+    """A provider killed and restarted on the same disk_path joins (a new segment) before its old self
+    is declared dead: its records take over, the old self is told to drop its copies, and the old
+    self's death then loses nothing."""
+    t = make()
+    disk.add_reports(t, 1, [p.ObjectReport("d", 0, OBJ, 99, 7)])
+    t.add_segment(p.SegmentInfo(2, 10 * MB, "h", "/dev/shm/x2", "127.0.0.1:2"))
+    assert disk.add_reports(t, 2, [p.ObjectReport("d", 0, OBJ, 99, 7)]) == 1
+    assert t.objects["d"].disk == (2, 99) and [r.key for r in t.disk_drops[1]] == ["d"]
+    t.drop_segment(1)
+    assert t.exists("d")
