@@ -3,6 +3,7 @@ map (and fault in) fresh pages every time."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 
@@ -12,12 +13,13 @@ GRAIN = 1 << 20
 class Aligned:
     """A buffer lent by ``AlignedPool``: ``view()`` is its first ``n`` bytes; ``close()`` gives it back."""
 
-    __slots__ = ("_pool", "mm", "n")
+    __slots__ = ("_pool", "mm", "n", "addr")
 
     def __init__(self, pool: AlignedPool, mm: mmap.mmap, n: int) -> None:
         self._pool: AlignedPool | None = pool
         self.mm = mm
         self.n = n
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))   # for copies that release the GIL
 
     def view(self) -> memoryview:
         return memoryview(self.mm)[:self.n]

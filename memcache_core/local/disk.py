@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import logging
 import os
@@ -34,7 +35,7 @@ import xxhash
 from ..errors import ChecksumMismatch, ConfigError, DiskIOError, KeyNotFound
 from ..layout import footprint as segment_footprint
 from ..layout import payload_offset
-from ..memory import Mapping, view_at
+from ..memory import Mapping
 from ..protocol import ObjectReport
 from . import disk_record as rec
 from .aligned import Aligned, AlignedPool
@@ -187,7 +188,7 @@ class DiskStore:
         buf = self._buffers.take(fp)
         try:
             mv = buf.view()
-            mv[rec.BLOCK:rec.BLOCK + r.size] = view_at(segment.addr + payload_offset(r.offset), r.size)
+            ctypes.memmove(buf.addr + rec.BLOCK, segment.addr + payload_offset(r.offset), r.size)   # GIL released
             got = xxhash.xxh3_64_intdigest(mv[rec.BLOCK:rec.BLOCK + r.size])
             if r.checksum and got != r.checksum:
                 self.counters.writes_stale += 1   # evicted and its space reused meanwhile

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -30,6 +31,8 @@ from ..layout import pack_header, payload_offset
 from ..memory import view_at
 from ..rpc import expect
 from ..transfer.disk_wire import OP_DISK_READ, OP_PROMOTE
+from . import disk_record
+from .aligned import Aligned
 from .disk import DiskStore
 
 if TYPE_CHECKING:
@@ -120,7 +123,7 @@ class DiskTier:
 
     # ---- reads served here -------------------------------------------------------------------------
 
-    def read(self, key: str, size: int, checksum: int) -> tuple[object, memoryview]:
+    def read(self, key: str, size: int, checksum: int) -> tuple[Aligned, memoryview]:
         """For the data server: a verified record (counts the hit for promotion)."""
         out = self.store.read(key, size, checksum)
         self._note_hit(key, size, checksum)
@@ -134,12 +137,12 @@ class DiskTier:
             except MemCacheError as e:
                 errs.append(e)
                 continue
-            pos = 0
+            pos = buf.addr + disk_record.BLOCK
             for ptr, n in pieces:
-                view_at(ptr, n)[:] = view[pos:pos + n]
+                ctypes.memmove(ptr, pos, n)   # releases the GIL
                 pos += n
             view.release()
-            buf.close()  # type: ignore[attr-defined]
+            buf.close()
             errs.append(None)
         return errs
 
@@ -197,7 +200,7 @@ class DiskTier:
             self.promotion_failures += 1
             return False
         try:
-            seg.view(payload_offset(off), size)[:] = view
+            ctypes.memmove(seg.addr + payload_offset(off), buf.addr + disk_record.BLOCK, size)
             got = checksum or xxhash.xxh3_64_intdigest(view)
             header = pack_header(key, generation, size, got)
             seg.view(off, len(header))[:] = header   # last: a valid header means a whole payload
