@@ -178,7 +178,8 @@ class DiskStore:
 
     def _write(self, r: ObjectReport, segment: Mapping) -> None:
         fp = rec.footprint(r.size)
-        if r.offset < 0 or r.offset + segment_footprint(r.size) > segment.size or fp > self.capacity:
+        if (not r.checksum or r.offset < 0 or r.offset + segment_footprint(r.size) > segment.size
+                or fp > self.capacity):
             self.counters.writes_skipped += 1
             return
         with self._mu:
@@ -190,7 +191,7 @@ class DiskStore:
             mv = buf.view()
             ctypes.memmove(buf.addr + rec.BLOCK, segment.addr + payload_offset(r.offset), r.size)   # GIL released
             got = xxhash.xxh3_64_intdigest(mv[rec.BLOCK:rec.BLOCK + r.size])
-            if r.checksum and got != r.checksum:
+            if got != r.checksum:
                 self.counters.writes_stale += 1   # evicted and its space reused meanwhile
                 return
             mv[:rec.BLOCK] = rec.pack_header(r.key, r.generation, r.size, got)

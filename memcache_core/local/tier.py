@@ -174,6 +174,7 @@ class DiskTier:
         """Bring records of this tier back into our own segment. A code per object (0: in DRAM now)."""
         if not items or self.svc.segment is None:
             return [errors.OBJECT_NOT_EXISTS] * len(items)
+        t0 = time.monotonic()
         try:
             res = expect(self.svc._member_call(lambda s: p.Promote(s.client_id, s.token, [k for k, _, _ in items])),
                          p.AllocReply).results
@@ -185,7 +186,9 @@ class DiskTier:
                 codes.append(errors.SUCCESS if r.code == errors.OBJECT_ALREADY_EXISTS else r.code)
                 continue
             off = r.locations[0].offset
-            ok = self._copy_in(key, size, checksum, r.generation, off)
+            # as a put: once half the pending timeout has passed, the space may be given back; do not write
+            late = time.monotonic() - t0 >= self.svc.session.pending_timeout_s / 2
+            ok = not late and self._copy_in(key, size, checksum, r.generation, off)
             done.append((key, off, ok))
             codes.append(errors.SUCCESS if ok else errors.DISK_IO_ERROR)
         return self._report_promoted(done, codes, items)

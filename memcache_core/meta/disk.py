@@ -20,7 +20,8 @@ location per object (``Obj.disk``: the provider's segment id and the record's ge
   key, size and checksum; anything else is sent back to be deleted. An object has one disk location:
   a record reported for an object another provider holds a record of replaces it (a provider killed
   and restarted on its disk_path re-joins before its old self is declared dead), and the other
-  provider is told to delete its copy.
+  provider is told to delete its copy. Objects written without a checksum (``checksum: false``) are
+  never copied: the writer could not tell their bytes from space reused after an eviction.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool) -> bool:
                                disk=(sid, r.generation))
         t.bump_generation(r.generation)
         return True
-    if cur is None or not cur.committed or cur.size != r.size or (cur.checksum and cur.checksum != r.checksum):
+    if cur is None or not cur.committed or cur.size != r.size or not cur.checksum or cur.checksum != r.checksum:
         return False
     if cur.disk is not None and cur.disk[0] != sid:
         # the newest report wins: the other may be a provider killed and restarted on the same disk_path
@@ -62,8 +63,6 @@ def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool) -> bool:
         t.disk_drops.setdefault(cur.disk[0], []).append(p.ObjectReport(r.key, 0, cur.size, cur.disk[1],
                                                                        cur.checksum))
     cur.disk = (sid, r.generation)
-    if not cur.checksum:
-        cur.checksum = r.checksum
     return True
 
 
@@ -109,8 +108,8 @@ def _offload(t: ObjectTable, sid: int, policy: str, room: int, now: float) -> li
         if (walked >= window and obj.disk_offered >= 0) or n >= MAX_SCAN:   # < 0: asked for (demote)
             break
         walked += footprint(obj.size)
-        if obj.disk is not None or obj.disk_offered > now:
-            continue
+        if obj.disk is not None or obj.disk_offered > now or not obj.checksum:
+            continue   # without a committed checksum a copy could not be told from reused space
         if obj.size > room:
             break
         offset = next((loc.offset for loc in obj.locations if loc.segment_id == sid), None)
