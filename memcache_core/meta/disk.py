@@ -27,6 +27,7 @@ location per object (``Obj.disk``: the provider's segment id and the record's ge
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from .. import errors
 from .. import protocol as p
@@ -44,6 +45,7 @@ class DiskTier:
     capacity: int = 0
     used: int = 0
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    scanned: tuple[int, ...] | None = None   # the segment's state at the last offload scan
 
 
 def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool) -> bool:
@@ -93,32 +95,48 @@ def sync(t: ObjectTable, sid: int, req: p.DiskSync, now: float) -> p.DiskWork:
     for r in req.dropped:
         detach(t, sid, r, now)
     drop = t.disk_drops.pop(sid, []) + refused
-    return p.DiskWork(offload=_offload(t, sid, tier.policy, req.room, now), drop=drop)
+    return p.DiskWork(offload=_offload(t, sid, tier, req.room, now), drop=drop)
 
 
-def _offload(t: ObjectTable, sid: int, policy: str, room: int, now: float) -> list[p.ObjectReport]:
+def _offload(t: ObjectTable, sid: int, tier: DiskTier, room: int, now: float) -> list[p.ObjectReport]:
+    """Objects of segment ``sid`` to copy: the eviction window from the LRU head (both policies), and
+    with ``write_through`` the most recently used first from the tail (where new commits land). A sync
+    that finds the segment as the last one left it scans nothing."""
     seg = t.segments.get(sid)
     if seg is None or room <= 0:
         return []
     a = seg.allocator
-    window = float("inf") if policy == "write_through" else a.used - OFFLOAD_MARK * t.low * a.size
+    sig = (t.counters.commits, t.counters.evictions, a.used, len(seg.lru), int(now // OFFER_RETRY_S))
+    if sig == tier.scanned:
+        return []
     out: list[p.ObjectReport] = []
+    room = _walk(seg.lru.values(), a.used - OFFLOAD_MARK * t.low * a.size, sid, room, now, out)
+    if tier.policy == "write_through":
+        room = _walk(reversed(seg.lru.values()), float("inf"), sid, room, now, out)
+    tier.scanned = sig if room > 0 else None   # cut short by the writer's room: look again next time
+    return out
+
+
+def _walk(objs: Iterable[Obj], window: float, sid: int, room: int, now: float,
+          out: list[p.ObjectReport]) -> int:
+    """Offer objects without a disk record until ``window`` bytes were walked, ``MAX_SCAN`` objects
+    were looked at, or ``room`` is spent; returns the room left (0 when it ran out)."""
     walked = 0
-    for n, obj in enumerate(seg.lru.values()):
+    for n, obj in enumerate(objs):
         if (walked >= window and obj.disk_offered >= 0) or n >= MAX_SCAN:   # < 0: asked for (demote)
             break
         walked += footprint(obj.size)
         if obj.disk is not None or obj.disk_offered > now or not obj.checksum:
             continue   # without a committed checksum a copy could not be told from reused space
         if obj.size > room:
-            break
+            return 0
         offset = next((loc.offset for loc in obj.locations if loc.segment_id == sid), None)
         if offset is None:
             continue
         room -= obj.size
         obj.disk_offered = now + OFFER_RETRY_S
         out.append(p.ObjectReport(obj.key, offset, obj.size, obj.generation, obj.checksum))
-    return out
+    return room
 
 
 def promote(t: ObjectTable, sid: int, keys: list[str], now: float) -> list[p.AllocResult]:
@@ -195,5 +213,6 @@ def demote(t: ObjectTable, keys: list[str], now: float) -> list[int]:
                 seg = t.segments.get(loc.segment_id)
                 if seg is not None and loc.segment_id in t.disk_tiers and seg.lru.get(k) is obj:
                     seg.lru.move_to_end(k, last=False)   # first in its LRU list: offered at the next sync
+                    t.disk_tiers[loc.segment_id].scanned = None
             codes.append(errors.STATE_MISMATCH)
     return codes

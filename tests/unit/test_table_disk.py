@@ -57,7 +57,7 @@ def test_on_evict_offers_the_lru_head_above_the_mark_and_eviction_keeps_disk_obj
 def test_removed_and_dropped_disk_objects_leave_and_their_records_are_deleted():
     t = make("write_through")
     gens = [put(t, f"k{i}") for i in range(3)]
-    assert [r.key for r in sync(t, policy="write_through").offload] == ["k0", "k1", "k2"]
+    assert sorted(r.key for r in sync(t, policy="write_through").offload) == ["k0", "k1", "k2"]
     sync(t, added=[report(t, f"k{i}") for i in range(3)], policy="write_through")
     t.to_disk_only(t.objects["k0"], 0.0)
     t.to_disk_only(t.objects["k1"], 0.0)
@@ -99,8 +99,23 @@ def test_demote_keeps_disk_objects_on_disk_only_and_asks_for_copies_of_the_other
     put(t, "a")
     put(t, "b")
     sync(t, added=[report(t, "a")])
-    assert disk.demote(t, ["a", "b", "x"], 0.0) == [0, errors.STATE_MISMATCH, errors.OBJECT_NOT_EXISTS]
-    assert t.objects["a"].locations == [] and [r.key for r in sync(t).offload] == ["b"]
+    assert sync(t).offload == []                           # nothing changed: nothing scanned
+    assert disk.demote(t, ["b", "x"], 0.0) == [errors.STATE_MISMATCH, errors.OBJECT_NOT_EXISTS]
+    assert [r.key for r in sync(t).offload] == ["b"]
+    assert disk.demote(t, ["a"], 0.0) == [0] and t.objects["a"].locations == []
+
+
+def test_write_through_offers_new_commits_of_a_large_segment_from_its_tail():
+    t = ObjectTable(90, 80, 1.0, pending_timeout_s=5.0, first_generation=7 << 32)
+    t.add_segment(p.SegmentInfo(1, 1 << 40, "h", "/dev/shm/x1", "127.0.0.1:1"))
+    sync(t, policy="write_through")
+    n = disk.MAX_SCAN + 10
+    for i in range(n):
+        code, gen, _ = t.alloc(1, f"o{i}", 100, 1, [1], 0.0)
+        assert t.commit(1, f"o{i}", gen, 0.0, checksum=gen) == 0
+        t.objects[f"o{i}"].disk = (1, gen)                 # all on disk already
+    put(t, "new")
+    assert [r.key for r in sync(t, policy="write_through").offload] == ["new"]
 
 
 def test_a_restarted_provider_s_records_replace_those_of_its_old_self():
