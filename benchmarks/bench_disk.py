@@ -12,7 +12,11 @@ a pure client. Each round:
   of the segment, checksum, direct write, rename);
 * **get from disk**: every object is made disk-only (``evict``), then read back by the client
   (through the provider's data server, as another host would) and by the provider itself (its own
-  records, no socket), each verified byte for byte against what was put.
+  records, no socket), each verified byte for byte against what was put;
+* **eviction to disk**: ``on_evict`` with a DRAM segment a quarter of the data, puts as fast as they
+  go, then paced at half the tier's measured write rate (``paced_``): the put rate (eviction and
+  background copies included) and the share of objects the pool still holds afterwards (the rest
+  were evicted before their copy: puts never wait for the disk), every one read back byte-exact.
 
     python benchmarks/bench_disk.py --dir /var/tmp/bench-disk        # 3 rounds of 128 x 4 MiB
 """
@@ -118,6 +122,41 @@ def tier_round(ms: MetaServiceProcess, directory: str, n: int, size: int, rnd: i
     return res
 
 
+def evict_round(ms: MetaServiceProcess, directory: str, n: int, size: int, rnd: int,
+                rate: float = 0.0) -> dict[str, float]:
+    """on_evict with a DRAM segment a quarter of the data: the puts run at full speed (or ``rate``
+    bytes/s), eviction keeps what was copied; returns the put rate and the share of objects the pool
+    still holds (all read back byte-exact)."""
+    total = n * size
+    prov = DistributedObjectStore()
+    assert prov.setup(ms.local_config(dram_size=total // 4, disk_path=os.path.join(directory, f"evict-{rnd}"),
+                                      disk_size=total * 2)) == 0
+    assert prov.init(0, True) == 0
+    data = np.random.default_rng(rnd + 100).integers(0, 256, total, dtype=np.uint8)
+    out = np.zeros_like(data)
+    for b in (data, out):
+        assert prov.register_buffer(b.ctypes.data, b.nbytes) == 0
+    keys = [f"e{rnd}-{i}" for i in range(n)]
+    t = time.perf_counter()
+    for i in range(0, n, 8):
+        assert prov.batch_put_from(keys[i:i + 8], [data.ctypes.data + j * size for j in range(i, min(n, i + 8))],
+                                   [size] * len(keys[i:i + 8])) == [0] * len(keys[i:i + 8])
+        if rate:
+            time.sleep(max(0.0, t + (i + 8) * size / rate - time.perf_counter()))
+    put_s = time.perf_counter() - t
+    svc = prov._svc
+    assert svc is not None and svc.disk is not None
+    store = svc.disk.store
+    wait_for(lambda: store.queued_bytes == 0, 600, "the writer idle")
+    codes = prov.batch_get_into(keys, [out.ctypes.data + i * size for i in range(n)], [size] * n)
+    kept = [i for i, c in enumerate(codes) if c == 0]
+    if any(c not in (0, -3007) for c in codes) or any(
+            not np.array_equal(out[i * size:(i + 1) * size], data[i * size:(i + 1) * size]) for i in kept):
+        raise SystemExit(f"on_evict: wrong bytes or errors: {sorted(set(codes))}")
+    prov.close()
+    return {"put_evict_mbs": total / put_s / 1e6, "kept_pct": 100.0 * len(kept) / n}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="", help="directory on the disk to measure (default: a temporary one "
@@ -143,6 +182,9 @@ def run(args: argparse.Namespace, base: str) -> None:
             with tempfile.TemporaryDirectory(dir=base) as d:
                 row = raw_speed(d, args.objects * args.size, args.raw_threads)
                 row.update(tier_round(ms, d, args.objects, args.size, rnd))
+                row.update(evict_round(ms, d, args.objects, args.size, rnd))
+                paced = evict_round(ms, d, args.objects, args.size, rnd + 1000, row["put_to_disk_mbs"] * 1e6 / 2)
+                row.update({"paced_put_evict_mbs": paced["put_evict_mbs"], "paced_kept_pct": paced["kept_pct"]})
             rows.append(row)
             print(json.dumps({k: round(v) for k, v in row.items()}), flush=True)
     summary = {k: round(statistics.median(r[k] for r in rows)) for k in rows[0]}
