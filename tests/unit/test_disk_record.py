@@ -29,7 +29,7 @@ def segment():
 def put(m: Mapping, key: str, off: int, size: int, gen: int) -> ObjectReport:
     data = np.random.default_rng(gen).integers(0, 256, size, dtype=np.uint8)
     m.array()[payload_offset(off):payload_offset(off) + size] = data
-    return ObjectReport(key, off, size, gen, xxhash.xxh3_64_intdigest(data))
+    return ObjectReport(key, off, size, gen, xxhash.xxh3_64_intdigest(data.data))
 
 
 def payload(store: DiskStore, r: ObjectReport) -> bytes:
