@@ -337,6 +337,17 @@ class LocalConfig:
     transfer_engine: str = "builtin"
     """How bytes cross hosts: ``builtin`` (the TCP data server) or ``nixl`` (one-sided READ/WRITE through
     NIXL over UCX, for pieces in registered buffers; needs the ``nixl`` package, docs/nixl.md)."""
+    disk_path: str = ""
+    """Directory of this provider's disk tier (records of objects evicted from DRAM, found again after a
+    restart); empty = no disk tier. One provider per directory (a lock file refuses a second)."""
+    disk_size: int | str = "0"
+    """Bytes the disk tier may hold (required with ``disk_path``); when full, its least recently used
+    records are dropped for good."""
+    disk_write_policy: str = "on_evict"
+    """on_evict: objects are copied to disk in the background as their segment nears its eviction mark;
+    write_through: every committed object is copied to disk as soon as it is committed."""
+    disk_write_limit: int | str = "0"
+    """Most bytes per second the background disk writer writes (0 = no limit)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -383,6 +394,7 @@ class LocalConfig:
                               f"address peers should use")
         _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
+        _check_disk(self)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
 
@@ -417,6 +429,18 @@ class ReplicateConfig:
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+DISK_WRITE_POLICIES = ("on_evict", "write_through")
+
+
+def _check_disk(cfg: LocalConfig) -> None:
+    _check_str("disk_path", cfg.disk_path)
+    size = parse_size(cfg.disk_size, "disk_size")
+    parse_size(cfg.disk_write_limit, "disk_write_limit")
+    if cfg.disk_write_policy not in DISK_WRITE_POLICIES:
+        raise ConfigError(f"disk_write_policy: expected one of {', '.join(DISK_WRITE_POLICIES)}, "
+                          f"got {cfg.disk_write_policy!r}")
+    if cfg.disk_path and size < (1 << 20):
+        raise ConfigError(f"disk_size: must be at least 1MB with disk_path set, got {cfg.disk_size!r}")
 
 
 def _check_int(key: str, value: Any, lo: int, hi: int) -> None:

@@ -30,6 +30,7 @@ CLIENT_NOT_INITIALIZED = -3019
 STATE_MISMATCH = -3101
 WRITE_IN_PROGRESS = -3102      # project code: another writer's put of the key is not committed yet
 CHECKSUM_MISMATCH = -3110      # project code: the bytes read do not match the object's checksum
+DISK_IO_ERROR = -3111          # project code: the disk tier could not read or write a record (I/O error, disk full)
 NOT_LEADER = -3120             # project code: this MetaService is a standby (HA), or answered with an old term
 LEASE_NOT_EXPIRED = -3104
 
@@ -93,6 +94,12 @@ class ChecksumMismatch(MemCacheError):
     code = CHECKSUM_MISMATCH
 
 
+class DiskIOError(MemCacheError):
+    """A disk-tier record could not be read or written (I/O error, disk full): a miss."""
+
+    code = DISK_IO_ERROR
+
+
 class NotAMember(MemCacheError):
     """The request acts as a member the MetaService does not know (restarted, or a wrong token)."""
 
@@ -147,6 +154,7 @@ _BY_CODE: dict[int, type[MemCacheError]] = {
     WRITE_IN_PROGRESS: WriteInProgress,
     CLIENT_NOT_INITIALIZED: NotAMember,
     CHECKSUM_MISMATCH: ChecksumMismatch,
+    DISK_IO_ERROR: DiskIOError,
     META_NOT_CONNECTED: MetaServiceUnavailable,
     NOT_LEADER: NotLeader,
     LOCAL_NOT_CONNECTED: PeerUnavailable,

@@ -63,6 +63,7 @@ class Join(msgspec.Struct, tag=True):
     segment: SegmentInfo | None = None
     objects: list[ObjectReport] = []
     token: bytes = b""             # the member token of the id proposed, when re-joining a live member
+    disk_objects: list[ObjectReport] = []   # records in the member's disk tier (``offset`` unused)
 
 
 class Leave(msgspec.Struct, tag=True):
@@ -164,6 +165,44 @@ class DrainDone(msgspec.Struct, tag=True):
     ok: list[bool]
 
 
+class DiskSync(msgspec.Struct, tag=True):
+    """A provider with a disk tier: records written (``added``) and dropped since its last sync, its
+    tier's state, and how many bytes its writer queue takes now (``room``). Answered by ``DiskWork``."""
+
+    client_id: int
+    token: bytes
+    policy: str
+    capacity: int
+    used: int
+    room: int
+    added: list[ObjectReport] = []
+    dropped: list[ObjectReport] = []
+    counters: dict[str, int] = {}
+
+
+class Promote(msgspec.Struct, tag=True):
+    """The owner of disk records asks for space in its own segment to bring these objects back into
+    DRAM (answered like ``Alloc``), then reports the copies with ``Promoted``."""
+
+    client_id: int
+    token: bytes
+    keys: list[str]
+
+
+class Promoted(msgspec.Struct, tag=True):
+    client_id: int
+    token: bytes
+    keys: list[str]
+    offsets: list[int]
+    ok: list[bool]
+
+
+class Demote(msgspec.Struct, tag=True):
+    """The tier call ``evict``: keep these objects on their disk tier only (answered with ``Codes``)."""
+
+    keys: list[str]
+
+
 class GetSegments(msgspec.Struct, tag=True):
     segment_ids: list[int] = []
 
@@ -177,10 +216,12 @@ class ConfigGet(msgspec.Struct, tag=True):
     key: str
 
 
-MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt", "DrainNext", "DrainDone")
+MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt", "DrainNext", "DrainDone",
+                   "DiskSync", "Promote", "Promoted")
 
 Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
-           | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone)
+           | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
+           | DiskSync | Promote | Promoted | Demote)
 
 
 # ---- replies ----------------------------------------------------------------------------------
@@ -251,6 +292,7 @@ class Found(msgspec.Struct, array_like=True):
     generation: int
     locations: list[Location]
     checksum: int = 0
+    disk: int = 0                  # segment id of the provider holding a disk copy (0: none)
 
 
 class LookupReply(_Reply):
@@ -274,8 +316,17 @@ class Value(_Reply):
     value: bytes | None
 
 
+class DiskWork(_Reply):
+    """What a provider's disk tier should do: copy these objects of its segment to disk (``offload``,
+    ``offset`` is the object's place in the segment), and delete these records (``drop``: objects that
+    left the pool; compare-and-delete on the generation)."""
+
+    offload: list[ObjectReport] = []
+    drop: list[ObjectReport] = []
+
+
 Reply = (Error | Ok | Joined | HeartbeatReply | AllocReply | LookupReply | Codes | Flags | Segments
-         | Value | DrainBatch)
+         | Value | DrainBatch | DiskWork)
 
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..auth import admin_authorized
 
@@ -47,8 +50,33 @@ class LocalMetrics:
         if failed:
             self.failures.labels(path, d).inc(failed)
 
+    def watch_disk(self, counters: Callable[[], dict[str, int]]) -> None:
+        """Export this provider's disk tier (``local/tier.py`` ``DiskTier.counters``) at each scrape."""
+        self.registry.register(_DiskCollector(counters))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DiskCollector(Collector):
+    GAUGES = (("objects", "Records on this provider's disk tier."),
+              ("used_bytes", "Bytes of records on this provider's disk tier."),
+              ("queued_bytes", "Bytes of copies waiting for the disk writer."))
+
+    def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.counters()
+        for name, help_ in self.GAUGES:
+            yield GaugeMetricFamily(f"memcache_local_disk_{name}", help_, value=c.get(name, 0))
+        ev = CounterMetricFamily("memcache_local_disk_events", "This provider's disk tier: writes, write_bytes, "
+                                 "write_errors, writes_skipped, writes_stale, reads, read_bytes, read_errors, "
+                                 "integrity_failures, lru_drops, promotions (docs/operations.md).", labels=["event"])
+        for k, v in sorted(c.items()):
+            if k not in ("objects", "used_bytes", "queued_bytes"):
+                ev.add_metric([k], v)
+        yield ev
 
 
 class MetricsServer:

@@ -35,7 +35,7 @@ from ..rpc import Backoff, RpcClient, expect
 from ..transfer import CopyOp, TransferEngine
 from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
-from . import recovery
+from . import recovery, tier
 from .drain import Drainer
 from .metrics import LocalMetrics, MetricsServer
 from .segment import create_segment
@@ -91,6 +91,7 @@ class LocalService:
         self.drainer = Drainer(self)
         self.metrics = LocalMetrics()
         self.metrics_server: MetricsServer | None = None
+        self.disk: tier.DiskTier | None = None   # the disk tier under our segment (disk_path)
 
     @property
     def client_id(self) -> int:
@@ -106,8 +107,12 @@ class LocalService:
                 if size <= 0:
                     raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
                 self.segment = create_segment(size)
+                if cfg.disk_path:
+                    self.disk = tier.DiskTier(self)
+                    self.metrics.watch_disk(self.disk.counters)
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
-                self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg))
+                self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg),
+                                              self.disk)
             nixl = self._start_nixl()
             if self.segment is not None and self.data_server is not None:
                 self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
@@ -126,6 +131,8 @@ class LocalService:
             raise
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
         self._heartbeat.start()
+        if self.disk is not None:
+            self.disk.start()
 
     def _start_nixl(self) -> NixlTransport | None:
         """The NIXL agent (``transfer_engine: "nixl"``), with our segment registered."""
@@ -163,6 +170,8 @@ class LocalService:
             return
         unmap = self._drain_before_leaving()
         self._stop.set()
+        if self.disk is not None:
+            self.disk.close()
         if self._heartbeat is not None:
             s = self.session
             try:
@@ -201,8 +210,9 @@ class LocalService:
         """Join (or re-join) and install the new session in one step."""
         objects = recovery.scan(self.segment) if recover and self.segment is not None else []
         old = self.session
+        on_disk = self.disk.store.reports() if self.disk is not None else []
         reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
-                                     objects, old.token), probe=True)
+                                     objects, old.token, on_disk), probe=True)
         j = expect(reply, p.Joined)
         seg = None
         if self._segment_template is not None:
@@ -319,6 +329,8 @@ class LocalService:
             if op.error is not None and results[i] is None:
                 results[i] = op.error
         self._finish_put(s, allocated, ops, results, todo)
+        if self.disk is not None and allocated:
+            self.disk.poke()   # our segment may have grown: the disk tier asks for copies now
         return results
 
     def _alloc(self, sizes: dict[str, int], replicas: int, preferred: Sequence[int],
@@ -435,7 +447,16 @@ class LocalService:
         if pieces is None:
             return results, found
         todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
+        on_disk = [i for i in todo if not found[i].locations]  # type: ignore[union-attr]
+        if on_disk:   # evicted to a provider's disk tier: that provider serves the bytes (local/tier.py)
+            tier.read_disk(self, list(keys), list(pieces), found, on_disk, results,
+                           self.config.checksum and self.config.checksum_verify_ratio > 0)
+            todo = [i for i in todo if found[i].locations]  # type: ignore[union-attr]
         corrupt = self._read(keys, pieces, found, todo, results)
+        fallback = [i for i in todo if results[i] is not None and found[i].disk]  # type: ignore[union-attr]
+        if fallback:   # every DRAM copy failed: the provider's disk record is one more replica
+            tier.read_disk(self, list(keys), list(pieces), found, fallback, results,
+                           self.config.checksum and self.config.checksum_verify_ratio > 0)
         failed = [e for e in (results[i] for i in todo) if e is not None]
         if failed:   # a miss the engine will recompute: say why, once per batch
             logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),
@@ -551,6 +572,31 @@ class LocalService:
 
     def remove_all(self) -> int:
         return expect(self.rpc.call(p.RemoveAll()), p.Codes).codes[0]
+
+    # ---- tiers: memcache_hybrid's evict / prefetch ------------------------------------------------------
+
+    def prefetch(self, keys: Sequence[str]) -> list[int]:
+        """Bring objects held on a disk tier back into DRAM (their provider's segment) ahead of a read.
+        A code per key: 0 in DRAM now (or already), -3007 not in the pool, else why it stayed on disk."""
+        check_keys(list(keys))
+        found = self.lookup_sizes(keys)
+        codes = [errors.SUCCESS if f is not None else errors.OBJECT_NOT_EXISTS for f in found]
+        by_owner: dict[int, list[int]] = {}
+        for i, f in enumerate(found):
+            if f is not None and not f.locations:
+                by_owner.setdefault(f.disk, []).append(i)
+        for sid, idx in by_owner.items():
+            got = tier.promote_remote(self, sid, [(keys[i], found[i].size, found[i].checksum)  # type: ignore[union-attr]
+                                                  for i in idx])
+            for i, c in zip(idx, got, strict=True):
+                codes[i] = c
+        return codes
+
+    def evict(self, keys: Sequence[str]) -> list[int]:
+        """Keep objects on their disk tier only, freeing their DRAM. A code per key: 0 done, -3007 not in
+        the pool, -3101 no disk copy yet (its provider was asked to write one: call again later)."""
+        check_keys(list(keys))
+        return expect(self.rpc.call(p.Demote(list(keys))), p.Codes).codes
 
 
 def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: str) -> int:

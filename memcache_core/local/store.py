@@ -308,13 +308,27 @@ class DistributedObjectStore:
             return errors.SUCCESS
         return _code(run)
 
+    # ---- tiers ----------------------------------------------------------------------------------------
+
+    def prefetch(self, keys: list[str], src_media: Any = None, dst_media: Any = None) -> list[int]:
+        """Bring objects a provider holds on its disk tier back into DRAM ahead of reading them: a code
+        per key (0 in DRAM, -3007 not in the pool). The media arguments are accepted for
+        memcache_hybrid's signature; the tiers here are DRAM over disk."""
+        return _codes(len(keys), lambda: self._service().prefetch(keys))
+
+    def evict(self, keys: list[str], src_media: Any = None, dst_media: Any = None) -> list[int]:
+        """Keep objects on their provider's disk tier only: a code per key (0 done, -3007 not in the
+        pool, -3101 not on disk yet: its provider was asked to write it, call again later)."""
+        return _codes(len(keys), lambda: self._service().evict(keys))
+
     def batch_get_key_info(self, keys: list[str]) -> list[KeyInfo]:
         try:
             found = self._service().lookup_sizes(keys)
         except (MemCacheError, TypeError, ValueError):
             return [KeyInfo(0, [], []) for _ in keys]
         return [KeyInfo(0, [], []) if f is None else
-                KeyInfo(f.size, [loc.segment_id for loc in f.locations], ["DRAM"] * len(f.locations))
+                KeyInfo(f.size, [loc.segment_id for loc in f.locations] + ([f.disk] if f.disk else []),
+                        ["DRAM"] * len(f.locations) + (["DISK"] if f.disk else []))
                 for f in found]
 
     def get_key_info(self, key: str) -> KeyInfo:

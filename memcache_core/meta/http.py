@@ -196,7 +196,8 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 out.append({"key": k, "exists": True, "size": o.size, "generation": o.generation,
                             "leased": o.lease_until > now, "replicas_wanted": o.replicas,
-                            "locations": [{"segment": loc.segment_id, "offset": loc.offset} for loc in o.locations]})
+                            "locations": [{"segment": loc.segment_id, "offset": loc.offset} for loc in o.locations],
+                            "disk": o.disk[0] if o.disk is not None else None})
         if len(out) == 1:
             return {"success": out[0]["exists"], **out[0],
                     **({} if out[0]["exists"] else {"error_message": "key not found"})}

@@ -33,7 +33,15 @@ COUNTERS = (   # (metric name, Counters field, help)
     ("pending_reclaimed_total", "pending_reclaimed", "Uncommitted puts aborted."),
     ("integrity_failures_total", "integrity_failures",
      "Reads whose bytes failed the checksum (reported by readers; each object is dropped)."),
+    ("evictions_to_disk_total", "evictions_to_disk",
+     "Evictions that kept the object on its provider's disk tier (its DRAM copies were freed)."),
+    ("disk_drops_total", "disk_drops",
+     "Disk-only objects gone for good (their tier dropped the record: full, or it failed its checksum)."),
+    ("disk_hits_total", "disk_hits", "Lookups that found the object on a disk tier only."),
+    ("promotions_total", "promotions", "Disk-only objects brought back into DRAM (repeated hits, prefetch)."),
 )
+DISK_EVENTS = ("writes", "write_bytes", "write_errors", "writes_skipped", "writes_stale", "reads", "read_bytes",
+               "read_errors", "integrity_failures", "lru_drops", "promotions")
 MEMBER_EVENTS = ("joins", "leaves", "deaths", "rejoins")
 
 
@@ -87,12 +95,35 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
         t = tiers.setdefault(g.tier, [0, 0])
         t[0] += g.capacity_bytes
         t[1] += g.used_bytes
+    for d in s.disk_tiers:
+        t = tiers.setdefault("disk", [0, 0])
+        t[0] += d.capacity_bytes
+        t[1] += d.used_bytes
     tcap = _gauge("tier_capacity_bytes", "Bytes of the pool per tier (medium).", labels=("tier",))
     tused = _gauge("tier_used_bytes", "Bytes allocated per tier (medium).", labels=("tier",))
     for name, (c, u) in sorted(tiers.items()):
         tcap.add_metric([name], c)
         tused.add_metric([name], u)
     yield from (tcap, tused)
+
+
+def _disk(s: Snapshot) -> Iterator[Metric]:
+    labels = ("segment",)
+    cap = _gauge("disk_capacity_bytes", "Bytes a provider's disk tier may hold (disk_size).", labels=labels)
+    used = _gauge("disk_used_bytes", "Bytes of records on a provider's disk tier.", labels=labels)
+    objs = _gauge("disk_objects", "Records on a provider's disk tier.", labels=labels)
+    ev = CounterMetricFamily("memcache_disk_events_total", "A provider's disk tier: records written, bytes "
+                             "written, write errors (disk full, I/O), writes skipped (queue full), writes "
+                             "stale (the DRAM copy changed first), reads, bytes read, read errors, integrity "
+                             "failures, records dropped to make room, promotions.", labels=["segment", "event"])
+    for d in s.disk_tiers:
+        lv = [str(d.segment_id)]
+        cap.add_metric(lv, d.capacity_bytes)
+        used.add_metric(lv, d.used_bytes)
+        objs.add_metric(lv, d.objects)
+        for e in DISK_EVENTS:
+            ev.add_metric([*lv, e], d.counters.get(e, 0))
+    yield from (cap, used, objs, ev)
 
 
 def _counters(s: Snapshot) -> Iterator[Metric]:
@@ -165,6 +196,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield _gauge("meta_term", "The HA leader term this MetaService serves under (0: standby, or HA off).",
                  s.term or 0)
     yield from _drains(s)
+    yield from _disk(s)
     yield _gauge("meta_uptime_seconds", "Seconds since this MetaService started.", s.uptime_s)
     yield _gauge("meta_start_time_seconds", "Unix time this MetaService started (a change is a restart).",
                  s.time - s.uptime_s)

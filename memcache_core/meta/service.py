@@ -27,7 +27,7 @@ from .. import protocol as p
 from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
-from . import placement, stats, validate
+from . import disk, placement, stats, validate
 from .drain import Drains
 from .events import EventPublisher
 from .http import AdminServer
@@ -120,7 +120,8 @@ class MetaServiceCore:
                 results = []
                 for k in keys:
                     o = t.lookup(k, now, lease)
-                    results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations), o.checksum))
+                    results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations), o.checksum,
+                                                                  o.disk[0] if o.disk is not None else 0))
                 return p.LookupReply(results, self.config.lease_ttl_ms)
             case p.Heartbeat(client_id=cid, token=token, journal_ack=ack):
                 return self._heartbeat(cid, token, ack, now)
@@ -139,6 +140,9 @@ class MetaServiceCore:
                 return p.Codes([t.remove_prefix(prefix, now)])
             case p.RemoveAll():
                 return p.Codes([t.remove_all(now)])
+            case p.Demote(keys=keys):
+                validate.batch(keys)
+                return p.Codes(disk.demote(t, keys, now))
             case p.GetSegments(segment_ids=ids):
                 segs = t.segments
                 wanted = ids or list(segs)
@@ -149,6 +153,8 @@ class MetaServiceCore:
                 return p.Value(self.config_store.get(k))
             case p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone():
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
+            case p.DiskSync() | p.Promote() | p.Promoted():
+                return self._disk_request(req, self._member(req.client_id, req.token, now), now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
 
     def _member_request(self, req: p.Request, member: Member, now: float) -> p.Reply:
@@ -186,6 +192,23 @@ class MetaServiceCore:
                 return p.Ok()
             case p.DrainNext() | p.DrainDone():
                 return self.drains.handle(req, member.segment_id, now)
+        return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
+
+    def _disk_request(self, req: p.Request, member: Member, now: float) -> p.Reply:
+        """Requests of a provider's disk tier (meta/disk.py); only a member with a segment has one."""
+        sid, t = member.segment_id, self.table
+        if sid is None:
+            return p.Error(errors.INVALID_PARAM, "only a LocalService with a segment has a disk tier")
+        match req:
+            case p.DiskSync():
+                validate.disk_sync(req)
+                return disk.sync(t, sid, req, now)
+            case p.Promote(keys=keys):
+                validate.batch(keys)
+                return p.AllocReply(disk.promote(t, sid, keys, now))
+            case p.Promoted(keys=keys, offsets=offsets, ok=ok):
+                validate.batch(keys, offsets, ok)
+                return p.Codes(disk.promoted(t, sid, req, now))
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
 
     def _member(self, cid: int, token: bytes, now: float) -> Member:
@@ -247,6 +270,8 @@ class MetaServiceCore:
             if req.objects:
                 self.member_events["recoveries"] += 1
                 self.member_events["recovered_objects"] += len(req.objects) - len(refused)
+            if req.disk_objects:
+                self.member_events["recovered_disk_objects"] += disk.add_reports(self.table, seg_id, req.disk_objects)
             logger.info("LocalService %d joined from %s pid %d: segment of %d bytes, %d objects recovered",
                         cid, req.host_id, req.pid, info.size, len(req.objects) - len(refused))
         else:
@@ -292,6 +317,7 @@ class MetaServiceCore:
         for cid in [c for c, m in self.members.items() if now - m.last_seen > dead_after]:
             self._drop_member(cid, f"missed heartbeats for {dead_after:g}s, declared dead")
         self.table.reclaim(now)
+        disk.housekeeping(self.table, now)
         self.table.evict_all(now)
         self.drains.housekeeping(now)
         self.history.record(self, now)

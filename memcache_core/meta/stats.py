@@ -70,6 +70,15 @@ class Sample(msgspec.Struct, array_like=True):
     used_bytes: int
 
 
+class DiskTierStats(msgspec.Struct):
+    segment_id: int                         # the provider's segment (its disk tier lies under it)
+    policy: str
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+    counters: dict[str, int]                # the provider's own counts (local/disk.py DiskCounters)
+
+
 class Snapshot(msgspec.Struct):
     time: float
     uptime_s: float
@@ -87,6 +96,7 @@ class Snapshot(msgspec.Struct):
     events: dict[str, int]                 # member joins/leaves/deaths, recoveries
     requests: list[RequestStats]
     history: list[Sample]
+    disk_tiers: list[DiskTierStats] = []
 
     @property
     def capacity_bytes(self) -> int:
@@ -125,7 +135,12 @@ def take(core: MetaServiceCore) -> Snapshot:
                     term, members, segments, len(t.objects) - t.pending, t.pending, t.under_replicated,
                     core.drains.stats(),
                     {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, events,
-                    requests, list(core.history.samples))
+                    requests, list(core.history.samples), _disk_tiers(core))
+
+
+def _disk_tiers(core: MetaServiceCore) -> list[DiskTierStats]:
+    return [DiskTierStats(sid, d.policy, d.capacity, d.used, d.counters.get("objects", 0), dict(d.counters))
+            for sid, d in sorted(core.table.disk_tiers.items())]
 
 
 class History:

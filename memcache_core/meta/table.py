@@ -22,6 +22,7 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from .. import errors
 from ..layout import footprint
@@ -31,6 +32,7 @@ from .allocator import Allocator, aligned
 logger = logging.getLogger(__name__)
 
 MAX_JOURNAL = 1_000_000
+DISK_LOOKAHEAD = 256     # how far eviction looks down the LRU list for an object already on disk
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -46,6 +48,8 @@ class Obj:
     lease_until: float = 0.0
     replicas: int = 1               # replicas the put asked for
     under: bool = False             # committed with fewer locations than ``replicas`` (counted)
+    disk: tuple[int, int] | None = None   # (segment id of the provider holding a disk record, its generation)
+    disk_offered: float = 0.0       # offered to that provider's disk writer; not again before this time
 
 
 class Segment:
@@ -103,6 +107,10 @@ class Counters:
     alloc_failures: int = 0
     pending_reclaimed: int = 0
     integrity_failures: int = 0
+    evictions_to_disk: int = 0      # evictions that kept the object on its disk tier
+    disk_drops: int = 0             # disk-only objects gone for good (their tier dropped the record)
+    disk_hits: int = 0              # lookups that found an object on disk only
+    promotions: int = 0             # disk-only objects brought back into DRAM
 
 
 class ObjectTable:
@@ -123,6 +131,9 @@ class ObjectTable:
         self.under_replicated = 0       # committed objects with fewer replicas than asked for
         self.listener: Callable[[bool, Obj], None] | None = None   # (stored?, object): KV events
         self._next_gen = first_generation
+        self.disk_tiers: dict[int, Any] = {}          # segment id -> meta.disk.DiskTier
+        self.disk_drops: dict[int, list[ObjectReport]] = {}   # records each tier should delete
+        self.promoting: dict[tuple[str, int], tuple[int, int, float, int]] = {}   # meta/disk.py
 
     # ---- segments -------------------------------------------------------------------------------
 
@@ -166,10 +177,15 @@ class ObjectTable:
         if seg is None:
             return 0
         lost = 0
+        self.disk_tiers.pop(segment_id, None)
+        self.disk_drops.pop(segment_id, None)
         for obj in list(self.objects.values()):
-            if any(loc.segment_id == segment_id for loc in obj.locations):
+            on_disk = obj.disk is not None and obj.disk[0] == segment_id
+            if on_disk:
+                obj.disk = None   # the provider is gone: so is its disk tier (it reports it again on re-joining)
+            if any(loc.segment_id == segment_id for loc in obj.locations) or on_disk:
                 obj.locations = [loc for loc in obj.locations if loc.segment_id != segment_id]
-                if not obj.locations:
+                if not obj.locations and obj.disk is None:
                     self._unlink(obj)
                     lost += 1
                 else:
@@ -308,6 +324,8 @@ class ObjectTable:
         if obj is None or not obj.committed:
             return None
         self.counters.hits += 1
+        if not obj.locations:
+            self.counters.disk_hits += 1
         if lease:
             obj.lease_until = max(obj.lease_until, now + self.lease_ttl_s)
             for loc in obj.locations:
@@ -345,7 +363,7 @@ class ObjectTable:
         if obj is None or not obj.committed or obj.generation != generation:
             return False
         bad = [loc for loc in obj.locations if loc.segment_id == segment_id]
-        if bad and len(obj.locations) > 1:
+        if bad and (len(obj.locations) > 1 or obj.disk is not None):
             self._drop_replica(obj, bad[0], now)
         else:
             self._unlink(obj, now)
@@ -390,19 +408,48 @@ class ObjectTable:
         return n
 
     def _evict_one(self, seg: Segment, now: float) -> bool:
-        for _key, obj in seg.lru.items():
-            if obj.lease_until <= now:
-                self.counters.evictions += 1
-                self.counters.evicted_bytes += obj.size
-                self._unlink(obj, now)
-                return True
-        return False
+        obj = self._victim(seg, now)
+        if obj is None:
+            return False
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += obj.size
+        if obj.disk is not None and obj.disk[0] in self.disk_tiers:
+            self.counters.evictions_to_disk += 1
+            self.to_disk_only(obj, now)
+        else:
+            self._unlink(obj, now)
+        return True
+
+    def _victim(self, seg: Segment, now: float) -> Obj | None:
+        """The least recently used unleased object; in a segment with a disk tier, the least recently
+        used one among the first ``DISK_LOOKAHEAD`` that already has its disk record (evicting it loses
+        nothing), when there is one."""
+        first = None
+        with_disk = seg.info.segment_id in self.disk_tiers
+        for n, obj in enumerate(seg.lru.values()):
+            if obj.lease_until > now:
+                continue
+            if first is None:
+                first = obj
+                if not with_disk:
+                    break
+            if obj.disk is not None:
+                return obj
+            if n >= DISK_LOOKAHEAD:
+                break
+        return first
+
+    def to_disk_only(self, obj: Obj, now: float) -> None:
+        """Drop every DRAM copy of an object that has a disk record: it stays visible, served from disk."""
+        for loc in list(obj.locations):
+            self._drop_replica(obj, loc, now)
 
     # ---- internals -----------------------------------------------------------------------------------
 
     def _mark(self, obj: Obj) -> None:
         """Keep ``under_replicated`` in step with this object's replica count."""
-        under = obj.committed and len(obj.locations) < obj.replicas and self.objects.get(obj.key) is obj
+        under = (obj.committed and 0 < len(obj.locations) < obj.replicas  # disk-only objects are not "under"
+                 and self.objects.get(obj.key) is obj)
         if under != obj.under:
             obj.under = under
             self.under_replicated += 1 if under else -1
@@ -415,6 +462,10 @@ class ObjectTable:
                 self.pending -= 1
             elif self.listener is not None:
                 self.listener(False, obj)
+            if obj.disk is not None:   # its disk tier deletes the record
+                self.disk_drops.setdefault(obj.disk[0], []).append(
+                    ObjectReport(obj.key, 0, obj.size, obj.disk[1], obj.checksum))
+                obj.disk = None
         self._mark(obj)
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)
@@ -442,6 +493,16 @@ class ObjectTable:
         """A new generation, as an allocation gets (a drained object's copy at its new place)."""
         self._next_gen += 1
         return self._next_gen
+
+    def bump_generation(self, seen: int) -> None:
+        """Generations issued from now on are above ``seen`` (a reported object's)."""
+        self._next_gen = max(self._next_gen, seen + 1)
+
+    def alloc_in(self, seg: Segment, size_in_segment: int, now: float) -> int | None:
+        """Space in one segment, evicting if needed (a promotion from its owner's disk tier)."""
+        if seg.allocator.size < aligned(size_in_segment):
+            return None
+        return self._alloc_in(seg, size_in_segment, now, evict=True)
 
     def drop(self, obj: Obj, now: float) -> None:
         """Take a committed object out of the pool (a drain could not place it anywhere)."""

@@ -63,7 +63,7 @@ def join(req: p.Join) -> None:
     _int("pid", req.pid, 0, (1 << 32) - 1)
     _text("host_id", req.host_id)
     if req.segment is None:
-        if req.objects:
+        if req.objects or req.disk_objects:
             raise InvalidParameter("objects reported without a segment")
         return
     segment(req.segment)
@@ -75,6 +75,32 @@ def join(req: p.Join) -> None:
         _int("object.checksum", r.checksum, 0, MAX_U64)
         _int("object.size", r.size, 1, MAX_OBJECT_BYTES)
         _int("object.offset", r.offset, 0, req.segment.size - footprint(r.size))
+    disk_reports(req.disk_objects)
+
+
+def disk_reports(reports: list[p.ObjectReport]) -> None:
+    """Records a provider says its disk tier holds: bounded like DRAM objects."""
+    if len(reports) > MAX_BATCH:
+        raise InvalidParameter(f"{len(reports)} disk records reported; at most {MAX_BATCH} per message")
+    for r in reports:
+        check_key(r.key)
+        _int("disk_object.generation", r.generation, 1, MAX_U63)
+        _int("disk_object.checksum", r.checksum, 0, MAX_U64)
+        _int("disk_object.size", r.size, 1, MAX_OBJECT_BYTES)
+
+
+def disk_sync(req: p.DiskSync) -> None:
+    if req.policy not in ("on_evict", "write_through"):
+        raise InvalidParameter(f"disk policy: {req.policy!r} is not on_evict or write_through")
+    for name, v in (("capacity", req.capacity), ("used", req.used), ("room", req.room)):
+        _int(f"disk.{name}", v, 0, MAX_SEGMENT_BYTES)
+    if len(req.counters) > 64:
+        raise InvalidParameter("disk counters: at most 64")
+    for k, v in req.counters.items():
+        _text("disk counter", k)
+        _int(f"disk counter {k}", v, 0, MAX_U63)
+    disk_reports(req.added)
+    disk_reports(req.dropped)
 
 
 def alloc(req: p.Alloc) -> None:

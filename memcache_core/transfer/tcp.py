@@ -22,13 +22,15 @@ import threading
 from collections import defaultdict
 
 from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, client_handshake, server_handshake
-from ..errors import PeerUnavailable, TransferFailed
+from ..errors import MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
+from . import disk_wire
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MCD1"
 OP_READ, OP_WRITE = 1, 2
+DISK_OPS = (disk_wire.OP_DISK_READ, disk_wire.OP_PROMOTE)
 _HEAD = struct.Struct("<4sBI")
 _RANGE = struct.Struct("<QQ")
 _ANSWER = struct.Struct("<iQ")
@@ -57,8 +59,9 @@ class DataServer:
     """Serves one segment to peers; one thread per connection."""
 
     def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, disk: object = None) -> None:
         self.mapping = mapping
+        self.disk = disk          # the owner's disk tier (local/tier.py), for disk_wire requests
         self.secret = secret
         self.tls = tls
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -105,8 +108,12 @@ class DataServer:
             while True:
                 _recv_exact(conn, memoryview(head))
                 magic, op, n = _HEAD.unpack(head)
-                if magic != MAGIC or op not in (OP_READ, OP_WRITE) or not 0 < n <= MAX_RANGES:
+                if magic != MAGIC or op not in (OP_READ, OP_WRITE, *DISK_OPS) or not 0 < n <= MAX_RANGES:
                     return
+                if op in DISK_OPS:
+                    if not disk_wire.serve(conn, op, n, self.disk):
+                        return
+                    continue
                 raw = bytearray(n * _RANGE.size)
                 _recv_exact(conn, memoryview(raw))
                 ranges = [_RANGE.unpack_from(raw, i * _RANGE.size) for i in range(n)]
@@ -213,6 +220,22 @@ class TcpClient:
 
     def read(self, addr: str, ops: list[Op]) -> None:
         self._request(addr, OP_READ, ops)
+
+    def disk_request(self, addr: str, op: int, items: list[disk_wire.Item]) -> list[MemCacheError | None]:
+        """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
+        s = self._acquire(addr)
+        ok = False
+        try:
+            out = disk_wire.request(s, _HEAD.pack(MAGIC, op, len(items)), op, items)
+            ok = True
+            return out
+        except (OSError, ConnectionError) as e:
+            raise PeerUnavailable(f"disk request to {addr} failed: {e}") from e
+        finally:
+            if ok:
+                self._release(addr, s)
+            else:
+                s.close()
 
     def write(self, addr: str, ops: list[Op]) -> None:
         self._request(addr, OP_WRITE, ops)

@@ -90,6 +90,15 @@ class Worker:
             reg = self.store._service().metrics.registry
             return {f"{s.labels['path']}/{s.labels['direction']}": s.value for m in reg.collect()
                     if m.name == "memcache_local_transfer_bytes" for s in m.samples if s.name.endswith("_total")}
+        if op == "prefetch":
+            return {"codes": self.store.prefetch(cmd["keys"])}
+        if op == "evict":
+            return {"codes": self.store.evict(cmd["keys"])}
+        if op == "key_info":
+            return {"media": [i.type_list() for i in self.store.batch_get_key_info(cmd["keys"])]}
+        if op == "disk_counters":
+            disk = self.store._service().disk   # a test probe of the provider's disk tier
+            return {"counters": disk.counters() if disk is not None else None}
         if op == "close":
             t = time.perf_counter()
             return {"rc": self.store.close(), "seconds": time.perf_counter() - t}
@@ -100,9 +109,13 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     init_bm = cfg.pop("init_bm", True)
     seed = cfg.pop("seed_random", None)
+    fsize = cfg.pop("file_size_limit", None)
     if seed is not None:
         random.seed(seed)      # as vLLM and SGLang do in every worker process
     w = Worker(cfg, init_bm)
+    if fsize is not None:   # a full disk: files may not grow past this (the segment exists already)
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     print(json.dumps({"ready": w.rc == 0, "rc": w.rc}), flush=True)
     if w.rc != 0:
         return

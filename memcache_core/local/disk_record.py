@@ -1,0 +1,77 @@
+"""How an object lies on a provider's disk tier: one file per object, a self-describing header block,
+then the payload, both padded to the direct-I/O block.
+
+```
+0                                   BLOCK
+| magic | version | flags | generation | size | checksum | key length | key (256) | header hash | pad | payload | pad |
+```
+
+* The file name is derived from the key (``name_of``: XXH3-128 of the key, 256 sub-directories), so
+  a record is found by key without an index on disk; the key in the header must match the name it
+  lies under (a record copied or renamed to another key's name is refused).
+* ``checksum`` is the payload's XXH3-64, as in DRAM headers (``layout.py``): every read verifies it,
+  and a mismatch is a miss, never bytes. The header hash makes a torn or foreign header fail.
+* A record is written under a temporary name and renamed into place, so a crash leaves either no
+  record or a whole file (whose payload a later read still verifies).
+
+Every field read back is validated like a peer's value (magic, version, key length and UTF-8, size
+bounds) before it is used.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import xxhash
+
+from ..errors import MAX_KEY_BYTES
+
+BLOCK = 4096                     # direct-I/O alignment of offsets, lengths and buffers
+MAGIC = 0x3143_4552_4443_4D4D    # "MMCDREC1" read as a little-endian u64
+VERSION = 1
+MAX_RECORD_BYTES = 1 << 40       # the largest payload a record may claim (as a peer's object size)
+SUFFIX = ".rec"
+_FIXED = struct.Struct("<QIIQQQH")   # magic, version, flags, generation, size, checksum, key length
+_HASH = struct.Struct("<Q")
+_BODY = _FIXED.size + MAX_KEY_BYTES
+
+
+def padded(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def footprint(size: int) -> int:
+    """Bytes a record of ``size`` payload bytes occupies on disk (header block and padding included)."""
+    return BLOCK + padded(size)
+
+
+def name_of(key: str) -> str:
+    """The record's path relative to the tier's ``objects`` directory."""
+    h = xxhash.xxh3_128_hexdigest(key.encode())
+    return os.path.join(h[:2], h + SUFFIX)
+
+
+def pack_header(key: str, generation: int, size: int, checksum: int) -> bytes:
+    raw = key.encode()
+    body = _FIXED.pack(MAGIC, VERSION, 0, generation, size, checksum, len(raw)) + raw.ljust(MAX_KEY_BYTES, b"\0")
+    return (body + _HASH.pack(xxhash.xxh3_64_intdigest(body))).ljust(BLOCK, b"\0")
+
+
+def unpack_header(buf: bytes | memoryview) -> tuple[str, int, int, int] | None:
+    """(key, generation, size, checksum) of a valid record header, else None."""
+    if len(buf) < _BODY + _HASH.size:
+        return None
+    magic, version, _flags, gen, size, checksum, klen = _FIXED.unpack_from(buf)
+    if magic != MAGIC or version != VERSION or not 0 < klen < MAX_KEY_BYTES:
+        return None
+    if not 0 < size <= MAX_RECORD_BYTES or not 0 < gen < (1 << 63):
+        return None
+    (want,) = _HASH.unpack_from(buf, _BODY)
+    if xxhash.xxh3_64_intdigest(bytes(buf[:_BODY])) != want:
+        return None
+    try:
+        key = bytes(buf[_FIXED.size:_FIXED.size + klen]).decode()
+    except UnicodeDecodeError:
+        return None
+    return key, gen, size, checksum

@@ -1,0 +1,131 @@
+"""Scenario tests for the table's disk locations (meta/disk.py): offload windows, eviction to disk,
+drops, promotions, and how a provider's reports are checked."""
+
+from __future__ import annotations
+
+from memcache_core import errors
+from memcache_core import protocol as p
+from memcache_core.layout import HEADER_BYTES
+from memcache_core.meta import disk
+from memcache_core.meta.table import ObjectTable
+
+MB = 1 << 20
+OBJ = MB - HEADER_BYTES
+
+
+def make(policy: str = "on_evict") -> ObjectTable:
+    t = ObjectTable(90, 80, 1.0, pending_timeout_s=5.0, first_generation=7 << 32)
+    t.add_segment(p.SegmentInfo(1, 10 * MB, "h", "/dev/shm/x1", "127.0.0.1:1"))
+    sync(t, policy=policy)
+    return t
+
+
+def put(t: ObjectTable, key: str, now: float = 0.0) -> int:
+    code, gen, _ = t.alloc(1, key, OBJ, 1, [1], now)
+    assert code == 0 and t.commit(1, key, gen, now, checksum=gen) == 0
+    return gen
+
+
+def sync(t: ObjectTable, added: list[p.ObjectReport] = (), dropped: list[p.ObjectReport] = (),  # type: ignore[assignment]
+         room: int = 64 * MB, now: float = 0.0, policy: str = "on_evict") -> p.DiskWork:
+    return disk.sync(t, 1, p.DiskSync(1, b"", policy, 100 * MB, 0, room, list(added), list(dropped)), now)
+
+
+def report(t: ObjectTable, key: str) -> p.ObjectReport:
+    o = t.objects[key]
+    return p.ObjectReport(key, 0, o.size, o.generation, o.checksum)
+
+
+def test_on_evict_offers_the_lru_head_above_the_mark_and_eviction_keeps_disk_objects():
+    t = make()
+    for i in range(2):
+        put(t, f"k{i}")
+    assert sync(t).offload == []                           # 2 MB of 10: under a quarter of the low mark
+    for i in range(2, 8):
+        put(t, f"k{i}")
+    offered = [r.key for r in sync(t).offload]             # 8 MB used, mark 2 MB: the first 6 MB
+    assert offered == [f"k{i}" for i in range(6)] and sync(t).offload == []   # not offered twice
+    sync(t, added=[report(t, k) for k in offered[:3]])
+    put(t, "k8")
+    put(t, "k9")                                           # over 90%: eviction down to 80% - 1 MB (2 objects)
+    gone = [k for k in t.objects if not t.objects[k].locations]
+    assert gone == ["k0", "k1"] and all(t.exists(k) for k in gone)
+    assert t.counters.evictions_to_disk == 2 and t.lookup("k0", 0.0, True) is not None
+    assert t.counters.disk_hits == 1
+
+
+def test_removed_and_dropped_disk_objects_leave_and_their_records_are_deleted():
+    t = make("write_through")
+    gens = [put(t, f"k{i}") for i in range(3)]
+    assert sorted(r.key for r in sync(t, policy="write_through").offload) == ["k0", "k1", "k2"]
+    sync(t, added=[report(t, f"k{i}") for i in range(3)], policy="write_through")
+    t.to_disk_only(t.objects["k0"], 0.0)
+    t.to_disk_only(t.objects["k1"], 0.0)
+    assert t.remove("k0", 0.0) == 0
+    assert [r.key for r in sync(t).drop] == ["k0"]
+    sync(t, dropped=[p.ObjectReport("k1", 0, OBJ, gens[1], gens[1])])   # the tier dropped it: gone
+    assert not t.exists("k1") and t.counters.disk_drops == 1
+    sync(t, dropped=[p.ObjectReport("k2", 0, OBJ, gens[2], gens[2])])   # DRAM copy left: stays
+    assert t.exists("k2") and t.objects["k2"].disk is None
+
+
+def test_reports_that_mean_another_object_are_sent_back():
+    t = make()
+    put(t, "k")
+    bad = [p.ObjectReport("k", 0, OBJ, 5, 12345),            # another checksum
+           p.ObjectReport("k", 0, OBJ + 1, 5, 0),            # another size
+           p.ObjectReport("gone", 0, OBJ, 5, 1)]             # no such object (create only at join)
+    assert sync(t, added=bad).drop == bad and t.objects["k"].disk is None
+    assert disk.add_reports(t, 1, [p.ObjectReport("new", 0, 10, 99, 7), bad[0]]) == 1
+    assert t.exists("new") and t.objects["new"].locations == [] and sync(t).drop == [bad[0]]
+    assert t.issue_generation() > 99
+
+
+def test_promotion_gives_the_object_a_dram_location_again_and_a_dead_provider_takes_its_disk():
+    t = make()
+    disk.add_reports(t, 1, [p.ObjectReport("d", 0, OBJ, 99, 7)])
+    assert disk.promote(t, 1, ["d", "absent"], 0.0)[1].code == errors.OBJECT_NOT_EXISTS
+    res = disk.promote(t, 1, ["d"], 0.0)
+    assert res[0].code == errors.OBJECT_ALREADY_EXISTS          # the first call reserved it already
+    off = t.promoting[("d", 1)][1]
+    assert disk.promoted(t, 1, p.Promoted(1, b"", ["d"], [off], [True]), 0.0) == [0]
+    assert t.objects["d"].locations == [p.Location(1, off)] and t.counters.promotions == 1
+    t.drop_segment(1)
+    assert not t.exists("d")
+
+
+def test_demote_keeps_disk_objects_on_disk_only_and_asks_for_copies_of_the_others():
+    t = make()
+    put(t, "a")
+    put(t, "b")
+    sync(t, added=[report(t, "a")])
+    assert sync(t).offload == []                           # nothing changed: nothing scanned
+    assert disk.demote(t, ["b", "x"], 0.0) == [errors.STATE_MISMATCH, errors.OBJECT_NOT_EXISTS]
+    assert [r.key for r in sync(t).offload] == ["b"]
+    assert disk.demote(t, ["a"], 0.0) == [0] and t.objects["a"].locations == []
+
+
+def test_write_through_offers_new_commits_of_a_large_segment_from_its_tail():
+    t = ObjectTable(90, 80, 1.0, pending_timeout_s=5.0, first_generation=7 << 32)
+    t.add_segment(p.SegmentInfo(1, 1 << 40, "h", "/dev/shm/x1", "127.0.0.1:1"))
+    sync(t, policy="write_through")
+    n = disk.MAX_SCAN + 10
+    for i in range(n):
+        code, gen, _ = t.alloc(1, f"o{i}", 100, 1, [1], 0.0)
+        assert t.commit(1, f"o{i}", gen, 0.0, checksum=gen) == 0
+        t.objects[f"o{i}"].disk = (1, gen)                 # all on disk already
+    put(t, "new")
+    assert [r.key for r in sync(t, policy="write_through").offload] == ["new"]
+
+
+def test_a_restarted_provider_s_records_replace_those_of_its_old_self():
+    """A provider killed and restarted on the same disk_path joins (a new segment) before its old self
+    is declared dead: its records take over, the old self is told to drop its copies, and the old
+    self's death then loses nothing."""
+    t = make()
+    disk.add_reports(t, 1, [p.ObjectReport("d", 0, OBJ, 99, 7)])
+    t.add_segment(p.SegmentInfo(2, 10 * MB, "h", "/dev/shm/x2", "127.0.0.1:2"))
+    assert disk.add_reports(t, 2, [p.ObjectReport("d", 0, OBJ, 99, 7)]) == 1
+    assert t.objects["d"].disk == (2, 99) and [r.key for r in t.disk_drops[1]] == ["d"]
+    t.drop_segment(1)
+    assert t.exists("d")
