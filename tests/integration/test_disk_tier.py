@@ -21,8 +21,7 @@ from memcache_core.layout import payload_offset
 from memcache_core.local import disk_record
 from memcache_core.rpc import RpcClient, expect
 from memcache_core.testing import MetaServiceProcess, free_port, running_meta_service, wait_for
-
-from .conftest import StoreProcess
+from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
 
