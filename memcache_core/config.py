@@ -333,6 +333,15 @@ class LocalConfig:
     port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics port binds (``metrics_port``)."""
+    shm_copy_threads: int = 0
+    """Threads one batch's shared-memory copies are split over, piece by piece (a large piece is cut
+    in parts); 0 = the CPU count, at most 4. Batches under 1 MiB are copied on the calling thread."""
+    segment_prefault: str = "auto"
+    """Fault the segment's pages in at start, in the background (puts never wait for it): on, off, or
+    auto = on for ``memcache local-service`` providers, off for segments inside an engine process."""
+    segment_hugepages: bool = True
+    """Ask for transparent huge pages on the segment (MADV_HUGEPAGE) where the host's
+    ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them; otherwise one log line."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -377,6 +386,10 @@ class LocalConfig:
             raise ConfigError(f"hcom_url: {self.hcom_url} binds every interface; set hcom_advertise_url to the "
                               f"address peers should use")
         _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
+        _check_range("shm_copy_threads", self.shm_copy_threads, 0, 64)
+        if self.segment_prefault not in ("auto", "on", "off"):
+            raise ConfigError(f"segment_prefault: expected auto, on or off, got {self.segment_prefault!r}")
+        _check_bool("segment_hugepages", self.segment_hugepages)
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")

@@ -37,6 +37,7 @@ from ..transfer.tcp import DataServer
 from . import recovery
 from .drain import Drainer
 from .metrics import LocalMetrics, MetricsServer
+from .prefault import Prefault, start_prefault
 from .segment import create_segment
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class LocalService:
         self.drainer = Drainer(self)
         self.metrics = LocalMetrics()
         self.metrics_server: MetricsServer | None = None
+        self.prefault: Prefault | None = None
 
     @property
     def client_id(self) -> int:
@@ -102,6 +104,7 @@ class LocalService:
                 if size <= 0:
                     raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
                 self.segment = create_segment(size)
+                self.prefault = start_prefault(self.segment, cfg)
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
                 self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg))
                 self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
@@ -111,7 +114,7 @@ class LocalService:
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
-                                         self._tls_client, self.metrics)
+                                         self._tls_client, self.metrics, copy_threads(cfg))
             self._start_metrics_server()
             self._join(recover=False)
         except BaseException:
@@ -155,6 +158,8 @@ class LocalService:
             self.data_server.close()
         if self.engine is not None:
             self.engine.close()
+        if self.prefault is not None:
+            self.prefault.stop()
         if self.segment is not None and unmap:
             self.segment.close()
 
@@ -528,6 +533,12 @@ class LocalService:
 
     def remove_all(self) -> int:
         return expect(self.rpc.call(p.RemoveAll()), p.Codes).codes[0]
+
+
+def copy_threads(cfg: LocalConfig) -> int:
+    """``shm_copy_threads``, or (0) the CPU count up to 4: two threads already fill a socket's memory
+    bandwidth on most hosts, more help only while per-piece work dominates (benchmarks/README.md)."""
+    return cfg.shm_copy_threads or max(1, min(os.cpu_count() or 1, 4))
 
 
 def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: str) -> int:

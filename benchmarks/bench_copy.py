@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Shared-memory copy rates through the real store: copy threads, and fresh segments with and without pre-fault.
+
+A MetaService, a writer LocalService process (1 GiB segment) and one pure-client reader process per
+``--threads`` value (``shm_copy_threads``), all on ``host_shm``. Per layout (one contiguous 8,784 KiB
+piece per object, or 122 pieces: 61 x 128 KiB + 61 x 16 KiB scattered layer-major over the batch, as
+in bench_store.py) and batch, the writer stores the batch once; each repetition every reader reads it
+(the readers' order rotates per repetition) and, right after, times a single-thread ``memmove`` of
+the same bytes between two warm private buffers in the same process. Every get is compared byte for
+byte with the writer's data (the destination is cleared before each get).
+
+Cold pool: a fresh writer process per run puts ``--cold-mib`` of contiguous objects into its own
+never-touched segment, with ``segment_prefault`` off and on (on: after the background pre-fault has
+finished, and once more right after start, while it may still run), timed beside a memcpy of the same
+bytes in that process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_store import OBJ_BYTES, SEED, BenchError, page_aligned, pieces_of  # noqa: E402
+
+SEGMENT = 1 << 30
+
+
+def _store(spec: dict[str, Any], segment: int, **keys: Any) -> Any:
+    from memcache_core import DistributedObjectStore, LocalConfig
+    cfg = LocalConfig(meta_service_url=spec["meta_service_url"], config_store_url=spec["config_store_url"],
+                      protocol="host_shm", dram_size=segment, log_level="warning", hcom_url="tcp://127.0.0.1:0",
+                      checksum=spec["checksum"], **keys)
+    store = DistributedObjectStore()
+    if store.setup(cfg) != 0 or store.init(0, init_bm=segment > 0) != 0:
+        raise BenchError("LocalService did not start")
+    return store
+
+
+def _layers(pieces: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
+    return [[p for p, _ in ps] for ps in pieces], [[s for _, s in ps] for ps in pieces]
+
+
+class Worker:
+    """One process: a store, a data buffer, the expected image and a scratch buffer for memcpy."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.store = _store(spec, spec["segment"], **spec["keys"])
+        n = spec["max_batch"] * OBJ_BYTES
+        self.expected = page_aligned(n, np.random.default_rng(SEED).bytes(n))
+        self.data = page_aligned(n, self.expected.tobytes())
+        self.scratch = page_aligned(n, bytes(n))
+        if self.store.register_buffer(self.data.ctypes.data, n) != 0:
+            raise BenchError("register_buffer failed")
+
+    def _pieces(self, layout: str, batch: int) -> list[list[tuple[int, int]]]:
+        return [pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch)]
+
+    def put(self, layout: str, batch: int, prefix: str) -> dict[str, Any]:
+        keys = [f"{prefix}/{k}" for k in range(batch)]
+        t = time.perf_counter()
+        codes = self.store.batch_put_from_layers(keys, *_layers(self._pieces(layout, batch)))
+        dt = time.perf_counter() - t
+        if any(c != 0 for c in codes):
+            return {"error": f"put {prefix}: codes {sorted(set(codes))}"}
+        return {"s": dt, "memcpy_s": self._memcpy(batch * OBJ_BYTES)}
+
+    def get(self, layout: str, batch: int, prefix: str) -> dict[str, Any]:
+        keys, n = [f"{prefix}/{k}" for k in range(batch)], batch * OBJ_BYTES
+        self.data[:n] = 0
+        t = time.perf_counter()
+        codes = self.store.batch_get_into_layers(keys, *_layers(self._pieces(layout, batch)))
+        dt = time.perf_counter() - t
+        if any(c != 0 for c in codes):
+            return {"error": f"get {prefix}: codes {sorted(set(codes))}"}
+        mc = self._memcpy(n)
+        if not np.array_equal(self.data[:n], self.expected[:n]):
+            bad = int(np.flatnonzero(self.data[:n] != self.expected[:n])[0])
+            return {"error": f"get {prefix}: bytes differ from what was written (first at offset {bad})"}
+        return {"s": dt, "memcpy_s": mc}
+
+    def _memcpy(self, n: int) -> float:
+        t = time.perf_counter()
+        ctypes.memmove(self.scratch.ctypes.data, self.expected.ctypes.data, n)
+        return time.perf_counter() - t
+
+    def prefaulted(self, timeout_s: float) -> dict[str, Any]:
+        """Wait until the segment's background pre-fault has finished."""
+        pf = self.store._service().prefault
+        if pf is None or not pf.done.wait(timeout_s):
+            return {"error": "pre-fault is off or did not finish"}
+        return {}
+
+    def cold_put(self, count: int, prefix: str) -> dict[str, Any]:
+        """Put ``count`` contiguous objects (a batch at a time) into this process's fresh segment, then
+        remove them and put them again into the same, now warm, space."""
+        out: dict[str, Any] = {}
+        for phase in ("cold", "warm"):
+            step, total, mc = self.spec["max_batch"], 0.0, 0.0
+            for first in range(0, count, step):
+                r = self.put("contiguous", min(step, count - first), f"{prefix}/{first}")
+                if "error" in r:
+                    return r
+                total, mc = total + r["s"], mc + r["memcpy_s"]
+            self.store.remove_batch([f"{prefix}/{first}/{k}" for first in range(0, count, step)
+                                     for k in range(min(step, count - first))])
+            out[phase] = {"s": total, "memcpy_s": mc}
+        return out
+
+
+def _worker_main(conn: Any, spec: dict[str, Any]) -> None:
+    try:
+        w = Worker(spec)
+        conn.send({})
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
+        conn.send({"error": f"worker start: {e!r}"})
+        return
+    while True:
+        cmd, kwargs = conn.recv()
+        if cmd == "close":
+            w.store.close()
+            conn.send({})
+            return
+        try:
+            conn.send(getattr(w, cmd)(**kwargs))
+        except Exception as e:  # noqa: BLE001
+            conn.send({"error": f"{cmd}: {e!r}"})
+
+
+class Proc:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.proc.start()
+        self.wait()
+
+    def wait(self) -> dict[str, Any]:
+        if not self.conn.poll(300):
+            raise BenchError("worker did not answer within 300 s")
+        r: dict[str, Any] = self.conn.recv()
+        if "error" in r:
+            raise BenchError(r["error"])
+        return r
+
+    def call(self, cmd: str, **kwargs: Any) -> dict[str, Any]:
+        self.conn.send((cmd, kwargs))
+        return self.wait()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close", {}))
+            self.conn.poll(20)
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _row(label: str, rs: list[dict[str, Any]], nbytes: int) -> str:
+    t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
+    ratios = sorted(r["memcpy_s"] / r["s"] for r in rs)
+    return (f"{label:34} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
+            f"x{statistics.median(ratios):.2f} (x{ratios[0]:.2f}-x{ratios[-1]:.2f})  {t * 1e3:7.2f} ms")
+
+
+def gets(spec: dict[str, Any], args: argparse.Namespace) -> None:
+    writer = Proc({**spec, "segment": SEGMENT, "keys": {}})
+    readers = []
+    try:
+        for n in args.threads:
+            readers.append((n, Proc({**spec, "segment": 0, "keys": {"shm_copy_threads": n}})))
+        for layout in args.layouts:
+            for batch in args.batches:
+                prefix = f"{layout}/b{batch}"
+                writer.call("put", layout=layout, batch=batch, prefix=prefix)
+                rows: dict[int, list[dict[str, Any]]] = {n: [] for n, _ in readers}
+                for rep in range(args.reps + 1):
+                    order = readers[rep % len(readers):] + readers[:rep % len(readers)]
+                    for n, r in order:
+                        res = r.call("get", layout=layout, batch=batch, prefix=prefix)
+                        if rep:   # the first repetition maps the writer's pages: not counted
+                            rows[n].append(res)
+                for n, rs in rows.items():
+                    print(_row(f"get {layout:10} batch {batch:2} threads {n}", rs, batch * OBJ_BYTES), flush=True)
+    finally:
+        for _, r in readers:
+            r.close()
+        writer.close()
+
+
+def cold_puts(spec: dict[str, Any], args: argparse.Namespace) -> None:
+    count = args.cold_mib * (1 << 20) // OBJ_BYTES
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on, finished": [], "on, at once": []}
+    warm: list[dict[str, Any]] = []
+    for i in range(args.cold_runs):
+        for label in runs:
+            keys = {"segment_prefault": "off" if label == "off" else "on"}
+            w = Proc({**spec, "segment": SEGMENT, "keys": keys})
+            try:
+                if label == "on, finished":
+                    w.call("prefaulted", timeout_s=120)
+                r = w.call("cold_put", count=count, prefix=f"cold/{i}/{label}")
+                runs[label].append(r["cold"])
+                warm.append(r["warm"])
+            finally:
+                w.close()
+    for label, rs in runs.items():
+        print(_row(f"cold put, pre-fault {label}", rs, count * OBJ_BYTES), flush=True)
+    print(_row("put again into the same space", warm, count * OBJ_BYTES), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2", help="shm_copy_threads values of the readers (default 1,2)")
+    ap.add_argument("--batches", default="1,8", help="objects per get (default 1,8)")
+    ap.add_argument("--layouts", default="contiguous,layered")
+    ap.add_argument("--reps", type=int, default=9, help="timed repetitions per figure (default 9)")
+    ap.add_argument("--checksum", choices=("on", "off"), default="on", help="payload checksums (default on)")
+    ap.add_argument("--cold-mib", type=int, default=512, help="MiB put into a fresh segment per cold run")
+    ap.add_argument("--cold-runs", type=int, default=3, help="fresh writers per cold figure (default 3)")
+    ap.add_argument("--skip", choices=("gets", "cold"), help="leave one part out")
+    args = ap.parse_args(argv)
+    args.threads = [int(x) for x in args.threads.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.layouts = args.layouts.split(",")
+    from memcache_core.testing import running_meta_service
+    print(f"{os.cpu_count()} CPUs; medians of {args.reps} repetitions; xR = median of (memcpy time / op time), "
+          f"(min-max); checksums {args.checksum}", flush=True)
+    with running_meta_service(log_level="warning", lease_ttl_ms=2000) as meta:
+        spec = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
+                "max_batch": max(args.batches), "checksum": args.checksum == "on"}
+        try:
+            if args.skip != "gets":
+                gets(spec, args)
+            if args.skip != "cold":
+                cold_puts(spec, args)
+        except BenchError as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
