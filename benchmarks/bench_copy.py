@@ -6,8 +6,11 @@ A MetaService, a writer LocalService process (1 GiB segment) and one pure-client
 piece per object, or 122 pieces: 61 x 128 KiB + 61 x 16 KiB scattered layer-major over the batch, as
 in bench_store.py) and batch, the writer stores the batch once; each repetition every reader reads it
 (the readers' order rotates per repetition) and, right after, times a single-thread ``memmove`` of
-the same bytes between two warm private buffers in the same process. Every get is compared byte for
-byte with the writer's data (the destination is cleared before each get).
+the same bytes between two warm private buffers in the same process ("copy": the time the get spent in
+the transfer engine, against the same memcpy; the rest is the lookup and argument checks; "piece by
+piece": one single-thread memmove per piece of the same layout, against the same memcpy: what a
+piece-wise copy costs by itself). Every get is compared byte for byte with the writer's data (the
+destination is cleared before each get).
 
 Cold pool: a fresh writer process per run puts ``--cold-mib`` of contiguous objects into its own
 never-touched segment, with ``segment_prefault`` off and on (on: after the background pre-fault has
@@ -29,7 +32,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_store import OBJ_BYTES, SEED, BenchError, page_aligned, pieces_of  # noqa: E402
+from bench_store import OBJ_BYTES, SEED, BenchError, page_aligned, piece_memcpy_s, pieces_of  # noqa: E402
 
 SEGMENT = 1 << 30
 
@@ -61,6 +64,15 @@ class Worker:
         self.scratch = page_aligned(n, bytes(n))
         if self.store.register_buffer(self.data.ctypes.data, n) != 0:
             raise BenchError("register_buffer failed")
+        self.copy_s = 0.0
+        engine = self.store._service().engine
+        read = engine.read
+
+        def timed_read(ops: Any) -> None:   # the copy's share of a get (the rest: lookup, checks)
+            t = time.perf_counter()
+            read(ops)
+            self.copy_s += time.perf_counter() - t
+        engine.read = timed_read
 
     def _pieces(self, layout: str, batch: int) -> list[list[tuple[int, int]]]:
         return [pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch)]
@@ -77,16 +89,18 @@ class Worker:
     def get(self, layout: str, batch: int, prefix: str) -> dict[str, Any]:
         keys, n = [f"{prefix}/{k}" for k in range(batch)], batch * OBJ_BYTES
         self.data[:n] = 0
+        self.copy_s = 0.0
         t = time.perf_counter()
         codes = self.store.batch_get_into_layers(keys, *_layers(self._pieces(layout, batch)))
         dt = time.perf_counter() - t
         if any(c != 0 for c in codes):
             return {"error": f"get {prefix}: codes {sorted(set(codes))}"}
         mc = self._memcpy(n)
+        pieces = piece_memcpy_s(self._pieces(layout, batch), self.scratch.ctypes.data, gather=True)
         if not np.array_equal(self.data[:n], self.expected[:n]):
             bad = int(np.flatnonzero(self.data[:n] != self.expected[:n])[0])
             return {"error": f"get {prefix}: bytes differ from what was written (first at offset {bad})"}
-        return {"s": dt, "memcpy_s": mc}
+        return {"s": dt, "memcpy_s": mc, "copy_s": self.copy_s, "pieces_s": pieces}
 
     def _memcpy(self, n: int) -> float:
         t = time.perf_counter()
@@ -170,8 +184,13 @@ class Proc:
 def _row(label: str, rs: list[dict[str, Any]], nbytes: int) -> str:
     t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
     ratios = sorted(r["memcpy_s"] / r["s"] for r in rs)
-    return (f"{label:34} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
+    line = (f"{label:34} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
             f"x{statistics.median(ratios):.2f} (x{ratios[0]:.2f}-x{ratios[-1]:.2f})  {t * 1e3:7.2f} ms")
+    if "copy_s" in rs[0]:
+        line += (f"  copy x{statistics.median(r['memcpy_s'] / r['copy_s'] for r in rs):.2f} "
+                 f"{statistics.median(r['copy_s'] for r in rs) * 1e3:.2f} ms  "
+                 f"piece by piece x{statistics.median(r['memcpy_s'] / r['pieces_s'] for r in rs):.2f}")
+    return line
 
 
 def gets(spec: dict[str, Any], args: argparse.Namespace) -> None:

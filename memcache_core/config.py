@@ -335,7 +335,8 @@ class LocalConfig:
     """Address the metrics port binds (``metrics_port``)."""
     shm_copy_threads: int = 0
     """Threads one batch's shared-memory copies are split over, piece by piece (a large piece is cut
-    in parts); 0 = the CPU count, at most 4. Batches under 1 MiB are copied on the calling thread."""
+    in parts); 0 = automatic: 1 on hosts with 2 CPUs or fewer, else half the CPUs, at most 4. Batches
+    under 1 MiB are copied on the calling thread."""
     segment_prefault: str = "auto"
     """Fault the segment's pages in at start, in the background (puts never wait for it): on, off, or
     auto = on for ``memcache local-service`` providers, off for segments inside an engine process."""

@@ -536,9 +536,11 @@ class LocalService:
 
 
 def copy_threads(cfg: LocalConfig) -> int:
-    """``shm_copy_threads``, or (0) the CPU count up to 4: two threads already fill a socket's memory
-    bandwidth on most hosts, more help only while per-piece work dominates (benchmarks/README.md)."""
-    return cfg.shm_copy_threads or max(1, min(os.cpu_count() or 1, 4))
+    """``shm_copy_threads``, or (0) one thread on hosts with 2 CPUs or fewer (measured: a second thread
+    waits for a core the engine's own threads need) and half the CPUs up to 4 elsewhere
+    (benchmarks/README.md, bench_copy.py)."""
+    cpus = os.cpu_count() or 1
+    return cfg.shm_copy_threads or (1 if cpus <= 2 else min(cpus // 2, 4))
 
 
 def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: str) -> int:

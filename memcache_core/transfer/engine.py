@@ -120,10 +120,10 @@ class TransferEngine:
         for f in futures:
             f.result()
 
-    def _shm_job(self, ops: list[CopyOp], reading: bool, nparts: int) -> None:
+    def _shm_job(self, ops: list[CopyOp], reading: bool, threads: int) -> None:
         t0 = time.perf_counter()
         try:
-            copy_batch(ops, reading, self.shm, self._copy_pool, nparts)
+            copy_batch(ops, reading, self.shm, self._copy_pool, threads)
         except Exception as e:  # noqa: BLE001 - a transfer bug must turn into a per-key failure
             logger.exception("shared-memory transfer failed")
             for op in ops:

@@ -1,7 +1,9 @@
 """A batch of shared-memory copies split over copy threads, piece by piece.
 
-The batch's pieces become runs (``plan.py``) cut into parts of about equal bytes; the calling thread
-copies the first part and the copy pool the others (``memmove`` releases the GIL). Per-piece Python
+The batch's pieces become runs (``plan.py``) cut into parts of about equal bytes, two per thread; the
+calling thread and the copy pool's threads claim parts until none is left (``memmove`` releases the
+GIL), so a pool thread that gets no core in time leaves its share to the caller instead of holding
+the batch up. Per-piece Python
 work is kept small: one view per op over the span of its pieces, sliced per piece for hashing.
 
 Checksums stream over an object's bytes in order, so an op copied by one thread from end to end is
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HASH_SLICE = 256 << 10    # copied then hashed while still in L2
+PARTS_PER_THREAD = 2      # parts are claimed, so a thread that starts late takes fewer
 
 
 class _Batch:
@@ -56,6 +59,27 @@ class _Batch:
         self.left = ops_per_part(self.parts, len(ops))
         self.whole = [n == 1 for n in self.left]   # copied end to end by one thread: hash as we go
         self._lock = threading.Lock()
+        self._claimed = 0
+        self._unfinished = len(self.parts)
+        self.finished = threading.Event()
+        if not self.parts:
+            self.finished.set()
+
+    def work(self) -> None:
+        """Copy parts until none is left to claim. The calling thread and the pool threads all run
+        this, so a pool thread that gets no core in time leaves its parts to the others."""
+        while True:
+            with self._lock:
+                k, self._claimed = self._claimed, self._claimed + 1
+            if k >= len(self.parts):
+                return
+            try:
+                self.copy(self.parts[k])
+            finally:
+                with self._lock:
+                    self._unfinished -= 1
+                    if self._unfinished == 0:
+                        self.finished.set()
 
     def hashing(self, op: CopyOp) -> bool:
         return op.hash and (bool(op.checksum) or not self.reading)
@@ -127,8 +151,9 @@ class _Batch:
 
 
 def copy_batch(ops: list[CopyOp], reading: bool, shm: ShmTransport, pool: ThreadPoolExecutor | None,
-               nparts: int) -> None:
-    """Copy every op through shared memory; failures are recorded per op in ``op.error``."""
+               threads: int) -> None:
+    """Copy every op through shared memory on up to ``threads`` threads (this one and the pool's), in
+    twice as many parts; failures are recorded per op in ``op.error``."""
     with contextlib.ExitStack() as stack:
         bases: dict[str, int] = {}
         for op in ops:
@@ -141,16 +166,15 @@ def copy_batch(ops: list[CopyOp], reading: bool, shm: ShmTransport, pool: Thread
                 for other in ops:
                     if other.segment.shm_path == path:
                         other.error = e
-        batch = _Batch(ops, bases, reading, nparts if pool is not None else 1)
+        batch = _Batch(ops, bases, reading, PARTS_PER_THREAD * threads if pool is not None and threads > 1 else 1)
         for i, op in enumerate(ops):   # nothing to copy (no pieces): finish it here
             if batch.left[i] == 0 and op.error is None and op.segment.shm_path in bases:
                 batch.left[i] = 1
                 batch._done(i, None)
-        futures = [pool.submit(batch.copy, part) for part in batch.parts[1:]] if pool is not None else []
-        if batch.parts:
-            batch.copy(batch.parts[0])
-        for f in futures:
-            f.result()
+        for _ in range(min(threads, len(batch.parts)) - 1):
+            pool.submit(batch.work)   # type: ignore[union-attr]
+        batch.work()
+        batch.finished.wait()
 
 
 def verify(op: CopyOp, got: int) -> None:
