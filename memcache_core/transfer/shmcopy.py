@@ -43,20 +43,18 @@ class _Batch:
     def __init__(self, ops: list[CopyOp], bases: dict[str, int], reading: bool, nparts: int) -> None:
         self.ops, self.reading, self.bases = ops, reading, bases
         runs: list[Run] = []
-        self.spans: list[tuple[int, int]] = []     # per op: the caller's memory its pieces lie in
         for i, op in enumerate(ops):
-            pieces = coalesce(op.pieces)
-            lo = min((p for p, _ in pieces), default=0)
-            self.spans.append((lo, max((p + n for p, n in pieces), default=lo) - lo))
             base = bases.get(op.segment.shm_path)
-            if base is None or op.error is not None:
-                continue
-            pos = base + op.payload_offset
-            for ptr, n in pieces:
-                runs.append((i, ptr, pos, n) if reading else (i, pos, ptr, n))
-                pos += n
-        self.parts = split_runs(runs, nparts)
-        self.left = ops_per_part(self.parts, len(ops))
+            if base is not None and op.error is None:
+                _add_runs(runs, i, op.pieces, base + op.payload_offset, reading)
+        if nparts > 1:
+            self.parts = split_runs(runs, nparts)
+            self.left = ops_per_part(self.parts, len(ops))
+        else:   # one thread: no cuts, every op with runs is copied end to end
+            self.parts = [runs] if runs else []
+            self.left = [0] * len(ops)
+            for run in runs:
+                self.left[run[0]] = 1
         self.whole = [n == 1 for n in self.left]   # copied end to end by one thread: hash as we go
         self._lock = threading.Lock()
         self._claimed = 0
@@ -84,13 +82,15 @@ class _Batch:
     def hashing(self, op: CopyOp) -> bool:
         return op.hash and (bool(op.checksum) or not self.reading)
 
-    def view(self, i: int) -> memoryview:
-        lo, n = self.spans[i]
-        return view_at(lo, n)
+    def view(self, i: int) -> tuple[memoryview, int]:
+        """A view over the caller's memory the op's pieces lie in, and its first address."""
+        lo, n = _span(self.ops[i].pieces)
+        return view_at(lo, n), lo
 
     def copy(self, part: list[Run]) -> None:
-        """Copy one part; finish each op whose last part this was."""
-        cur, h, span, lo = -1, None, None, 0
+        """Copy one part; finish each op whose last part this was. (The per-piece work is this loop:
+        kept to a memmove, and for hashed ops a slice and a hash update.)"""
+        cur, h, span, lo, reading, move = -1, None, memoryview(b""), 0, self.reading, memmove
         try:
             for i, dst, src, n in part:
                 if i != cur:
@@ -98,11 +98,18 @@ class _Batch:
                         self._done(cur, h)
                     cur, op = i, self.ops[i]
                     h = xxhash.xxh3_64() if self.whole[i] and self.hashing(op) else None
-                    span, lo = (self.view(i), self.spans[i][0]) if h is not None else (None, 0)
+                    if h is not None:
+                        span, lo = self.view(i)
                 if h is None:
-                    memmove(dst, src, n)
+                    move(dst, src, n)
+                elif n > HASH_SLICE:
+                    self._copy_hashed(h, span, (dst if reading else src) - lo, dst, src, n)
+                elif reading:
+                    move(dst, src, n)
+                    h.update(span[dst - lo:dst - lo + n])
                 else:
-                    self._copy_hashed(h, span, (dst if self.reading else src) - lo, dst, src, n)  # type: ignore[arg-type]
+                    h.update(span[src - lo:src - lo + n])
+                    move(dst, src, n)
             if cur >= 0:
                 self._done(cur, h)
         except Exception as e:  # noqa: BLE001 - a copy bug fails the ops of this part, never the batch
@@ -130,7 +137,7 @@ class _Batch:
         op = self.ops[i]
         if h is None and self.hashing(op):
             h = xxhash.xxh3_64()
-            span, lo = self.view(i), self.spans[i][0]
+            span, lo = self.view(i)
             for ptr, n in coalesce(op.pieces):
                 h.update(span[ptr - lo:ptr - lo + n])
         try:
@@ -182,3 +189,32 @@ def verify(op: CopyOp, got: int) -> None:
         raise ChecksumMismatch(f"{op.key!r} (generation {op.generation}) read from segment "
                                f"{op.segment.segment_id} offset {op.offset}: checksum {got:#018x}, "
                                f"committed {op.checksum:#018x}")
+
+
+def _span(pieces: list[tuple[int, int]]) -> tuple[int, int]:
+    """(lowest address, length) of the memory the pieces lie in."""
+    if not pieces:
+        return 0, 0
+    lo, hi = pieces[0][0], pieces[0][0] + pieces[0][1]
+    for p, n in pieces:
+        if p < lo:
+            lo = p
+        if p + n > hi:
+            hi = p + n
+    return lo, hi - lo
+
+
+def _add_runs(runs: list[Run], i: int, pieces: list[tuple[int, int]], pos: int, reading: bool) -> None:
+    """Op ``i``'s pieces as runs from segment address ``pos`` on, a piece that starts where the one
+    before it ends merged into its run (one pass: this is per-piece work)."""
+    end = -1
+    for ptr, n in pieces:
+        if ptr == end:
+            j, d, s, m = runs[-1]
+            runs[-1] = (j, d, s, m + n)
+        elif reading:
+            runs.append((i, ptr, pos, n))
+        else:
+            runs.append((i, pos, ptr, n))
+        pos += n
+        end = ptr + n
