@@ -239,6 +239,37 @@ def cold_puts(spec: dict[str, Any], args: argparse.Namespace) -> None:
     print(_row("put again into the same space", warm, count * OBJ_BYTES), flush=True)
 
 
+def per_piece(spec: dict[str, Any]) -> None:
+    """The engine's time per piece: one object of 2,000 pieces of 512 B (not touching) and one of 61
+    of 16 KiB, read back from this process's own segment, with checksums on and off."""
+    for checksum in (True, False):
+        store = _store({**spec, "checksum": checksum}, 256 << 20)
+        engine, times = store._service().engine, []
+        read = engine.read
+
+        def timed(ops: Any, read: Any = read, times: list[float] = times) -> None:
+            t = time.perf_counter()
+            read(ops)
+            times.append(time.perf_counter() - t)
+        for size, n in ((512, 2000), (16384, 61)):
+            buf = page_aligned(2 * size * n, np.random.default_rng(SEED).bytes(2 * size * n))
+            ptrs, sizes = [[buf.ctypes.data + 2 * size * i for i in range(n)]], [[size] * n]
+            key = f"pieces/{size}/{checksum}"
+            if store.register_buffer(buf.ctypes.data, buf.nbytes) != 0 or \
+                    store.batch_put_from_layers([key], ptrs, sizes) != [0]:
+                raise BenchError("per-piece put failed")
+            times.clear()
+            engine.read = timed
+            for _ in range(40):
+                if store.batch_get_into_layers([key], ptrs, sizes) != [0]:
+                    raise BenchError("per-piece get failed")
+            engine.read = read
+            t = statistics.median(times[5:])
+            print(f"engine read, checksums {'on ' if checksum else 'off'}, {n:5} pieces of {size:5} B: "
+                  f"{t * 1e6:6.0f} us, {t / n * 1e6:.2f} us per piece", flush=True)
+        store.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2", help="shm_copy_threads values of the readers (default 1,2)")
@@ -249,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-mib", type=int, default=512, help="MiB put into a fresh segment per cold run")
     ap.add_argument("--cold-runs", type=int, default=3, help="fresh writers per cold figure (default 3)")
     ap.add_argument("--skip", choices=("gets", "cold"), help="leave one part out")
+    ap.add_argument("--per-piece", action="store_true", help="only the engine's time per piece")
     args = ap.parse_args(argv)
     args.threads = [int(x) for x in args.threads.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -260,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
                 "max_batch": max(args.batches), "checksum": args.checksum == "on"}
         try:
+            if args.per_piece:
+                per_piece(spec)
+                return 0
             if args.skip != "gets":
                 gets(spec, args)
             if args.skip != "cold":
