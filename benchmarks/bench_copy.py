@@ -244,7 +244,7 @@ def per_piece(spec: dict[str, Any]) -> None:
     of 16 KiB, read back from this process's own segment, with checksums on and off."""
     for checksum in (True, False):
         store = _store({**spec, "checksum": checksum}, 256 << 20)
-        engine, times = store._service().engine, []
+        engine, times = store._service().engine, list[float]()
         read = engine.read
 
         def timed(ops: Any, read: Any = read, times: list[float] = times) -> None:
