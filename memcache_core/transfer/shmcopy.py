@@ -1,16 +1,17 @@
 """A batch of shared-memory copies split over copy threads, piece by piece.
 
-The batch's pieces become runs (``plan.py``) cut into parts of about equal bytes, two per thread; the
+On one thread (``copy_each``) each op is copied straight from its pieces, one ``memmove`` per piece:
+the least Python work per piece. On several, the batch's pieces become runs (``plan.py``: pieces
+that touch in the caller's memory merged) cut into parts of about equal bytes, two per thread; the
 calling thread and the copy pool's threads claim parts until none is left (``memmove`` releases the
 GIL), so a pool thread that gets no core in time leaves its share to the caller instead of holding
-the batch up. Per-piece Python
-work is kept small: one view per op over the span of its pieces, sliced per piece for hashing.
+the batch up. Hashed pieces are sliced from one view per op over the span of its pieces.
 
 Checksums stream over an object's bytes in order, so an op copied by one thread from end to end is
-hashed piece by piece next to its copies, as before, and its header (writes) or its verdict (reads)
-follows at once. An op cut between parts is hashed in order, once, by whichever thread finishes the
-last of its parts (the bytes were just copied and are still in the cache); a write's header is
-written only then, after every byte of its payload.
+hashed next to its copies, in 256 KiB slices (copied, then hashed while still in L2), and its header
+(writes) or its verdict (reads) follows at once. An op cut between parts is hashed in order, once,
+by whichever thread finishes the last of its parts; a write's header is written only then, after
+every byte of its payload.
 """
 
 from __future__ import annotations
@@ -43,18 +44,12 @@ class _Batch:
     def __init__(self, ops: list[CopyOp], bases: dict[str, int], reading: bool, nparts: int) -> None:
         self.ops, self.reading, self.bases = ops, reading, bases
         runs: list[Run] = []
-        for i, op in enumerate(ops):
+        for i, op in enumerate(ops if nparts else []):
             base = bases.get(op.segment.shm_path)
             if base is not None and op.error is None:
                 _add_runs(runs, i, op.pieces, base + op.payload_offset, reading)
-        if nparts > 1:
-            self.parts = split_runs(runs, nparts)
-            self.left = ops_per_part(self.parts, len(ops))
-        else:   # one thread: no cuts, every op with runs is copied end to end
-            self.parts = [runs] if runs else []
-            self.left = [0] * len(ops)
-            for run in runs:
-                self.left[run[0]] = 1
+        self.parts = split_runs(runs, nparts) if nparts else []   # none for copy_each
+        self.left = ops_per_part(self.parts, len(ops))
         self.whole = [n == 1 for n in self.left]   # copied end to end by one thread: hash as we go
         self._lock = threading.Lock()
         self._claimed = 0
@@ -62,6 +57,46 @@ class _Batch:
         self.finished = threading.Event()
         if not self.parts:
             self.finished.set()
+
+    def copy_each(self) -> None:
+        """One thread: each op end to end, straight from its pieces (no runs, no parts)."""
+        for i, op in enumerate(self.ops):
+            base = self.bases.get(op.segment.shm_path)
+            if base is None or op.error is not None:
+                continue
+            try:
+                h = xxhash.xxh3_64() if self.hashing(op) else None
+                self._copy_pieces(i, base + op.payload_offset, h)
+                self.finish(op, h.intdigest() if h is not None else None)
+            except MemCacheError as e:
+                op.error = e
+            except Exception as e:  # noqa: BLE001 - a copy bug fails the op, never the batch
+                logger.exception("shared-memory copy failed")
+                op.error = TransferFailed(str(e))
+
+    def _copy_pieces(self, i: int, pos: int, h: xxhash.xxh3_64 | None) -> None:
+        move, pieces = memmove, self.ops[i].pieces
+        if h is None and self.reading:
+            for ptr, n in pieces:
+                move(ptr, pos, n)
+                pos += n
+        elif h is None:
+            for ptr, n in pieces:
+                move(pos, ptr, n)
+                pos += n
+        else:
+            span, lo = self.view(i)
+            for ptr, n in pieces:
+                dst, src = (ptr, pos) if self.reading else (pos, ptr)
+                if n > HASH_SLICE:
+                    self._copy_hashed(h, span, ptr - lo, dst, src, n)
+                elif self.reading:
+                    move(dst, src, n)
+                    h.update(span[ptr - lo:ptr - lo + n])
+                else:
+                    h.update(span[ptr - lo:ptr - lo + n])
+                    move(dst, src, n)
+                pos += n
 
     def work(self) -> None:
         """Copy parts until none is left to claim. The calling thread and the pool threads all run
@@ -173,7 +208,10 @@ def copy_batch(ops: list[CopyOp], reading: bool, shm: ShmTransport, pool: Thread
                 for other in ops:
                     if other.segment.shm_path == path:
                         other.error = e
-        batch = _Batch(ops, bases, reading, PARTS_PER_THREAD * threads if pool is not None and threads > 1 else 1)
+        if pool is None or threads <= 1:
+            _Batch(ops, bases, reading, 0).copy_each()
+            return
+        batch = _Batch(ops, bases, reading, PARTS_PER_THREAD * threads)
         for i, op in enumerate(ops):   # nothing to copy (no pieces): finish it here
             if batch.left[i] == 0 and op.error is None and op.segment.shm_path in bases:
                 batch.left[i] = 1
