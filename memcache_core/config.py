@@ -387,7 +387,7 @@ class LocalConfig:
             raise ConfigError(f"hcom_url: {self.hcom_url} binds every interface; set hcom_advertise_url to the "
                               f"address peers should use")
         _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
-        _check_range("shm_copy_threads", self.shm_copy_threads, 0, 64)
+        _check_int("shm_copy_threads", self.shm_copy_threads, 0, 64)
         if self.segment_prefault not in ("auto", "on", "off"):
             raise ConfigError(f"segment_prefault: expected auto, on or off, got {self.segment_prefault!r}")
         _check_bool("segment_hugepages", self.segment_hugepages)

@@ -95,8 +95,9 @@ def test_standalone_provider_prefaults_its_segment(meta: MetaServiceProcess, tmp
 def test_config_names_the_key() -> None:
     with pytest.raises(ConfigError, match="segment_prefault"):
         LocalConfig(segment_prefault="sometimes")
-    with pytest.raises(ConfigError, match="shm_copy_threads"):
-        LocalConfig(shm_copy_threads=-1)
+    for bad in (-1, 65, 1.5):
+        with pytest.raises(ConfigError, match="shm_copy_threads"):
+            LocalConfig(shm_copy_threads=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="segment_hugepages"):
         LocalConfig(segment_hugepages="yes")  # type: ignore[arg-type]
 
