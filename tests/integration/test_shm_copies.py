@@ -7,9 +7,15 @@ also proven to hash its bytes in order: otherwise its reads would fail as corrup
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import numpy as np
 import pytest
+
+from memcache_core import DistributedObjectStore, errors
+from memcache_core.layout import payload_offset
+from memcache_core.testing import MetaServiceProcess
 
 from .conftest import DSR1_LAYOUT
 
@@ -50,3 +56,28 @@ def test_threaded_puts_are_read_back_by_any_thread_count(stores: Any, threads: i
     assert writer("put", keys=keys, layout=layout, gap=gap)["codes"] == [0] * batch
     _check(reader, keys, layout, gap)
     _check(reader, keys[:1], layout, gap)                # one object: cut in two, hashed after both parts
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_corrupt_byte_in_any_part_is_a_miss(meta: MetaServiceProcess, threads: int) -> None:
+    """One object, one large piece: with several threads it is cut between them and hashed after its
+    last part; a byte flipped in the segment, in the first or the last part, fails the get (-3110)."""
+    owner, reader = DistributedObjectStore(), DistributedObjectStore()
+    assert owner.setup(meta.local_config(dram_size="32MB")) == 0 and owner.init(0, init_bm=True) == 0
+    assert reader.setup(meta.local_config(shm_copy_threads=threads)) == 0 and reader.init(1, init_bm=False) == 0
+    try:
+        size = 6 * (1 << 20) + 12345
+        dst = np.zeros(size, np.uint8)
+        assert reader.register_buffer(dst.ctypes.data, size) == 0
+        seg = owner._service().segment
+        assert seg is not None
+        for n, at in enumerate((17, size - 3)):
+            data = os.urandom(size)
+            assert owner.put(f"k{n}", data) == 0
+            assert reader.get_into(f"k{n}", dst.ctypes.data, size) == 0 and dst.tobytes() == data
+            where = payload_offset(meta.http(f"/query_key?key=k{n}")["locations"][0]["offset"]) + at
+            seg.view(where, 1)[0] ^= 0xFF
+            assert reader.get_into(f"k{n}", dst.ctypes.data, size) == errors.CHECKSUM_MISMATCH
+    finally:
+        reader.close()
+        owner.close()
