@@ -21,6 +21,8 @@ def _local_service(path: str) -> int:
     try:
         config = load_file(LocalConfig, path)
         configure_logging(config.log_level, name="local_service")
+        if config.segment_prefault == "auto":
+            config.segment_prefault = "on"   # a provider's segment is the pool: fault it in at start
         svc = LocalService(config)
         svc.start(0, with_segment=True)
     except MemCacheError as e:

@@ -348,6 +348,16 @@ class LocalConfig:
     write_through: every committed object is copied to disk as soon as it is committed."""
     disk_write_limit: int | str = "0"
     """Most bytes per second the background disk writer writes (0 = no limit)."""
+    shm_copy_threads: int = 0
+    """Threads one batch's shared-memory copies are split over, piece by piece (a large piece is cut
+    in parts); 0 = automatic: 1 on hosts with 2 CPUs or fewer, else half the CPUs, at most 4. Batches
+    under 1 MiB are copied on the calling thread."""
+    segment_prefault: str = "auto"
+    """Fault the segment's pages in at start, in the background (puts never wait for it): on, off, or
+    auto = on for ``memcache local-service`` providers, off for segments inside an engine process."""
+    segment_hugepages: bool = True
+    """Ask for transparent huge pages on the segment (MADV_HUGEPAGE) where the host's
+    ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them; otherwise one log line."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -393,6 +403,10 @@ class LocalConfig:
             raise ConfigError(f"hcom_url: {self.hcom_url} binds every interface; set hcom_advertise_url to the "
                               f"address peers should use")
         _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
+        _check_int("shm_copy_threads", self.shm_copy_threads, 0, 64)
+        if self.segment_prefault not in ("auto", "on", "off"):
+            raise ConfigError(f"segment_prefault: expected auto, on or off, got {self.segment_prefault!r}")
+        _check_bool("segment_hugepages", self.segment_hugepages)
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
         _check_disk(self)
         if self.ubs_io_enable:

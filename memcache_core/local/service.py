@@ -38,6 +38,7 @@ from ..transfer.tcp import DataServer
 from . import recovery, tier
 from .drain import Drainer
 from .metrics import LocalMetrics, MetricsServer
+from .prefault import Prefault, start_prefault
 from .segment import create_segment
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class LocalService:
         self.metrics = LocalMetrics()
         self.metrics_server: MetricsServer | None = None
         self.disk: tier.DiskTier | None = None   # the disk tier under our segment (disk_path)
+        self.prefault: Prefault | None = None
 
     @property
     def client_id(self) -> int:
@@ -107,6 +109,7 @@ class LocalService:
                 if size <= 0:
                     raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
                 self.segment = create_segment(size)
+                self.prefault = start_prefault(self.segment, cfg)
                 if cfg.disk_path:
                     self.disk = tier.DiskTier(self)
                     self.metrics.watch_disk(self.disk.counters)
@@ -123,7 +126,7 @@ class LocalService:
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
-                                         self._tls_client, self.metrics, nixl)
+                                         self._tls_client, self.metrics, copy_threads(cfg), nixl)
             self._start_metrics_server()
             self._join(recover=False)
         except BaseException:
@@ -187,6 +190,8 @@ class LocalService:
             self.data_server.close()
         if self.engine is not None:
             self.engine.close()
+        if self.prefault is not None:
+            self.prefault.stop()
         if self.segment is not None and unmap:
             self.segment.close()
 
@@ -597,6 +602,14 @@ class LocalService:
         the pool, -3101 no disk copy yet (its provider was asked to write one: call again later)."""
         check_keys(list(keys))
         return expect(self.rpc.call(p.Demote(list(keys))), p.Codes).codes
+
+
+def copy_threads(cfg: LocalConfig) -> int:
+    """``shm_copy_threads``, or (0) one thread on hosts with 2 CPUs or fewer (measured: a second thread
+    waits for a core the engine's own threads need) and half the CPUs up to 4 elsewhere
+    (benchmarks/README.md, bench_copy.py)."""
+    cpus = os.cpu_count() or 1
+    return cfg.shm_copy_threads or (1 if cpus <= 2 else min(cpus // 2, 4))
 
 
 def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: str) -> int:

@@ -4,8 +4,9 @@ Path per segment: the caller's own segment and, with ``host_shm``, every segment
 copied through shared memory; other segments (and all peers with ``host_tcp``) go over TCP to the
 owner's data server, or, with ``transfer_engine: "nixl"``, as one NIXL request per peer and batch when
 the segment has a NIXL agent and every local piece lies in registered memory (``nixl.py``). Copies
-release the GIL, so a batch is split over a few threads; small batches run inline, where thread
-hand-off would cost more than the copy.
+release the GIL, so a batch is split over a few threads: shared-memory copies piece by piece over
+``copy_threads`` (``shmcopy.py``), TCP transfers op by op per peer; small batches run inline, where
+thread hand-off would cost more than the copy.
 
 Integrity: a write hashes each piece (XXH3-64) right before copying it, while it is hot in cache,
 then writes the object's header (``layout.py``) after the payload; a verified read hashes each piece
@@ -29,7 +30,8 @@ from ..errors import ChecksumMismatch, MemCacheError, TransferFailed
 from ..layout import pack_header, payload_offset
 from ..memory import Mapping, buffer_address, view_at
 from ..protocol import SegmentInfo
-from .shm import ShmTransport, memmove
+from .shm import ShmTransport
+from .shmcopy import copy_batch, verify
 from .tcp import TcpClient
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ def checksum_of(pieces: list[tuple[int, int]]) -> int:
 class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
                  read_threads: int, write_threads: int, secret: bytes | None = None,
-                 tls: ssl.SSLContext | None = None, metrics: Any = None,
+                 tls: ssl.SSLContext | None = None, metrics: Any = None, copy_threads: int = 1,
                  nixl: NixlTransport | None = None) -> None:
         self.protocol = protocol
         self.metrics = metrics   # local.metrics.LocalMetrics (transfer/ never imports local/)
@@ -91,6 +93,9 @@ class TransferEngine:
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="memcache-read")
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
         self._threads = {True: read_threads, False: write_threads}
+        self.copy_threads = max(1, copy_threads)
+        self._copy_pool = (ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="memcache-copy")
+                           if self.copy_threads > 1 else None)
 
     def local(self, seg: SegmentInfo) -> bool:
         if self.shm.is_own(seg):
@@ -110,20 +115,22 @@ class TransferEngine:
         for op in ops:
             if not self.local(op.segment):
                 by_peer[self._route(op)].append(op)
-        jobs: list[tuple[str | None, list[CopyOp]]] = []
-        nthreads = self._threads[reading] if sum(op.nbytes for op in ops) >= INLINE_BYTES else 1
-        if shm_ops:
-            jobs.extend((None, chunk) for chunk in split_by_bytes(shm_ops, nthreads))
+        big = sum(op.nbytes for op in ops) >= INLINE_BYTES
+        nthreads = self._threads[reading] if big else 1
+        jobs: list[tuple[str, list[CopyOp]]] = []
         for addr, peer_ops in by_peer.items():
             if addr.startswith(NIXL):
                 jobs.append((addr, peer_ops))   # one request per peer and batch
             else:
                 jobs.extend((addr, chunk) for chunk in split_by_bytes(peer_ops, nthreads))
-        if len(jobs) == 1:
+        if len(jobs) == 1 and not shm_ops:
             self._job(jobs[0], reading)
             return
         pool = self._read_pool if reading else self._write_pool
-        for f in [pool.submit(self._job, job, reading) for job in jobs]:
+        futures = [pool.submit(self._job, job, reading) for job in jobs]
+        if shm_ops:
+            self._shm_job(shm_ops, reading, self.copy_threads if big else 1)
+        for f in futures:
             f.result()
 
     def _route(self, op: CopyOp) -> str:
@@ -133,28 +140,34 @@ class TransferEngine:
             return NIXL + seg.data_addr
         return seg.data_addr
 
-    def _job(self, job: tuple[str | None, list[CopyOp]], reading: bool) -> None:
+    def _shm_job(self, ops: list[CopyOp], reading: bool, threads: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            copy_batch(ops, reading, self.shm, self._copy_pool, threads)
+        except Exception as e:  # noqa: BLE001 - a transfer bug must turn into a per-key failure
+            logger.exception("shared-memory transfer failed")
+            for op in ops:
+                op.error = op.error or TransferFailed(str(e))
+        finally:
+            if self.metrics is not None:
+                self.metrics.transfer("host_shm", reading, sum(op.nbytes for op in ops if op.error is None),
+                                      time.perf_counter() - t0, sum(op.error is not None for op in ops))
+
+    def _job(self, job: tuple[str, list[CopyOp]], reading: bool) -> None:
         t0 = time.perf_counter()
         try:
             self._do_job(job, reading)
         finally:
             if self.metrics is not None:
                 addr, ops = job
-                path = "host_shm" if addr is None else "nixl" if addr.startswith(NIXL) else "host_tcp"
-                self.metrics.transfer(path, reading,
+                self.metrics.transfer("nixl" if addr.startswith(NIXL) else "host_tcp", reading,
                                       sum(op.nbytes for op in ops if op.error is None),
                                       time.perf_counter() - t0, sum(op.error is not None for op in ops))
 
-    def _do_job(self, job: tuple[str | None, list[CopyOp]], reading: bool) -> None:
+    def _do_job(self, job: tuple[str, list[CopyOp]], reading: bool) -> None:
         addr, ops = job
         try:
-            if addr is None:
-                for op in ops:
-                    try:
-                        (self._shm_read if reading else self._shm_write)(op)
-                    except MemCacheError as e:
-                        op.error = e
-            elif addr.startswith(NIXL):
+            if addr.startswith(NIXL):
                 (self._nixl_read if reading else self._nixl_write)(ops)
             elif reading:
                 self._tcp_read(addr, ops)
@@ -164,37 +177,9 @@ class TransferEngine:
             for op in ops:
                 op.error = op.error or e
         except Exception as e:  # noqa: BLE001 - a transfer bug must turn into a per-key failure
-            logger.exception("transfer with %s failed", addr or "shared memory")
+            logger.exception("transfer with %s failed", addr)
             for op in ops:
                 op.error = op.error or TransferFailed(str(e))
-
-    # ---- shared memory: hash each piece next to its copy, while it is in cache ------------------------
-
-    def _shm_write(self, op: CopyOp) -> None:
-        with self.shm.pinned(op.segment) as base:
-            pos = base + op.payload_offset
-            h = xxhash.xxh3_64() if op.hash else None
-            for ptr, size in op.pieces:
-                if h is not None:
-                    h.update(view_at(ptr, size))
-                memmove(pos, ptr, size)
-                pos += size
-            if h is not None:
-                op.checksum = h.intdigest()
-            header = op.header()
-            memmove(base + op.offset, header, len(header))   # last: a valid header means a whole payload
-
-    def _shm_read(self, op: CopyOp) -> None:
-        h = xxhash.xxh3_64() if op.hash and op.checksum else None
-        with self.shm.pinned(op.segment) as base:
-            pos = base + op.payload_offset
-            for ptr, size in op.pieces:
-                memmove(ptr, pos, size)
-                if h is not None:
-                    h.update(view_at(ptr, size))
-                pos += size
-        if h is not None:
-            _verify(op, h.intdigest())
 
     # ---- TCP: hash the sources before sending, the destinations after receiving ------------------------
 
@@ -238,6 +223,8 @@ class TransferEngine:
     def close(self) -> None:
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
         self.shm.close()
         self.tcp.close()
         if self.nixl is not None:
@@ -249,16 +236,9 @@ def _verify_all(ops: list[CopyOp]) -> None:
     for op in ops:
         if op.hash and op.checksum:
             try:
-                _verify(op, checksum_of(op.pieces))
+                verify(op, checksum_of(op.pieces))
             except ChecksumMismatch as e:
                 op.error = e
-
-
-def _verify(op: CopyOp, got: int) -> None:
-    if got != op.checksum:
-        raise ChecksumMismatch(f"{op.key!r} (generation {op.generation}) read from segment "
-                               f"{op.segment.segment_id} offset {op.offset}: checksum {got:#018x}, "
-                               f"committed {op.checksum:#018x}")
 
 
 def split_by_bytes(ops: list[CopyOp], n: int) -> list[list[CopyOp]]:

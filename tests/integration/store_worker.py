@@ -40,8 +40,9 @@ class Worker:
             assert self.store.register_buffer(self.buf.ctypes.data, self.buf.nbytes) == 0
         return self.buf
 
-    def _layout(self, keys: list[str], layout: list[int]) -> tuple[list[list[int]], list[list[int]], int]:
-        per = sum(layout)
+    def _layout(self, keys: list[str], layout: list[int], gap: int = 0) -> tuple[list[list[int]], list[list[int]], int]:
+        """Each key's pieces in turn, ``gap`` bytes after each piece (0: objects are contiguous)."""
+        per = sum(layout) + gap * len(layout)
         buf = self._buffer(per * len(keys))
         base = buf.ctypes.data
         ptrs, sizes = [], []
@@ -50,36 +51,54 @@ class Worker:
             ps = []
             for s in layout:
                 ps.append(off)
-                off += s
+                off += s + gap
             ptrs.append(ps)
             sizes.append(list(layout))
         return ptrs, sizes, per
 
-    def put(self, keys: list[str], layout: list[int], replicas: int = 1, preferred: list[int] | None = None) -> dict:
-        ptrs, sizes, per = self._layout(keys, layout)
+    def _gather(self, ptrs: list[int], sizes: list[int]) -> np.ndarray:
+        base = self.buf.ctypes.data
+        return np.concatenate([self.buf[p - base:p - base + n] for p, n in zip(ptrs, sizes, strict=True)])
+
+    def _scatter(self, ptrs: list[int], sizes: list[int], data: np.ndarray) -> None:
+        base, pos = self.buf.ctypes.data, 0
+        for p, n in zip(ptrs, sizes, strict=True):
+            self.buf[p - base:p - base + n] = data[pos:pos + n]
+            pos += n
+
+    def put(self, keys: list[str], layout: list[int], replicas: int = 1, preferred: list[int] | None = None,
+            gap: int = 0) -> dict:
+        ptrs, sizes, per = self._layout(keys, layout, gap)
         for i, k in enumerate(keys):
-            self.buf[i * per:(i + 1) * per] = pattern(k, per)
+            self._scatter(ptrs[i], sizes[i], pattern(k, sum(layout)))
         rc = ReplicateConfig(replicas, preferred or [])
         t = time.perf_counter()
         codes = self.store.batch_put_from_layers(keys, ptrs, sizes, replicateConfig=rc)
         return {"codes": codes, "seconds": time.perf_counter() - t}
 
-    def get(self, keys: list[str], layout: list[int]) -> dict:
-        ptrs, sizes, per = self._layout(keys, layout)
+    def get(self, keys: list[str], layout: list[int], gap: int = 0) -> dict:
+        """Read into the layout; the bytes between and after the pieces must stay untouched (0xEE)."""
+        ptrs, sizes, per = self._layout(keys, layout, gap)
         self.buf[: per * len(keys)] = 0xEE
         t = time.perf_counter()
         codes = self.store.batch_get_into_layers(keys, ptrs, sizes)
         dt = time.perf_counter() - t
         bad = [k for i, (k, c) in enumerate(zip(keys, codes, strict=False)) if c == 0
-               and not np.array_equal(self.buf[i * per:(i + 1) * per], pattern(k, per))]
+               and not np.array_equal(self._gather(ptrs[i], sizes[i]), pattern(k, sum(layout)))]
+        if gap:
+            self._scatter([p for ps in ptrs for p in ps], [n for ns in sizes for n in ns],
+                          np.full(sum(layout) * len(keys), 0xEE, np.uint8))
+            if not np.all(self.buf[:per * len(keys)] == 0xEE):
+                bad.append("bytes outside the pieces were written")
         return {"codes": codes, "mismatches": bad, "seconds": dt}
 
     def handle(self, cmd: dict) -> dict:
         op = cmd["op"]
         if op == "put":
-            return self.put(cmd["keys"], cmd["layout"], cmd.get("replicas", 1), cmd.get("preferred"))
+            return self.put(cmd["keys"], cmd["layout"], cmd.get("replicas", 1), cmd.get("preferred"),
+                            cmd.get("gap", 0))
         if op == "get":
-            return self.get(cmd["keys"], cmd["layout"])
+            return self.get(cmd["keys"], cmd["layout"], cmd.get("gap", 0))
         if op == "exist":
             return {"codes": self.store.batch_is_exist(cmd["keys"])}
         if op == "remove":

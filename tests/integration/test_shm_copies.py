@@ -1,0 +1,82 @@
+"""Shared-memory copies split over copy threads (transfer/shmcopy.py), with real processes on host_shm.
+
+Every get is compared byte for byte with what was put, and the bytes between and after the pieces of
+the destination must stay untouched. Checksums are on (the default), so an op cut between threads is
+also proven to hash its bytes in order: otherwise its reads would fail as corrupt.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from memcache_core import DistributedObjectStore, errors
+from memcache_core.layout import payload_offset
+from memcache_core.testing import MetaServiceProcess
+from tests.integration.stores import DSR1_LAYOUT
+
+LAYOUTS = {
+    # name: (piece sizes, gap after each piece in the caller's buffer, objects per batch)
+    "layered, scattered": (DSR1_LAYOUT, 64, 3),          # odd batch: one object cut between two threads
+    "layered, touching": (DSR1_LAYOUT, 0, 2),            # pieces merged into one run per object
+    "one large piece": ([8_994_817], 0, 1),              # one object cut in parts, odd tail
+    "many small pieces": ([700] * 2000, 1, 1),           # 2,000 pieces of 700 bytes
+    "around page boundaries": ([1, 4095, 4097, 8191, 65537, 131071] * 12, 3, 2),
+}
+
+
+def _check(reader: Any, keys: list[str], layout: list[int], gap: int) -> None:
+    r = reader("get", keys=keys, layout=layout, gap=gap)
+    assert r["codes"] == [0] * len(keys) and r["mismatches"] == []
+
+
+def test_threaded_copies_are_byte_exact(stores: Any) -> None:
+    writer = stores(shm_copy_threads=2)
+    readers = [stores(init_bm=False, shm_copy_threads=n) for n in (1, 2, 3)]
+    for name, (layout, gap, batch) in LAYOUTS.items():
+        keys = [f"{name}/{i}" for i in range(batch)]
+        r = writer("put", keys=keys, layout=layout, gap=gap)
+        assert r["codes"] == [0] * batch, name
+        for reader in readers:
+            _check(reader, keys, layout, gap)
+        _check(writer, keys, layout, gap)                # its own segment, threaded too
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threaded_puts_are_read_back_by_any_thread_count(stores: Any, threads: int) -> None:
+    """Objects written with one thread count and read with another carry the same checksum."""
+    writer = stores(shm_copy_threads=threads)
+    reader = stores(init_bm=False, shm_copy_threads=2)
+    layout, gap, batch = LAYOUTS["layered, scattered"]
+    keys = [f"t{threads}/{i}" for i in range(batch)]
+    assert writer("put", keys=keys, layout=layout, gap=gap)["codes"] == [0] * batch
+    _check(reader, keys, layout, gap)
+    _check(reader, keys[:1], layout, gap)                # one object: cut in two, hashed after both parts
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_corrupt_byte_in_any_part_is_a_miss(meta: MetaServiceProcess, threads: int) -> None:
+    """One object, one large piece: with several threads it is cut between them and hashed after its
+    last part; a byte flipped in the segment, in the first or the last part, fails the get (-3110)."""
+    owner, reader = DistributedObjectStore(), DistributedObjectStore()
+    assert owner.setup(meta.local_config(dram_size="32MB")) == 0 and owner.init(0, init_bm=True) == 0
+    assert reader.setup(meta.local_config(shm_copy_threads=threads)) == 0 and reader.init(1, init_bm=False) == 0
+    try:
+        size = 6 * (1 << 20) + 12345
+        dst = np.zeros(size, np.uint8)
+        assert reader.register_buffer(dst.ctypes.data, size) == 0
+        seg = owner._service().segment
+        assert seg is not None
+        for n, at in enumerate((17, size - 3)):
+            data = os.urandom(size)
+            assert owner.put(f"k{n}", data) == 0
+            assert reader.get_into(f"k{n}", dst.ctypes.data, size) == 0 and dst.tobytes() == data
+            where = payload_offset(meta.http(f"/query_key?key=k{n}")["locations"][0]["offset"]) + at
+            seg.view(where, 1)[0] ^= 0xFF
+            assert reader.get_into(f"k{n}", dst.ctypes.data, size) == errors.CHECKSUM_MISMATCH
+    finally:
+        reader.close()
+        owner.close()
