@@ -113,9 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"put {k} failed")
             rpc = store._service().rpc
             msg = b"x" * 40
+
+            def echo_once() -> bytes:
+                echo.sendall(msg)
+                return echo.recv(64)
             ops: list[tuple[str, Callable[[], object], Callable[[object], bool], int]] = [
                 ("harness", lambda: None, lambda r: True, args.n),
-                ("socket echo", lambda: echo.sendall(msg) or echo.recv(64), lambda r: r == msg, args.n),
+                ("socket echo", echo_once, lambda r: r == msg, args.n),
                 ("noop rpc", lambda: rpc.call(p.ConfigGet("absent")), lambda r: isinstance(r, p.Value), args.n),
                 ("is_exist", lambda: store.is_exist(KEYS[7]), lambda r: r == 1, args.n),
                 ("batch_is_exist(1000)", lambda: store.batch_is_exist(KEYS), lambda r: r == [1] * 1000, args.batch_n),

@@ -175,7 +175,7 @@ def count_outcomes(outcomes: collections.Counter[tuple[str, str]], req: object, 
     """Per-key outcomes of the data-path requests (called with the reply, under the lock)."""
     match req, reply:
         case p.Exist(), p.Flags(flags=flags):
-            found = sum(flags)
+            found = flags.count(True)
             outcomes["exist", "found"] += found
             outcomes["exist", "missing"] += len(flags) - found
         case p.Lookup(), p.LookupReply(results=results):
