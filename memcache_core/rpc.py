@@ -53,6 +53,7 @@ SMALL_FRAME = 1 << 16             # sent without changing the socket's timeout
 
 
 def _timeval(seconds: float) -> bytes:
+    seconds = max(seconds, 0.001)   # a zero timeval would mean no timeout at all
     return struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
 
 
