@@ -5,9 +5,15 @@ and locations outside the garbage collector."""
 from __future__ import annotations
 
 import gc
+import os
+import re
+import subprocess
+import sys
 
 from memcache_core import protocol as p
 from memcache_core.meta.table import MAX_SHARED_SIZES, ObjectTable
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_meta_memory.py")
 
 
 def _decoded(req: p.Request) -> p.Request:
@@ -59,3 +65,12 @@ def test_keys_read_by_one_request_share_their_lease_end():
     c = t.lookup("c", 6.5, True)   # a later request: its own lease end
     assert c is not None and c.lease_until == 16.5
     assert t.lookup("a", 1.0, True) is a and a.lease_until == now + 10.0   # a lease never shrinks
+
+
+def test_bytes_per_object_stay_in_budget():
+    """benchmarks/bench_meta_memory.py at 5,000 objects (it checks every object it put): ~540 bytes each
+    here, 90-character keys included; the table before these savings took ~790."""
+    out = subprocess.run([sys.executable, BENCH, "--objects", "5000", "--method", "tracemalloc"], check=True,
+                         capture_output=True, text=True, timeout=240).stdout
+    after_put, after_read = (float(x) for x in re.findall(r"([\d.]+) (?:bytes/object after put|after one)", out))
+    assert after_put < 600 and after_read < 600, out
