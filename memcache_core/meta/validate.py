@@ -11,7 +11,7 @@ import re
 
 from .. import protocol as p
 from ..config import WILDCARD_HOSTS
-from ..errors import InvalidParameter, check_key
+from ..errors import InvalidParameter, check_key, check_keys
 from ..layout import footprint
 
 MAX_U63 = (1 << 63) - 1
@@ -41,8 +41,7 @@ def batch(keys: list[str], *others: list) -> None:
     for o in others:
         if len(o) != len(keys):
             raise InvalidParameter("a batch's lists differ in length")
-    for k in keys:
-        check_key(k)
+    check_keys(keys)
 
 
 def segment(info: p.SegmentInfo) -> None:
