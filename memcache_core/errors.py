@@ -181,10 +181,15 @@ def check_key(key: str) -> bytes:
 
 def check_keys(keys: list[str] | tuple[str, ...]) -> None:
     """check_key for a batch. Keys of 1-63 characters (at most 4 UTF-8 bytes each, so under
-    MAX_KEY_BYTES) pass without being encoded, which is ~4x faster for a batch of 1,000."""
-    if keys and set(map(type, keys)) == {str}:
+    MAX_KEY_BYTES) pass without being encoded, which is ~4x faster for a batch of 1,000; so do
+    longer ASCII keys (one byte a character: ``str.isascii`` reads a flag, encodes nothing)."""
+    try:
+        ascii_only = all(map(str.isascii, keys))   # TypeError for a key that is no str: the loop says so
+    except TypeError:
+        ascii_only = False
+    else:
         lengths = list(map(len, keys))
-        if min(lengths) > 0 and max(lengths) < MAX_KEY_BYTES // 4:
+        if keys and min(lengths) > 0 and max(lengths) < (MAX_KEY_BYTES if ascii_only else MAX_KEY_BYTES // 4):
             return
     for k in keys:
         check_key(k)

@@ -6,7 +6,17 @@ message: one round trip per batch, never one per key. Framing is in ``rpc.py``.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+from .errors import MAX_KEY_BYTES
+
+MAX_KEYS = 1 << 20   # keys in one batch call
+# Checked by the decoder itself (about 2 ns a key): a key of 1 to 255 characters (the UTF-8 byte
+# bound is checked where a key is stored: meta/validate.py), at most MAX_KEYS of them.
+Keys = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES - 1)]],
+                 msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class SegmentInfo(msgspec.Struct, frozen=True):
@@ -21,7 +31,7 @@ class SegmentInfo(msgspec.Struct, frozen=True):
     nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
 
 
-class Location(msgspec.Struct, array_like=True, frozen=True):
+class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle
     segment_id: int
     offset: int
 
@@ -102,12 +112,12 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Lookup(msgspec.Struct, tag=True):
-    keys: list[str]
+    keys: Keys
     lease: bool = True
 
 
 class Exist(msgspec.Struct, tag=True):
-    keys: list[str]
+    keys: Keys
 
 
 class Validate(msgspec.Struct, tag=True):

@@ -49,6 +49,12 @@ MAX_BUFFERED_INPUT = 512 << 20   # bytes of unfinished frames a server holds for
 PREAUTH_TIMEOUT_S = 5.0
 RETRY_DOWN_S = 0.2                # a MetaService seen down: calls fail at once, but one tries every 0.2 s
 _SLICE_S = 0.05
+SMALL_FRAME = 1 << 16             # sent without changing the socket's timeout
+
+
+def _timeval(seconds: float) -> bytes:
+    seconds = max(seconds, 0.001)   # a zero timeval would mean no timeout at all
+    return struct.pack("@ll", int(seconds), int(seconds % 1 * 1e6))
 
 
 class Backoff:
@@ -75,10 +81,30 @@ class _Conn:
         except BaseException:
             self.sock.close()
             raise
-        self.sock.settimeout(_SLICE_S)
+        self.tls = tls is not None
+        if self.tls:
+            self.sock.settimeout(_SLICE_S)
+        else:
+            # blocking, with kernel timeouts: one syscall per send and per receive (a Python timeout
+            # polls before each); a receive slice ends with EAGAIN (BlockingIOError)
+            self.sock.settimeout(None)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_SLICE_S))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
         self.buf = bytearray()
         self.next_id = 1
         self.used = False
+
+    def send(self, frame: bytes, deadline: float) -> None:
+        """The whole frame, within ``deadline``: a small frame on a plain socket in one syscall (the
+        kernel bounds it by the call's timeout), others with a Python timeout over the whole send."""
+        if not self.tls and len(frame) <= SMALL_FRAME:
+            self.sock.sendall(frame)
+            return
+        self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            self.sock.sendall(frame)
+        finally:
+            self.sock.settimeout(_SLICE_S if self.tls else None)
 
     def close(self) -> None:
         try:
@@ -100,6 +126,7 @@ class RpcClient:
         self._idle: list[_Conn] = []
         self._open = 0
         self._cond = threading.Condition()
+        self._waiting = 0   # threads waiting in _conn for a free connection
         self._down = False
         self._down_at = 0.0
         self._closed = False
@@ -133,17 +160,22 @@ class RpcClient:
 
         ``probe`` calls (heartbeats, joins) go out even while the MetaService is marked down.
         """
-        deadline = time.monotonic() + self.retry_ms / 1000.0
-        backoff = Backoff()
         t = self.timeout_s if timeout_s is None else timeout_s
-        while True:
+        start = time.monotonic()
+        try:
+            return self._call_moving(req, t, probe)
+        except MetaServiceUnavailable as e:
+            if not idempotent or not self.retry_ms:
+                raise
+            err = e
+        deadline, backoff = start + self.retry_ms / 1000.0, Backoff()   # retries: only when needed
+        while time.monotonic() + backoff.cap_s <= deadline:
+            time.sleep(backoff.next())
             try:
                 return self._call_moving(req, t, probe)
             except MetaServiceUnavailable as e:
                 err = e
-            if not idempotent or time.monotonic() + backoff.cap_s > deadline:
-                raise err
-            time.sleep(backoff.next())
+        raise err
 
     def _call_moving(self, req: p.Request, timeout_s: float, probe: bool) -> p.Reply:
         """One exchange; where it reached no MetaService or a standby (so nothing was executed),
@@ -168,7 +200,12 @@ class RpcClient:
         with self._cond:
             while not self._idle and self._open >= self._max:
                 left = deadline - time.monotonic()
-                if self._closed or left <= 0 or not self._cond.wait(left):
+                self._waiting += 1
+                try:
+                    woken = left > 0 and not self._closed and self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+                if not woken:
                     raise MetaServiceUnavailable(f"no connection to the MetaService at {self.url} free in "
                                                  f"{timeout_s:g}s")
             if self._closed:
@@ -197,7 +234,8 @@ class RpcClient:
                 self._open -= 1
             else:
                 self._idle.append(c)
-            self._cond.notify()
+            if self._waiting:   # Condition.notify costs a microsecond even with no one waiting
+                self._cond.notify()
 
     def _discard(self, c: _Conn | None) -> None:
         with self._cond:
@@ -219,9 +257,7 @@ class RpcClient:
         payload = p.request_encoder.encode(req)
         ok = False
         try:
-            c.sock.settimeout(max(0.001, deadline - time.monotonic()))   # the whole send, not a slice
-            c.sock.sendall(FRAME_HEAD.pack(len(payload), rid) + payload)
-            c.sock.settimeout(_SLICE_S)
+            c.send(FRAME_HEAD.pack(len(payload), rid) + payload, deadline)
             while True:
                 frame = take_frame(c.buf)
                 if frame is not None:
@@ -239,7 +275,7 @@ class RpcClient:
                     raise TimeoutError(f"no answer within {timeout_s:g}s")
                 try:
                     chunk = c.sock.recv(1 << 16)
-                except TimeoutError:
+                except (TimeoutError, BlockingIOError):   # a slice passed (TLS: Python's timeout)
                     continue
                 if not chunk:
                     raise ConnectionResetError("MetaService closed the connection")

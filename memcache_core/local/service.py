@@ -561,8 +561,9 @@ class LocalService:
     # ---- exist / remove ----------------------------------------------------------------------------
 
     def exist(self, keys: Sequence[str]) -> list[bool]:
-        check_keys(list(keys))
-        return expect(self.rpc.call(p.Exist(list(keys)), idempotent=True), p.Flags).flags
+        keys = list(keys)
+        check_keys(keys)
+        return expect(self.rpc.call(p.Exist(keys), idempotent=True), p.Flags).flags
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         for k in keys:

@@ -286,7 +286,7 @@ class DistributedObjectStore:
     # ---- exist / remove / info ----------------------------------------------------------------------
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return _codes(len(keys), lambda: [int(f) for f in self._service().exist(keys)])
+        return _codes(len(keys), lambda: list(map(int, self._service().exist(keys))))
 
     def is_exist(self, key: str) -> int:
         return self.batch_is_exist([key])[0]

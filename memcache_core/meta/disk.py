@@ -180,7 +180,7 @@ def promoted(t: ObjectTable, sid: int, req: p.Promoted, now: float) -> list[int]
             codes.append(errors.STATE_MISMATCH)
             continue
         obj.locations.append(p.Location(sid, off))
-        seg.lru[k] = obj
+        seg.lru[obj.key] = obj   # the object's own string: k is the request's copy
         t.counters.promotions += 1
         codes.append(errors.SUCCESS)
     return codes

@@ -112,7 +112,7 @@ class MetaServiceCore:
         now = time.monotonic()
         t = self.table
         match req:
-            case p.Exist(keys=keys):
+            case p.Exist(keys=keys):   # keys checked by the decoder (protocol.Keys)
                 t.counters.exists += len(keys)
                 objs = t.objects   # ObjectTable.exists inlined: this is the hottest request
                 return p.Flags([o is not None and o.committed for o in map(objs.get, keys)])

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -171,25 +173,31 @@ def rates(samples: list[Sample]) -> list[tuple[float, float | None, float]]:
     return out
 
 
+_CODE = operator.attrgetter("code")
+
+
+def _count_codes(outcomes: collections.Counter[tuple[str, str]], op: str, codes: Iterable[int]) -> None:
+    """A batch's codes counted in C first: one update per distinct code, not one per key."""
+    for code, n in collections.Counter(codes).items():
+        outcomes[op, code_name(code)] += n
+
+
 def count_outcomes(outcomes: collections.Counter[tuple[str, str]], req: object, reply: object) -> None:
     """Per-key outcomes of the data-path requests (called with the reply, under the lock)."""
     match req, reply:
         case p.Exist(), p.Flags(flags=flags):
-            found = sum(flags)
+            found = flags.count(True)
             outcomes["exist", "found"] += found
             outcomes["exist", "missing"] += len(flags) - found
         case p.Lookup(), p.LookupReply(results=results):
-            hits = sum(r is not None for r in results)
-            outcomes["get", "hit"] += hits
-            outcomes["get", "miss"] += len(results) - hits
+            misses = results.count(None)
+            outcomes["get", "hit"] += len(results) - misses
+            outcomes["get", "miss"] += misses
         case p.Alloc(), p.AllocReply(results=results):
-            for r in results:
-                outcomes["put", code_name(r.code)] += 1
+            _count_codes(outcomes, "put", map(_CODE, results))
         case p.Commit(), p.Codes(codes=codes):
-            for code in codes:
-                outcomes["commit", code_name(code)] += 1
+            _count_codes(outcomes, "commit", codes)
         case p.Remove(), p.Codes(codes=codes):
-            for code in codes:
-                outcomes["remove", code_name(code)] += 1
+            _count_codes(outcomes, "remove", codes)
         case _, p.Error(code=code):
             outcomes[type(req).__name__.lower(), code_name(code)] += 1

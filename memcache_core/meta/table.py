@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import msgspec
+
 from .. import errors
 from ..layout import footprint
 from ..protocol import JournalEntry, Location, ObjectReport, SegmentInfo
@@ -33,10 +35,14 @@ logger = logging.getLogger(__name__)
 
 MAX_JOURNAL = 1_000_000
 DISK_LOOKAHEAD = 256     # how far eviction looks down the LRU list for an object already on disk
+MAX_SHARED_SIZES = 4096     # distinct object sizes whose int objects the table shares
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class Obj:
+class Obj(msgspec.Struct, eq=False, gc=False):
+    """One object: a million of them fill a table, so every byte counts (benchmarks/bench_meta_memory.py).
+    Not tracked by the garbage collector (it never holds a reference cycle: strings, numbers and
+    locations only), which saves 16 bytes each and keeps full collections from walking them all."""
+
     key: str
     size: int
     generation: int
@@ -134,6 +140,8 @@ class ObjectTable:
         self.disk_tiers: dict[int, Any] = {}          # segment id -> meta.disk.DiskTier
         self.disk_drops: dict[int, list[ObjectReport]] = {}   # records each tier should delete
         self.promoting: dict[tuple[str, int], tuple[int, int, float, int]] = {}   # meta/disk.py
+        self._sizes: dict[int, int] = {}
+        self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
 
     # ---- segments -------------------------------------------------------------------------------
 
@@ -168,7 +176,7 @@ class ObjectTable:
             cur.locations.append(loc)
             cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported
             self._mark(cur)   # a holder declared dead that re-joins gives the object its replica back
-            seg.lru[r.key] = cur
+            seg.lru[cur.key] = cur
         return refused
 
     def drop_segment(self, segment_id: int) -> int:
@@ -222,8 +230,9 @@ class ObjectTable:
             too_big = segs and all(aligned(size_in_segment) > s.allocator.size for s in segs)
             return (errors.OVER_CAPACITY if too_big else errors.OUT_OF_MEMORY), 0, []
         self._next_gen += 1
-        locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
-        self.objects[key] = Obj(key, size, self._next_gen, locs, client_id,
+        locs = [Location(seg.info.segment_id, off) for seg, off in chosen][:]   # exact size: a comprehension's
+        # list keeps room for 4 (24 bytes per object)
+        self.objects[key] = Obj(key, self._shared_size(size), self._next_gen, locs, client_id,
                                 pending_deadline=now + self.pending_timeout_s, replicas=replicas)
         self.pending += 1
         return errors.SUCCESS, self._next_gen, locs
@@ -256,6 +265,12 @@ class ObjectTable:
                 take(candidates, evict, distinct_host)
         return chosen
 
+    def _shared_size(self, size: int) -> int:
+        """One int object per distinct size (KV pages come in a few sizes): 32 bytes less per object."""
+        if len(self._sizes) < MAX_SHARED_SIZES:
+            return self._sizes.setdefault(size, size)
+        return self._sizes.get(size, size)
+
     def _alloc_in(self, seg: Segment, size: int, now: float, evict: bool) -> int | None:
         a = seg.allocator
         if not evict:
@@ -279,8 +294,8 @@ class ObjectTable:
         obj.checksum = checksum
         self.pending -= 1
         obj.pending_deadline = 0.0
-        for loc in obj.locations:
-            self.segments[loc.segment_id].lru[key] = obj
+        for loc in obj.locations:   # keyed by the object's own string: the request's is a copy
+            self.segments[loc.segment_id].lru[obj.key] = obj
         self._mark(obj)
         self.counters.commits += 1
         if self.listener is not None:
@@ -327,7 +342,9 @@ class ObjectTable:
         if not obj.locations:
             self.counters.disk_hits += 1
         if lease:
-            obj.lease_until = max(obj.lease_until, now + self.lease_ttl_s)
+            if self._lease_for[0] is not now:   # the keys of one request share their lease end
+                self._lease_for = (now, now + self.lease_ttl_s)
+            obj.lease_until = max(obj.lease_until, self._lease_for[1])
             for loc in obj.locations:
                 self.segments[loc.segment_id].lru.move_to_end(key)
         return obj

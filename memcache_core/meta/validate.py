@@ -11,14 +11,14 @@ import re
 
 from .. import protocol as p
 from ..config import WILDCARD_HOSTS
-from ..errors import InvalidParameter, check_key
+from ..errors import InvalidParameter, check_key, check_keys
 from ..layout import footprint
 
 MAX_U63 = (1 << 63) - 1
 MAX_U64 = (1 << 64) - 1
 MAX_SEGMENT_BYTES = 1 << 48
 MAX_OBJECT_BYTES = 1 << 40
-MAX_BATCH = 1 << 20
+MAX_BATCH = p.MAX_KEYS
 MAX_REPLICAS = 8
 MAX_TEXT = 256
 MAX_NIXL_BYTES = 64 << 10    # a NIXL agent's metadata is about 0.5 KiB
@@ -41,8 +41,7 @@ def batch(keys: list[str], *others: list) -> None:
     for o in others:
         if len(o) != len(keys):
             raise InvalidParameter("a batch's lists differ in length")
-    for k in keys:
-        check_key(k)
+    check_keys(keys)
 
 
 def segment(info: p.SegmentInfo) -> None:
