@@ -73,11 +73,12 @@ class Pool:
         self.workdir = workdir
         self.local: subprocess.Popen | None = None
 
-    def start_local_service(self, dram: str = "512MB") -> None:
+    def start_local_service(self, dram: str = "512MB", **extra: Any) -> None:
+        """``extra``: more LocalConfig keys of the provider (a disk tier: ``disk_path``, ...)."""
         cfg = self.workdir / "local_service.json"
         cfg.write_text(json.dumps({"meta_service_url": self.meta.meta_service_url,
                                    "config_store_url": self.meta.config_store_url,
-                                   "protocol": "host_shm", "dram_size": dram}))
+                                   "protocol": "host_shm", "dram_size": dram, **extra}))
         self.local = subprocess.Popen(
             [sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", str(cfg)],
             stdout=open(self.workdir / "local_service.log", "w"), stderr=subprocess.STDOUT,
