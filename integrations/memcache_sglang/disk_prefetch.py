@@ -9,26 +9,24 @@ DRAM, and later restores of the same prefix do too.
 
 It never blocks ``batch_exists``: that also runs on SGLang's scheduler thread
 (``query_storage_hit_length``), where waiting for disk reads would stall every running request.
-Promotions run on one background thread. A read of pages whose promotion is under way waits for it
-(``wait``, at most ``WAIT_S``) rather than reading the same records from disk a second time beside
-it: measured, a read racing the promotion of its own pages took ~35% longer than either alone, and
-a promotion followed by a read from DRAM takes what a direct read from disk takes. Past the wait, the
-read is served from disk; either way the bytes are verified. At most ``MAX_PENDING_KEYS`` keys wait;
-more are skipped (their reads come from disk).
+Promotions run on one background thread and the reads do not wait for them: a page promoted before
+its read is read from DRAM, one still on disk is read from disk beside its promotion, both verified.
+Measured (``benchmarks/bench_disk_promotion.py``): a read racing the promotion of its own pages
+costs about a fifth more than a plain disk read, a read that waited for the promotion about half
+more, and a read after a finished promotion a tenth of it. At most ``MAX_PENDING_KEYS`` keys wait
+for promotion; more are skipped (their reads come from disk).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_KEYS = 4096
-WAIT_S = 2.0
 
 
 class DiskPromoter:
@@ -36,7 +34,7 @@ class DiskPromoter:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-memcache-promote")
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._pending: set[str] = set()
         self._closed = False
         self.submitted = 0   # keys handed to store.prefetch
@@ -72,18 +70,6 @@ class DiskPromoter:
         with self._lock:
             self.failed += failed
             self._pending.difference_update(keys)
-            self._lock.notify_all()
-
-    def wait(self, keys: list[str], timeout_s: float = WAIT_S) -> bool:
-        """Wait until no promotion of these keys is under way (True), or ``timeout_s`` passed (False)."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._pending and not self._pending.isdisjoint(keys):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(left)
-        return True
 
     def close(self) -> None:
         """Stop taking work, drop what waits, and wait for a promotion under way (the store closes next)."""

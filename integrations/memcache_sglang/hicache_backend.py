@@ -227,9 +227,6 @@ class NpuMemcacheStore(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if not keys:
             return []
-        scheme = self.keys
-        if self._promoter is not None and scheme is not None:   # not beside a promotion of the same pages
-            self._promoter.wait(scheme.kv_keys(keys))
         results, elapsed = self._page_io(keys, host_indices, "batch_get_into_layers")
         if elapsed is not None:
             self._record("prefetch", sum(results), elapsed)
