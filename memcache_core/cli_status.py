@@ -93,6 +93,13 @@ def _tables(s: Snapshot) -> Any:
         bar = "█" * round(pct / 10) + "░" * (10 - round(pct / 10))
         segs.add_row(str(g.segment_id), g.host_id, str(g.pid or ""), g.tier, str(g.objects),
                      human(g.used_bytes), human(g.capacity_bytes), f"{bar} {pct:5.1f}%")
+    owners = {g.segment_id: g for g in s.segments}
+    for d in s.disk_tiers:   # a provider's disk tier, under its segment
+        g_ = owners.get(d.segment_id)
+        pct = 100.0 * d.used_bytes / d.capacity_bytes if d.capacity_bytes else 0.0
+        bar = "█" * round(pct / 10) + "░" * (10 - round(pct / 10))
+        segs.add_row(str(d.segment_id), g_.host_id if g_ else "", str(g_.pid or "") if g_ else "", "disk",
+                     str(d.objects), human(d.used_bytes), human(d.capacity_bytes), f"{bar} {pct:5.1f}%")
     members = Table(title="members")
     for col in ("member", "host", "pid", "segment", "last heartbeat"):
         members.add_column(col)

@@ -37,6 +37,7 @@ from .table import Obj, ObjectTable
 OFFER_RETRY_S = 30.0
 OFFLOAD_MARK = 0.25        # on_evict: copies start above this fraction of the low-water mark
 MAX_SCAN = 8192            # objects of the LRU list looked at per sync
+MAX_DROPS = 1 << 20        # records waiting to be deleted, per provider
 
 
 @dataclasses.dataclass
@@ -186,7 +187,12 @@ def promoted(t: ObjectTable, sid: int, req: p.Promoted, now: float) -> list[int]
 
 
 def housekeeping(t: ObjectTable, now: float) -> None:
-    """Give back the space of promotions nobody reported within the pending timeout."""
+    """Give back the space of promotions nobody reported within the pending timeout; bound the records
+    waiting to be deleted by a provider that does not sync (the oldest are forgotten: those files
+    stay until its tier's LRU drops them)."""
+    for drops in t.disk_drops.values():
+        if len(drops) > MAX_DROPS:
+            del drops[:len(drops) - MAX_DROPS]
     for (k, sid), (_gen, off, deadline, size) in list(t.promoting.items()):
         if deadline <= now:
             del t.promoting[(k, sid)]

@@ -7,6 +7,8 @@ file stays within CI's time on two cores: the pool holds three times its DRAM.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -205,6 +207,9 @@ def test_prefetch_and_promotion_bring_disk_objects_back_into_dram(tmp_path):
         wait_for(lambda: reader("key_info", keys=keys[2:])["media"] == [["DRAM", "DISK"]] * 2, 10,
                  "promotion after two disk reads")
         assert metric(ms, "memcache_promotions_total") == 4
+        status = subprocess.run([sys.executable, "-m", "memcache_core.cli", "status", "--url", ms.metrics_url],
+                                capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "220"})
+        assert status.returncode == 0 and any(" disk " in line for line in status.stdout.splitlines()), status.stdout
         got = reader("get", keys=keys, layout=LAYOUT)
         assert got["codes"] == [0] * 4 and not got["mismatches"]
         reader.stop()
