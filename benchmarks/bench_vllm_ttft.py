@@ -13,6 +13,12 @@ fresh processes with the MemCacheConnector and the local prefix cache off:
 TTFT is the wall time of a 1-token generate. Prints both medians and their ratio. Without
 ``--model`` it makes a random Llama large enough (8 layers, hidden 1024) that prefill dominates on
 a CPU. Needs the vLLM environment (``.ci/vllm_env.sh``).
+
+``--disk DIR``: the LocalService gets a disk tier in DIR (``write_through``), and a third instance
+runs after every saved block was evicted to disk (the tier call ``evict``, checked: no DRAM copy
+left): 3. from disk, each block read from the provider's disk tier (direct I/O where DIR's
+filesystem takes it). Also prints the disk's raw sequential read speed, measured on an equally
+large file in DIR with the same kind of I/O.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 32
@@ -66,6 +73,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--instance", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--plot", metavar="PNG", help="draw cold vs loaded TTFT bars into this PNG (bench extra)")
+    ap.add_argument("--disk", metavar="DIR", help="give the pool a disk tier in DIR and add a restore from disk")
     args = ap.parse_args()
     if args.instance:
         run_instance(*args.instance)
@@ -85,9 +93,11 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "integrations"), str(REPO), env.get("PYTHONPATH", "")])
     seeds = list(range(1, args.prompts + 1))
     with running_meta_service() as meta:
+        disk = {"disk_path": str(Path(args.disk) / "tier"), "disk_size": "8GB",
+                "disk_write_policy": "write_through"} if args.disk else {}
         local, _ = start_local_service({"meta_service_url": meta.meta_service_url,
                                         "config_store_url": meta.config_store_url,
-                                        "protocol": "host_shm", "dram_size": "2GB"},
+                                        "protocol": "host_shm", "dram_size": "2GB", **disk},
                                        work, lambda: meta.http("/get_all_segments").get("segments", []),
                                        name="local", env=env)
         try:
@@ -100,7 +110,9 @@ def main() -> int:
                     "max_model_len": args.prompt_tokens + 64, "kv_transfer_config": ktc}
             (work / "spec.json").write_text(json.dumps(spec))
             runs = {}
-            for phase in ("cold", "loaded"):
+            for phase in ("cold", "loaded", "disk") if args.disk else ("cold", "loaded"):
+                if phase == "disk":
+                    evict_everything(meta)
                 out = work / f"{phase}.json"
                 subprocess.run([sys.executable, __file__, "--instance", str(work / "spec.json"), str(out)],
                                check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -118,12 +130,84 @@ def main() -> int:
           f"{[r['cached'] for r in runs['loaded']]})")
     print(f"speed-up cold/loaded {statistics.median(cold) / statistics.median(loaded):.1f}x; "
           f"first tokens identical: {same}")
+    bars = {"cold": cold, "loaded from the pool": loaded}
+    if args.disk:
+        bars = {"cold": cold, "from DRAM": loaded, "from disk": report_disk(runs, Path(args.disk))}
     if args.plot:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import plots
-        print("plot:", plots.ttft_bars({"cold": cold, "loaded from the pool": loaded}, args.plot,
-                                       f"vLLM, {args.prompt_tokens}-token prompts"))
+        print("plot:", plots.ttft_bars(bars, args.plot, f"vLLM, {args.prompt_tokens}-token prompts"))
     return 0
+
+
+def evict_everything(meta: Any) -> None:
+    """Every object of the pool on the disk tier only (waits for write-through copies still queued)."""
+    from memcache_core.local.store import open_store
+
+    store = open_store(meta.local_config(), 0, init_bm=False)
+    try:
+        keys = list(meta.http("/get_all_keys")["keys"])
+        deadline = time.monotonic() + 120
+        while keys:
+            keys = [k for k, c in zip(keys, store.evict(keys), strict=True) if c != 0]
+            assert time.monotonic() < deadline, f"{len(keys)} objects never reached the disk"
+            time.sleep(0.2 if keys else 0)
+        found = meta.http("/batch_query_keys?keys=" + ",".join(meta.http("/get_all_keys")["keys"]))["keys"]
+        assert all(f["exists"] and not f["locations"] for f in found), "an object kept a DRAM copy"
+    finally:
+        store.close()
+
+
+def report_disk(runs: dict[str, Any], disk: Path) -> list[float]:
+    """Print the restore from disk beside the raw read speed of the disk; its TTFT figures."""
+    ttfts = [r["ttft_s"] for r in runs["disk"]]
+    same = all(a["token"] == b["token"] for a, b in zip(runs["cold"], runs["disk"], strict=True))
+    records = sorted((disk / "tier").rglob("*"))
+    nbytes = sum(f.stat().st_size for f in records if f.is_file())
+    print(f"disk   TTFT median {statistics.median(ttfts) * 1000:9.1f} ms  (cached tokens "
+          f"{[r['cached'] for r in runs['disk']]}); first tokens identical: {same}")
+    secs = raw_read_seconds(disk, nbytes)
+    print(f"reference: the disk tier holds {nbytes / 2**20:.1f} MiB; reading that many bytes from one file in "
+          f"{disk} takes {secs * 1000:.1f} ms ({nbytes / secs / 1e9:.2f} GB/s)")
+    return ttfts
+
+
+
+
+def raw_read_seconds(directory: Path, nbytes: int, chunk: int = 4 << 20) -> float:
+    """Sequential read of a fresh ``nbytes`` file in ``directory``, written and read with direct I/O
+    where the filesystem takes it (the page cache would otherwise serve the read)."""
+    import mmap
+
+    direct = getattr(os, "O_DIRECT", 0)
+    path = directory / "raw-read-probe"
+    buf = mmap.mmap(-1, chunk)   # page-aligned, as direct I/O needs
+    buf.write(os.urandom(chunk))
+    nbytes = max(chunk, nbytes // chunk * chunk)
+    try:
+        try:
+            flags = direct
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        except OSError:   # no direct I/O here (tmpfs): buffered, as the disk tier does
+            flags = 0
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for _ in range(nbytes // chunk):
+                os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            t0 = time.perf_counter()
+            while os.readv(fd, [buf]) > 0:
+                pass
+            return time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    finally:
+        buf.close()
+        path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ CONFIG_PATH_ENV = "SGLANG_HICACHE_MEMCACHE_CONFIG_PATH"
 WARMUP_ENV = "SGLANG_NPU_MEMCACHE_ENABLE_WARMUP"
 
 #: Keys the backend reads; never applied to LocalConfig. The first seven are the built-in
-#: backend's; ``clear_scope`` is ours (see docs/sglang.md).
+#: backend's; ``clear_scope`` and ``disk_prefetch`` are ours (see docs/sglang.md).
 CONTROL_KEYS = frozenset(
     {
         "device_id",
@@ -36,6 +36,7 @@ CONTROL_KEYS = frozenset(
         "memcache_metrics_url",
         "extra_backend_tag",
         "clear_scope",
+        "disk_prefetch",
     }
 )
 
@@ -91,6 +92,7 @@ class BackendConfig:
         scope = ctrl.get("clear_scope", "namespace")
         if scope not in CLEAR_SCOPES:
             raise ValueError(f"clear_scope must be one of {CLEAR_SCOPES}, got {scope!r}")
+        parse_bool("disk_prefetch", ctrl.get("disk_prefetch", True))  # a bad value fails now, naming the key
         return cls(local_fields=local, ctrl=ctrl)
 
     def apply_to(self, local_cfg: Any) -> list[str]:
@@ -121,6 +123,10 @@ class BackendConfig:
         return str(tag) if tag not in (None, "") else None
 
     @property
+    def disk_prefetch(self) -> bool:
+        return parse_bool("disk_prefetch", self.ctrl.get("disk_prefetch", True))
+
+    @property
     def clear_scope(self) -> str:
         return self.ctrl.get("clear_scope", "namespace")
 
@@ -145,3 +151,16 @@ class BackendConfig:
         if tp_size > 1:
             logger.warning("device_id=%s is shared by all %d TP ranks", raw, tp_size)
         return int(raw)
+
+
+def place_disk_tier(local_cfg: Any, init_bm: bool, rank_dir: str) -> None:
+    """Give this rank its own directory under ``disk_path`` (a disk tier serves one LocalService,
+    and every rank of a server gets the same extra config). A disk tier lies under this process's
+    DRAM segment, so it needs one: refused, naming the key, for a pure client."""
+    if not local_cfg.disk_path:
+        return
+    if not init_bm or local_cfg.dram_bytes <= 0:
+        raise ValueError("disk_path: a disk tier lies under this process's own DRAM segment, and this one has none "
+                         "(init_bm false or dram_size 0); give disk_path to the provider (memcache local-service) "
+                         "that holds the pool instead")
+    local_cfg.disk_path = os.path.join(local_cfg.disk_path, rank_dir)

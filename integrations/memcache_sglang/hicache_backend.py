@@ -45,7 +45,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from memcache_sglang import copy_path, kv_pool
-from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag
+from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag, place_disk_tier
+from memcache_sglang.disk_prefetch import DiskPromoter
 from memcache_sglang.keys import KeyScheme, shard_suffix
 from memcache_sglang.namespace import Namespace, build_layout, model_config_digests
 from memcache_sglang.side_pools import exists_v2, io_v2, pool_object_key_prefix
@@ -93,6 +94,8 @@ class NpuMemcacheStore(HiCacheStorage):
             logger.warning("ignoring unknown MemCache LocalConfig keys: %s", unknown)
         sc = self.storage_config
         device_id = self.config.device_id(sc.tp_rank, sc.tp_size)
+        place_disk_tier(local_cfg, self.config.init_bm, self._rank_shard())
+        self._promoter = DiskPromoter() if self.config.disk_prefetch else None
         try:
             store = open_store(local_cfg, device_id, self.config.init_bm)
         except MemCacheError as e:
@@ -248,9 +251,11 @@ class NpuMemcacheStore(HiCacheStorage):
         store = self.store
         if not keys or store is None:
             return 0
-        if self.copy_path:
-            return kv_pool.leading_pages(store, keys, partial(self._legacy_keys, scheme), 1)
-        return kv_pool.leading_pages(store, keys, scheme.kv_keys, scheme.objects_per_page)
+        object_keys = partial(self._legacy_keys, scheme) if self.copy_path else scheme.kv_keys
+        hits = kv_pool.leading_pages(store, keys, object_keys, 1 if self.copy_path else scheme.objects_per_page)
+        if hits and self._promoter is not None:   # pages held on disk: into DRAM before the reads
+            self._promoter.submit(store, object_keys(keys[:hits]))
+        return hits
 
     # ------------------------------------------------------------------ v2 (hybrid side pools)
 
@@ -365,6 +370,8 @@ class NpuMemcacheStore(HiCacheStorage):
             store, self.store = self.store, None
         if store is None:
             return
+        if self._promoter is not None:
+            self._promoter.close()
         try:
             store.close()
         except Exception as exc:

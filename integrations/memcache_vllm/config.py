@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from memcache_core.config import parse_bool
@@ -116,7 +117,11 @@ class ConnectorConfig:
             logger.warning("MemCacheConnector: partial blocks are never stored (no block hash); "
                            "discard_partial_chunks=false ignored")
             cfg.discard_partial_chunks = True
-        cfg.local_config()  # validate the store keys now, naming the bad key
+        local = cfg.local_config()  # validate the store keys now, naming the bad key
+        if local.disk_path and local.dram_bytes <= 0:
+            raise ValueError("kv_connector_extra_config.disk_path: a disk tier lies under the worker's own DRAM "
+                             "segment, and dram_size is 0; give disk_path to the provider (memcache local-service) "
+                             "that holds the pool instead, or set dram_size")
         return cfg
 
     def local_config(self) -> Any:
@@ -128,6 +133,15 @@ class ConnectorConfig:
             return LocalConfig(**values)
         except TypeError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from exc
+
+    def worker_local_config(self, tp_rank: int, pp_rank: int) -> Any:
+        """The worker's store config: with a disk tier, each rank keeps it in its own directory
+        ``disk_path/r{tp_rank}p{pp_rank}`` (every worker gets the same extra config, and a disk tier
+        serves one LocalService)."""
+        local = self.local_config()
+        if local.disk_path:
+            local.disk_path = os.path.join(local.disk_path, f"r{tp_rank}p{pp_rank}")
+        return local
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,7 +229,7 @@ class MemCacheWorker:
     def _join_pool(self, layout: BlockLayout) -> _Mover:
         from memcache_core import open_store
 
-        local = self._cfg.local_config()
+        local = self._cfg.worker_local_config(self.tp_rank, self.pp_rank)
         # dram_size 0: this instance contributes no memory; its blocks go to the other segments of
         # the pool (e.g. standalone ``memcache local-service`` processes) and outlive it.
         contributes = local.dram_bytes > 0

@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from memcache_sglang.config import CONFIG_PATH_ENV, BackendConfig
+from memcache_sglang.config import CONFIG_PATH_ENV, BackendConfig, place_disk_tier
 from memcache_sglang.keys import KeyScheme, LayoutIdentity
+
+from memcache_core.config import LocalConfig
+from memcache_core.errors import ConfigError
 
 BASE = LayoutIdentity(model="0123456789abcdef", kv_dtype="bfloat16", dtype="bfloat16", storage_format="",
                       layout="page_first_direct", page_size=128, attention="mha", head_sharding="tp1",
@@ -77,3 +80,29 @@ def test_control_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BackendConfig.from_sources({"clear_scope": "all"}).clear_scope == "all"
     with pytest.raises(ValueError, match="clear_scope"):
         BackendConfig.from_sources({"clear_scope": "everything"})
+
+
+def test_disk_keys_reach_local_config_one_directory_per_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Scenario: the disk keys in the extra config land on LocalConfig; each rank gets its own directory
+    under disk_path; a pure client (no segment to put a tier under) and bad values are refused by name."""
+    monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
+    extra = {"disk_path": str(tmp_path), "disk_size": "1GB", "disk_write_policy": "write_through", "dram_size": "64MB"}
+    cfg = BackendConfig.from_sources(extra)
+    local = LocalConfig()
+    assert cfg.apply_to(local) == [] and cfg.disk_prefetch is True
+    place_disk_tier(local, cfg.init_bm, "r1p0c0")
+    assert local.disk_path == str(tmp_path / "r1p0c0") and local.disk_write_policy == "write_through"
+    local.validate()
+    for bad in ({"init_bm": False}, {"dram_size": "0"}):
+        cfg = BackendConfig.from_sources({**extra, **bad})
+        local = LocalConfig()
+        cfg.apply_to(local)
+        with pytest.raises(ValueError, match="^disk_path: .*provider"):
+            place_disk_tier(local, cfg.init_bm, "r0p0c0")
+    with pytest.raises(ConfigError, match="^disk_prefetch:"):
+        BackendConfig.from_sources({"disk_prefetch": "sometimes"})
+    assert BackendConfig.from_sources({"disk_prefetch": "false"}).disk_prefetch is False
+    local = LocalConfig()
+    BackendConfig.from_sources({**extra, "disk_write_policy": "eager"}).apply_to(local)
+    with pytest.raises(ConfigError, match="^disk_write_policy:"):
+        local.validate()

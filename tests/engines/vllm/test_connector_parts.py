@@ -50,10 +50,23 @@ def test_ascend_pool_keys_and_store_keys_are_accepted(caplog: pytest.LogCaptureF
     ({"backend": "mooncake"}, "backend"),
     ({"protocol": "carrier_pigeon"}, "protocol"),
     ({"dram_size": "lots"}, "dram_size"),
+    ({"disk_path": "/tmp/x", "disk_size": "1GB", "disk_write_policy": "eager"}, "disk_write_policy"),
+    ({"disk_path": "/tmp/x"}, "disk_size"),
+    ({"disk_path": "/tmp/x", "disk_size": "1GB", "dram_size": "0"}, "disk_path"),
 ])
 def test_bad_values_fail_naming_the_key(extra: dict, key: str) -> None:
     with pytest.raises(Exception, match=key):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_disk_keys_give_each_worker_rank_its_own_directory(tmp_path: Path) -> None:
+    cfg = ConnectorConfig.from_extra_config({"disk_path": str(tmp_path), "disk_size": "2GB", "dram_size": "64MB",
+                                             "disk_write_policy": "write_through"})
+    assert cfg.local_config().disk_path == str(tmp_path)
+    local = cfg.worker_local_config(tp_rank=1, pp_rank=0)
+    assert (local.disk_path, local.disk_size, local.disk_write_policy) == \
+        (str(tmp_path / "r1p0"), "2GB", "write_through")
+    assert ConnectorConfig.from_extra_config({}).worker_local_config(0, 0).disk_path == ""
 
 
 def test_roles() -> None:

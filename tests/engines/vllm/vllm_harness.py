@@ -78,9 +78,10 @@ class Pool:
         self.workdir = workdir
         self.local: subprocess.Popen | None = None
 
-    def start_local_service(self, dram: str = "512MB") -> None:
+    def start_local_service(self, dram: str = "512MB", **extra: Any) -> None:
+        """``extra``: more LocalConfig keys of the provider (a disk tier: ``disk_path``, ...)."""
         config = {"meta_service_url": self.meta.meta_service_url, "config_store_url": self.meta.config_store_url,
-                  "protocol": "host_shm", "dram_size": dram}
+                  "protocol": "host_shm", "dram_size": dram, **extra}
         self.local, _ = start_local_service(config, self.workdir,
                                             lambda: self.meta.http("/get_all_segments").get("segments", []),
                                             name="local_service", env=engine_env())
