@@ -54,20 +54,31 @@ def payload_offset(offset: int) -> int:
 
 
 def pack_header(key: str, generation: int, size: int, checksum: int) -> bytes:
-    raw = key.encode()
-    fixed = _FIXED.pack(MAGIC, VERSION, 0, generation, size, checksum, len(raw))
-    body = fixed + raw.ljust(MAX_KEY_BYTES, b"\0")
-    return (body + _HASH.pack(xxhash.xxh3_64_intdigest(body))).ljust(HEADER_BYTES, b"\0")
+    return pack_fields(MAGIC, key, generation, size, checksum, HEADER_BYTES)
 
 
 def unpack_header(buf: bytes | memoryview) -> tuple[str, int, int, int] | None:
     """(key, generation, size, checksum) of a valid header, else None (torn, stale or no header)."""
-    if len(buf) < HEADER_BYTES:
-        return None
-    magic, version, _flags, gen, size, checksum, klen = _FIXED.unpack_from(buf)
-    if magic != MAGIC or version != VERSION or not 0 < klen < MAX_KEY_BYTES:
-        return None
+    return unpack_fields(buf, MAGIC)
+
+
+def pack_fields(magic: int, key: str, generation: int, size: int, checksum: int, pad_to: int) -> bytes:
+    """The self-describing header both a segment's objects and a disk tier's records carry (their
+    ``magic`` tells them apart): fixed fields, the key, a hash of both, padded to ``pad_to``."""
+    raw = key.encode()
+    fixed = _FIXED.pack(magic, VERSION, 0, generation, size, checksum, len(raw))
+    body = fixed + raw.ljust(MAX_KEY_BYTES, b"\0")
+    return (body + _HASH.pack(xxhash.xxh3_64_intdigest(body))).ljust(pad_to, b"\0")
+
+
+def unpack_fields(buf: bytes | memoryview, magic: int) -> tuple[str, int, int, int] | None:
+    """(key, generation, size, checksum) of a valid ``pack_fields`` header with this magic, else None."""
     body_len = _FIXED.size + MAX_KEY_BYTES
+    if len(buf) < body_len + _HASH.size:
+        return None
+    got_magic, version, _flags, gen, size, checksum, klen = _FIXED.unpack_from(buf)
+    if got_magic != magic or version != VERSION or not 0 < klen < MAX_KEY_BYTES:
+        return None
     (want,) = _HASH.unpack_from(buf, body_len)
     if xxhash.xxh3_64_intdigest(bytes(buf[:body_len])) != want:
         return None

@@ -21,20 +21,16 @@ bounds) before it is used.
 from __future__ import annotations
 
 import os
-import struct
 
 import xxhash
 
-from ..errors import MAX_KEY_BYTES
+from .. import layout
 
 BLOCK = 4096                     # direct-I/O alignment of offsets, lengths and buffers
 MAGIC = 0x3143_4552_4443_4D4D    # "MMCDREC1" read as a little-endian u64
 VERSION = 1
 MAX_RECORD_BYTES = 1 << 40       # the largest payload a record may claim (as a peer's object size)
 SUFFIX = ".rec"
-_FIXED = struct.Struct("<QIIQQQH")   # magic, version, flags, generation, size, checksum, key length
-_HASH = struct.Struct("<Q")
-_BODY = _FIXED.size + MAX_KEY_BYTES
 
 
 def padded(n: int) -> int:
@@ -53,25 +49,15 @@ def name_of(key: str) -> str:
 
 
 def pack_header(key: str, generation: int, size: int, checksum: int) -> bytes:
-    raw = key.encode()
-    body = _FIXED.pack(MAGIC, VERSION, 0, generation, size, checksum, len(raw)) + raw.ljust(MAX_KEY_BYTES, b"\0")
-    return (body + _HASH.pack(xxhash.xxh3_64_intdigest(body))).ljust(BLOCK, b"\0")
+    return layout.pack_fields(MAGIC, key, generation, size, checksum, BLOCK)
 
 
 def unpack_header(buf: bytes | memoryview) -> tuple[str, int, int, int] | None:
     """(key, generation, size, checksum) of a valid record header, else None."""
-    if len(buf) < _BODY + _HASH.size:
+    fields = layout.unpack_fields(buf, MAGIC)
+    if fields is None:
         return None
-    magic, version, _flags, gen, size, checksum, klen = _FIXED.unpack_from(buf)
-    if magic != MAGIC or version != VERSION or not 0 < klen < MAX_KEY_BYTES:
-        return None
+    _key, gen, size, _checksum = fields
     if not 0 < size <= MAX_RECORD_BYTES or not 0 < gen < (1 << 63):
         return None
-    (want,) = _HASH.unpack_from(buf, _BODY)
-    if xxhash.xxh3_64_intdigest(bytes(buf[:_BODY])) != want:
-        return None
-    try:
-        key = bytes(buf[_FIXED.size:_FIXED.size + klen]).decode()
-    except UnicodeDecodeError:
-        return None
-    return key, gen, size, checksum
+    return fields
