@@ -230,6 +230,15 @@ class MetaServiceProcess:
             return ""
 
 
+def scrape_metrics(port: int, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """A LocalService's own metrics port (``metrics_port``), as {series: value}."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 def start_local_service(config: dict[str, Any], directory: str | os.PathLike[str],
                         segments: Callable[[], list[dict[str, Any]]], name: str = "local-service",
                         env: dict[str, str] | None = None, timeout_s: float = 30.0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from memcache_core import DistributedObjectStore
-from memcache_core.testing import wait_for
+from memcache_core.testing import start_local_service
 from memcache_core.transfer.nixl import available as nixl_available
 from tests.integration.stores import DSR1_LAYOUT
 
@@ -118,18 +118,10 @@ def test_bytes_api_and_key_info(meta):
 
 def test_pure_client_writes_into_a_standalone_local_service(meta, tmp_path):
     """Scenario: a memory provider process holds the pool; engines come and go as pure clients."""
-    import json
-    import subprocess
-    import sys
-    cfg = tmp_path / "local.json"
-    cfg.write_text(json.dumps({"meta_service_url": meta.meta_service_url, "protocol": "host_shm",
-                               "dram_size": "64MB", "heartbeat_interval_ms": 200}))
-    provider = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service",
-                                 "--config_path", str(cfg)])
+    provider, _ = start_local_service({"meta_service_url": meta.meta_service_url, "protocol": "host_shm",
+                                       "dram_size": "64MB", "heartbeat_interval_ms": 200}, tmp_path,
+                                      lambda: meta.http("/get_all_segments")["segments"])
     try:
-        wait_for(lambda: provider.poll() is not None or meta.http("/get_all_segments")["segments"], 20,
-                 "the provider's segment")
-        assert provider.poll() is None, "the provider exited"
         for i in range(2):
             c = DistributedObjectStore()
             assert c.setup(meta.local_config()) == 0 and c.init(0, init_bm=False) == 0

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from functools import partial
 from typing import Any
 
@@ -22,7 +21,13 @@ from memcache_core.auth import load_secret
 from memcache_core.layout import payload_offset
 from memcache_core.local import disk_record
 from memcache_core.rpc import RpcClient, expect
-from memcache_core.testing import MetaServiceProcess, free_port, running_meta_service, wait_for
+from memcache_core.testing import (
+    MetaServiceProcess,
+    free_port,
+    running_meta_service,
+    scrape_metrics,
+    wait_for,
+)
 from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
@@ -46,15 +51,6 @@ def metric(ms: MetaServiceProcess, name: str) -> float:
 def disk_event(ms: MetaServiceProcess, event: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in ms.http("/metrics").splitlines()
                if line.startswith("memcache_disk_events_total{") and f'event="{event}"' in line)
-
-
-def scrape(port: int, headers: dict[str, str]) -> dict[str, float]:
-    """A LocalService's own metrics port, as {series: value}."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
-    with urllib.request.urlopen(req, timeout=5) as r:
-        text = r.read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
 
 
 def on_disk_at_least(prov: StoreProcess, n: int) -> bool:
@@ -100,8 +96,8 @@ def test_pool_holds_three_times_its_dram_and_survives_a_full_restart(tmp_path):
         for i in range(0, n, 8):
             for w, wr in enumerate(writers):
                 assert wr("put", keys=keys[w][i:i + 8], layout=LAYOUT)["codes"] == [0] * 8
-            for wr in writers:   # all but the newest 16 MiB copied to disk before eviction can reach them
-                wait_for(partial(on_disk_at_least, wr, i + 8 - 16), 60, "the disk writer to keep up")
+            for wr in writers:   # all but the newest half of DRAM on disk before eviction can reach them
+                wait_for(partial(on_disk_at_least, wr, i + 8 - 16 * SCALE), 60, "the disk writer to keep up")
         every = keys[0] + keys[1]
         reader = StoreProcess(ms, init_bm=False)
         assert reader("exist", keys=every)["codes"] == [1] * len(every)
@@ -147,7 +143,7 @@ def test_a_flipped_byte_in_a_record_is_a_miss_and_counted(tmp_path):
         assert not os.path.exists(path)
         wait_for(lambda: reader("exist", keys=[keys[1]])["codes"] == [0], 10, "the object to leave the pool")
         wait_for(lambda: disk_event(ms, "integrity_failures") == 1, 10, "the failure in /metrics")
-        local = scrape(port, ms.admin_headers())   # the provider's own metrics port
+        local = scrape_metrics(port, ms.admin_headers())   # the provider's own metrics port
         assert local['memcache_local_disk_events_total{event="integrity_failures"}'] == 1
         assert local["memcache_local_disk_objects"] == 3
         reader.stop()

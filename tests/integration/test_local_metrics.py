@@ -10,17 +10,9 @@ import pytest
 from memcache_core import DistributedObjectStore
 from memcache_core.config import LocalConfig
 from memcache_core.errors import ConfigError
-from memcache_core.testing import free_port
+from memcache_core.testing import free_port, scrape_metrics
 
 pytestmark = pytest.mark.integration
-
-
-def scrape(port: int, headers: dict[str, str]) -> dict[str, float]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
-    with urllib.request.urlopen(req, timeout=5) as r:
-        text = r.read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
 
 
 def test_transfer_metrics_per_path(meta):
@@ -31,7 +23,7 @@ def test_transfer_metrics_per_path(meta):
     try:
         assert a.put("m-1", b"a" * 300_000) == 0          # into a's own segment: host_shm
         assert b.get("m-1") == b"a" * 300_000             # b reads a's segment over TCP: host_tcp
-        ma, mb = scrape(ports[0], meta.admin_headers()), scrape(ports[1], meta.admin_headers())
+        ma, mb = scrape_metrics(ports[0], meta.admin_headers()), scrape_metrics(ports[1], meta.admin_headers())
         wr = 'memcache_local_transfer_bytes_total{direction="write",path="host_shm"}'
         rd = 'memcache_local_transfer_bytes_total{direction="read",path="host_tcp"}'
         assert ma[wr] >= 300_000 and mb[rd] >= 300_000, (ma, mb)
@@ -39,7 +31,7 @@ def test_transfer_metrics_per_path(meta):
         assert "memcache_local_meta_restarts_total" in ma
         if meta.admin_headers():
             with pytest.raises(urllib.error.HTTPError) as e:
-                scrape(ports[0], {})
+                scrape_metrics(ports[0], {})
             assert e.value.code == 401
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/health", timeout=5) as r:
             assert r.status == 200

@@ -3,10 +3,7 @@ land meanwhile are byte-exact, and afterwards every page of the segment is mappe
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +12,7 @@ import pytest
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core.errors import ConfigError
 from memcache_core.local.prefault import thp_shmem_mode
-from memcache_core.testing import MetaServiceProcess, wait_for
+from memcache_core.testing import MetaServiceProcess, start_local_service, wait_for
 
 MIB = 1 << 20
 
@@ -76,15 +73,10 @@ def test_embedded_segments_are_not_prefaulted_by_default(meta: MetaServiceProces
 
 
 def test_standalone_provider_prefaults_its_segment(meta: MetaServiceProcess, tmp_path: Path) -> None:
-    cfg = tmp_path / "local.json"
-    cfg.write_text(json.dumps({"meta_service_url": meta.meta_service_url, "protocol": "host_shm",
-                               "dram_size": "128MB", "heartbeat_interval_ms": 200}))
-    provider = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service",
-                                 "--config_path", str(cfg)])
+    provider, _ = start_local_service({"meta_service_url": meta.meta_service_url, "protocol": "host_shm",
+                                       "dram_size": "128MB", "heartbeat_interval_ms": 200}, tmp_path,
+                                      lambda: meta.http("/get_all_segments")["segments"])
     try:
-        wait_for(lambda: provider.poll() is not None or meta.http("/get_all_segments")["segments"], 20,
-                 "the provider's segment")
-        assert provider.poll() is None, "the provider exited"
         wait_for(lambda: mapped_kib(provider.pid, f"memcache-{provider.pid}-") >= 128 * 1024, 60,
                  "every page of the provider's segment mapped")
     finally:
