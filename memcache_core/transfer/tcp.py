@@ -14,12 +14,14 @@ the kernel's socket copies are the only copies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
 import struct
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, client_handshake, server_handshake
 from ..errors import MemCacheError, PeerUnavailable, TransferFailed
@@ -187,10 +189,25 @@ class TcpClient:
         with self._lock:
             self._idle[addr].append(s)
 
-    def _request(self, addr: str, op: int, ops: list[Op]) -> None:
+    @contextlib.contextmanager
+    def _socket(self, addr: str, what: str) -> Iterator[socket.socket]:
+        """A pooled connection to ``addr`` for one request: back to the pool when the request went
+        through, closed on any failure (a socket error is ``PeerUnavailable``, naming ``what``)."""
         s = self._acquire(addr)
         ok = False
         try:
+            yield s
+            ok = True
+        except (OSError, ConnectionError) as e:
+            raise PeerUnavailable(f"{what} {addr} failed: {e}") from e
+        finally:
+            if ok:
+                self._release(addr, s)
+            else:
+                s.close()
+
+    def _request(self, addr: str, op: int, ops: list[Op]) -> None:
+        with self._socket(addr, "transfer with") as s:
             head = _HEAD.pack(MAGIC, op, len(ops)) + b"".join(
                 _RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
             if op == OP_WRITE:
@@ -209,33 +226,15 @@ class TcpClient:
                 for _, pieces in ops:
                     for ptr, size in pieces:
                         _recv_exact(s, view_at(ptr, size))
-            ok = True
-        except (OSError, ConnectionError) as e:
-            raise PeerUnavailable(f"transfer with {addr} failed: {e}") from e
-        finally:
-            if ok:
-                self._release(addr, s)
-            else:
-                s.close()
+
 
     def read(self, addr: str, ops: list[Op]) -> None:
         self._request(addr, OP_READ, ops)
 
     def disk_request(self, addr: str, op: int, items: list[disk_wire.Item]) -> list[MemCacheError | None]:
         """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
-        s = self._acquire(addr)
-        ok = False
-        try:
-            out = disk_wire.request(s, _HEAD.pack(MAGIC, op, len(items)), op, items)
-            ok = True
-            return out
-        except (OSError, ConnectionError) as e:
-            raise PeerUnavailable(f"disk request to {addr} failed: {e}") from e
-        finally:
-            if ok:
-                self._release(addr, s)
-            else:
-                s.close()
+        with self._socket(addr, "disk request to") as s:
+            return disk_wire.request(s, _HEAD.pack(MAGIC, op, len(items)), op, items)
 
     def write(self, addr: str, ops: list[Op]) -> None:
         self._request(addr, OP_WRITE, ops)
