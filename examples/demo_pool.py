@@ -3,7 +3,8 @@
 Rank 0 writes KV blocks shaped like DeepSeek-R1's (122 pieces, 8,784 KiB each); rank 1 reads them
 through shared memory and rank 2 through TCP, byte-exact; then rank 0 is killed with SIGKILL (its
 blocks turn into misses, the rest of the pool carries on) and the MetaService is restarted (the
-survivors re-join and the table comes back whole).
+survivors re-join and the table comes back whole); last, rank 0 starts again on the same disk path
+and its blocks, kept by its disk tier, are read byte-exact again.
 
     python examples/demo_pool.py [--blocks 16]
 """
@@ -15,6 +16,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 import time
 
 import numpy as np
@@ -28,13 +30,14 @@ def block_bytes(key: str) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8)
 
 
-def rank_main(rank: int, protocol: str, meta_url: str, conn) -> None:  # runs in a child process
+def rank_main(rank: int, protocol: str, meta_url: str, disk: str, conn) -> None:  # runs in a child process
     import logging
     logging.basicConfig(level=logging.WARNING, format=f"  [rank {rank} log] %(message)s")
     from memcache_core import DistributedObjectStore, LocalConfig
     store = DistributedObjectStore()
     cfg = LocalConfig(meta_service_url=meta_url, protocol=protocol, dram_size="256MB",
-                      heartbeat_interval_ms=200, client_timeout_seconds=5)
+                      heartbeat_interval_ms=200, client_timeout_seconds=5,
+                      disk_path=disk, disk_size="1GB" if disk else "0", disk_write_policy="write_through")
     assert store.setup(cfg) == 0 and store.init(rank, True) == 0
     buf = np.zeros(BLOCK * 16, np.uint8)
     store.register_buffer(buf.ctypes.data, buf.nbytes)
@@ -67,16 +70,28 @@ def rank_main(rank: int, protocol: str, meta_url: str, conn) -> None:  # runs in
 
 
 class Rank:
-    def __init__(self, ctx, rank: int, protocol: str, meta_url: str) -> None:
+    def __init__(self, ctx, rank: int, protocol: str, meta_url: str, disk: str = "") -> None:
         self.rank, self.protocol = rank, protocol
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=rank_main, args=(rank, protocol, meta_url, child), daemon=True)
+        self.proc = ctx.Process(target=rank_main, args=(rank, protocol, meta_url, disk, child), daemon=True)
         self.proc.start()
         _, self.id = self.conn.recv()
 
     def __call__(self, op: str, keys: list[str]):
         self.conn.send((op, keys))
         return self.conn.recv()
+
+
+def wait_on_disk(ms, keys: list[str]) -> None:
+    """Until every key has a disk copy (the provider writes them in the background)."""
+    deadline = time.monotonic() + 60
+    def answer() -> list[dict]:
+        got = ms.http("/batch_query_keys?keys=" + ",".join(keys))
+        return got.get("keys", [got])     # one key: the answer is that key's record itself
+
+    while not all(k.get("disk") is not None for k in answer()):
+        assert time.monotonic() < deadline, "the disk tier did not take the blocks within 60 s"
+        time.sleep(0.1)
 
 
 def hold(ms, seconds: float) -> None:
@@ -100,12 +115,13 @@ def main() -> None:
     n = max(1, min(args.blocks, 16))
     from memcache_core.testing import running_meta_service
     ctx = mp.get_context("spawn")
-    with running_meta_service(heartbeat_timeout_ms=1500) as ms:
+    with running_meta_service(heartbeat_timeout_ms=1500) as ms, tempfile.TemporaryDirectory() as disk:
         print(f"MetaService pid {ms.pid}: control {ms.meta_service_url}, admin {ms.metrics_url}")
-        ranks = [Rank(ctx, 0, "host_shm", ms.meta_service_url), Rank(ctx, 1, "host_shm", ms.meta_service_url),
+        ranks = [Rank(ctx, 0, "host_shm", ms.meta_service_url, disk), Rank(ctx, 1, "host_shm", ms.meta_service_url),
                  Rank(ctx, 2, "host_tcp", ms.meta_service_url)]
         for r in ranks:
-            print(f"  rank {r.rank}: LocalService {r.id} ({r.protocol}), 256 MB in the pool, pid {r.proc.pid}")
+            print(f"  rank {r.rank}: LocalService {r.id} ({r.protocol}), 256 MB in the pool, pid {r.proc.pid}"
+                  + (", a 1 GB disk tier (write_through)" if r.rank == 0 else ""))
         usage = ms.http("/api/v1/capacity/usage")
         print(f"pool: {len(usage['segments'])} segments, {usage['total_bytes'] >> 20} MB")
 
@@ -123,6 +139,9 @@ def main() -> None:
                   f"{mb / 1e3 / dt:.2f} GB/s, {codes.count(0)}/{n} hits, {bad} mismatched")
             assert codes == [0] * n and bad == 0
 
+        wait_on_disk(ms, mine)
+        print(f"rank 0's blocks are on its disk tier too ({n} records, header and checksum each)")
+
         print("\nkill -9 rank 0 (its segment, holding its blocks, dies with it)")
         os.kill(ranks[0].proc.pid, signal.SIGKILL)
         t = time.monotonic()
@@ -134,6 +153,13 @@ def main() -> None:
         print(f"  rank 2 reads: rank 0's blocks {gone.count(-3007)}/{n} misses (-3007), "
               f"rank 1's blocks {codes.count(0)}/{n} hits, {bad0 + bad} mismatched")
         assert codes == [0] * n and bad0 == bad == 0
+
+        print("\nrank 0 starts again on the same disk path")
+        ranks[0] = Rank(ctx, 0, "host_shm", ms.meta_service_url, disk)
+        codes, _, bad = ranks[2]("get", mine)
+        print(f"  it found its records and reported them: rank 2 reads rank 0's blocks {codes.count(0)}/{n} hits "
+              f"(from disk), {bad} mismatched")
+        assert codes == [0] * n and bad == 0
 
         print("\nrestart the MetaService (it keeps no state on disk)")
         time.sleep(0.5)
@@ -149,7 +175,7 @@ def main() -> None:
         assert codes == [0] * n and bad == 0
         if args.hold > 0:
             hold(ms, args.hold)
-        for r in ranks[1:]:
+        for r in ranks:
             r("close", [])
         print("\ndemo finished: every byte read was the byte written.")
 
