@@ -6,7 +6,8 @@ again by ``validate()`` when a service starts; an invalid value raises ``ConfigE
 
 Precedence, written down once: values set explicitly on the object > values from the JSON file >
 the file named by the environment (``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``) > defaults.
-Environment variables are read in this module only.
+Environment variables are read in this module only. The parsers of single values live in ``values.py``
+and are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,103 +17,37 @@ import importlib.util
 import json
 import logging
 import os
-import re
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 from . import tls
 from .errors import ConfigError
+from .values import FALSE_WORDS as FALSE_WORDS  # re-exported: integrations and tests import them from here
+from .values import TRUE_WORDS as TRUE_WORDS
+from .values import (
+    WILDCARD_HOSTS,
+    _check_bool,
+    _check_int,
+    _check_log_level,
+    _check_range,
+    _check_str,
+    check_cluster_id,
+    parse_etcd_endpoints,
+    parse_meta_target,
+    parse_size,
+    parse_url,
+)
+from .values import MetaTarget as MetaTarget
+from .values import parse_bool as parse_bool
 
 logger = logging.getLogger(__name__)
 
 META_CONFIG_ENV = "MMC_META_CONFIG_PATH"
 LOCAL_CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
 HOST_PROTOCOLS = ("host_shm", "host_tcp")
 PLACEMENT_POLICIES = ("local_first", "spread", "random")
 ASCEND_PROTOCOLS = ("host_rdma", "host_urma", "device_rdma", "device_sdma", "device_urma")
-
-
-def parse_size(value: int | str, key: str = "size") -> int:
-    """Bytes from ``134217728``, ``"2048KB"``, ``"200mb"``, ``"2.5G"``, ``"1TB"`` (binary units)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size such as '4GB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: size must not be negative, got {value}")
-        return value
-    if isinstance(value, float) and value >= 0:
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{key}: expected a size such as '4GB', '200mb' or 134217728, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_url(value: str, key: str, schemes: tuple[str, ...]) -> tuple[str, int]:
-    """(host, port) of a URL such as ``tcp://127.0.0.1:5000``; raise naming ``key`` if malformed."""
-    try:
-        u = urlparse(value)
-        host, port = u.hostname, u.port
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{key}: malformed URL {value!r}: {e}") from e
-    if u.scheme not in schemes or not host or port is None:
-        raise ConfigError(f"{key}: expected {schemes[0]}://HOST:PORT, got {value!r}")
-    return host, port
-
-
-_CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-@dataclasses.dataclass(frozen=True)
-class MetaTarget:
-    """Where a client finds the MetaService: URLs tried in turn, or the HA leader key in etcd."""
-
-    urls: tuple[str, ...] = ()
-    etcd: tuple[tuple[str, int], ...] = ()
-    cluster_id: str = ""
-
-
-def parse_etcd_endpoints(value: Any, key: str) -> tuple[tuple[str, int], ...]:
-    """``"h1:2379,http://h2:2379"`` -> ((h1, 2379), (h2, 2379)); raise naming ``key`` if malformed."""
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{key}: expected etcd endpoints such as 'http://127.0.0.1:2379,host2:2379', got {value!r}")
-    out = []
-    for item in value.split(","):
-        item = item.strip()
-        out.append(parse_url(item if "://" in item else "http://" + item, key, ("http",)))
-    return tuple(out)
-
-
-def check_cluster_id(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not _CLUSTER_ID_RE.match(value):
-        raise ConfigError(f"{key}: expected 1-64 letters, digits, '_', '.' or '-', got {value!r}")
-    return value
-
-
-def parse_meta_target(value: Any, key: str = "meta_service_url") -> MetaTarget:
-    """``tcp://h:p``, ``tcp://a:p,tcp://b:p`` (tried in turn) or ``etcd://h1:2379,h2:2379/<cluster_id>``."""
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a URL string, got {value!r}")
-    if value.startswith("etcd://"):
-        hosts, sep, cluster = value[len("etcd://"):].rpartition("/")
-        if not sep:
-            raise ConfigError(f"{key}: expected etcd://HOST:PORT[,HOST:PORT...]/CLUSTER_ID, got {value!r}")
-        return MetaTarget(etcd=parse_etcd_endpoints(hosts, key), cluster_id=check_cluster_id(cluster, key))
-    urls = tuple(u.strip() for u in value.split(","))
-    for u in urls:
-        parse_url(u, key, ("tcp",))
-    return MetaTarget(urls=urls)
-
-
-def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: expected a number in [{lo}, {hi}], got {value!r}")
+DISK_WRITE_POLICIES = ("on_evict", "write_through")
 
 
 @dataclasses.dataclass
@@ -442,8 +377,6 @@ class ReplicateConfig:
             raise ConfigError("preferredLocalServiceIDs: ids must be unique and at most replicaNum")
 
 
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-DISK_WRITE_POLICIES = ("on_evict", "write_through")
 
 
 def _check_disk(cfg: LocalConfig) -> None:
@@ -455,44 +388,6 @@ def _check_disk(cfg: LocalConfig) -> None:
                           f"got {cfg.disk_write_policy!r}")
     if cfg.disk_path and size < (1 << 20):
         raise ConfigError(f"disk_size: must be at least 1MB with disk_path set, got {cfg.disk_size!r}")
-
-
-def _check_int(key: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}")
-
-
-def _check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-TRUE_WORDS = ("1", "true", "yes", "y", "on")
-FALSE_WORDS = ("0", "false", "no", "n", "off")
-
-
-def parse_bool(key: str, value: Any) -> bool:
-    """The one reading of a boolean setting everywhere (JSON, extra-config strings, environment):
-    true/false, 1/0, or the words in ``TRUE_WORDS`` / ``FALSE_WORDS`` in any case; anything else is
-    a ConfigError naming ``key`` (never silently true or false)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    word = value.strip().lower() if isinstance(value, str) else None
-    if word in TRUE_WORDS or word in FALSE_WORDS:
-        return word in TRUE_WORDS
-    raise ConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-def _check_str(key: str, value: Any) -> None:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-
-
-def _check_log_level(level: str) -> None:
-    if str(level).lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
-        raise ConfigError(f"log_level: expected debug, info, warning or error, got {level!r}")
 
 
 C = TypeVar("C", MetaConfig, LocalConfig)

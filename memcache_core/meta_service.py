@@ -34,7 +34,7 @@ class MetaService:
 
     @staticmethod
     def main() -> int:
-        from .meta.service import serve
+        from .meta.server import serve
         try:
             config = MetaService._config or meta_config_from_env()
         except MemCacheError as e:

@@ -1,7 +1,7 @@
 """Every control-plane message, as msgspec Structs (tagged unions decoded with typed decoders).
 
 Client -> MetaService requests are ``Request``; the replies are ``Reply``. A batch call is one
-message: one round trip per batch, never one per key. Framing is in ``rpc.py``.
+message: one round trip per batch, never one per key. Framing is in ``rpc/framing.py``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ from .aligned import Aligned
 from .disk import DiskStore
 
 if TYPE_CHECKING:
-    from .service import LocalService, Pieces
+    from .membership import Pieces
+    from .service import LocalService
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class DiskTier:
 def read_disk(svc: LocalService, keys: list[str], pieces: list[Pieces], found: list[p.Found | None],
               idx: list[int], results: list[MemCacheError | None], verify: bool) -> None:
     """Read disk-only objects from the providers holding their records, straight into ``pieces``."""
-    from .service import _clip
+    from .reads import _clip
     by_owner: dict[int, list[int]] = {}
     for i in idx:
         f = found[i]

@@ -8,7 +8,7 @@ campaign again when it goes (the lease lapsed: the leader died, paused or lost e
 Fencing: the leader serves only until 3/4 of the TTL after the start of its last successful renewal
 (the lease lives at least a full TTL from then, as etcd counts), so it stops before any standby can
 win. Standbys, and a leader past that deadline, answer every control request with NOT_LEADER; every
-reply carries the term, and clients refuse replies of an older term (``rpc.py``). A MetaService that
+reply carries the term, and clients refuse replies of an older term (``rpc/client.py``). A MetaService that
 wins starts from an empty table (a new epoch): the LocalServices re-join and report their objects,
 as after a restart. The config store lives in etcd (``config/<key>``), read back on winning.
 """

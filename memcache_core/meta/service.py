@@ -1,4 +1,6 @@
-"""The MetaService process: one thread serving the control plane, one serving HTTP admin.
+"""The MetaService's state and request handling (``MetaServiceCore``); the serving loop around it,
+one thread serving the control plane and one serving HTTP admin, is ``server.py`` (``serve``,
+re-exported here).
 
 It never touches payload bytes. State lives in memory only; after a restart the LocalServices
 re-join and report the objects in their segments (see ``ObjectTable.add_segment``).
@@ -10,28 +12,23 @@ import collections
 import dataclasses
 import hmac
 import logging
-import os
 import random
-import resource
 import secrets
-import signal
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from .. import errors, tls
+from .. import errors
 from .. import protocol as p
-from ..auth import load_secret
-from ..config import MetaConfig, parse_url
-from ..rpc import FrameServer
+from ..config import MetaConfig
 from . import disk, placement, stats, validate
 from .drain import Drains
 from .events import EventPublisher
-from .http import AdminServer
 from .metrics import Metrics
+from .server import _answer as _answer
+from .server import serve as serve
 from .table import Obj, ObjectTable
 
 logger = logging.getLogger(__name__)
@@ -321,93 +318,3 @@ class MetaServiceCore:
         self.table.evict_all(now)
         self.drains.housekeeping(now)
         self.history.record(self, now)
-
-
-def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
-    """Run the MetaService until SIGTERM/SIGINT (or ``stop`` is set)."""
-    _raise_fd_limit()
-    core = MetaServiceCore(config)
-    stop = stop or threading.Event()
-    secret = load_secret(config.auth_secret_path, create=True) if config.auth_enable else None
-    if secret is None:
-        logger.warning("auth_enable is false: anyone who reaches these ports controls the pool")
-    handler = _handler(core)
-    server = FrameServer([parse_url(config.meta_service_url, "meta_service_url", ("tcp",)),
-                          parse_url(config.config_store_url, "config_store_url", ("tcp",))],
-                         handler, secret, config.max_connections,
-                         config.idle_timeout_seconds, tls.server_context(config))
-    admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
-    if threading.current_thread() is threading.main_thread():   # before /health answers: a SIGTERM
-        for sig in (signal.SIGTERM, signal.SIGINT):               # right after it must stop cleanly
-            signal.signal(sig, lambda *_: stop.set())
-    admin.start()
-    if core.ha is not None:
-        core.ha.start()
-    logger.info("MetaService (pid %d, epoch %d) serving %s, config store %s, admin %s",
-                os.getpid(), core.epoch, config.meta_service_url, config.config_store_url,
-                config.metrics_url)
-    interval = min(config.evict_check_interval_seconds, config.heartbeat_timeout_ms / 4000.0, 1.0)
-    next_house = time.monotonic() + interval
-    try:
-        while not stop.is_set():
-            server.poll(max(0.0, min(next_house - time.monotonic(), 0.2)))
-            if time.monotonic() >= next_house:
-                with core.lock:
-                    core.housekeeping(time.monotonic())
-                next_house = time.monotonic() + interval
-    finally:
-        if core.ha is not None:
-            core.ha.stop()
-        admin.stop()
-        server.close()
-        if core.publisher is not None:
-            core.publisher.close()
-        logger.info("MetaService stopped")
-
-
-def _handler(core: MetaServiceCore) -> Callable[[bytes], bytes]:
-    """The control-plane handler; with ha_enable, fenced by the leader election (meta/ha.py)."""
-    if not core.config.ha_enable:
-        return lambda body: _answer(core, body)
-    from . import ha
-    election = ha.LeaderElection(core.config, lambda won: ha.reset(core, election, won))
-    core.ha = election
-    return ha.fenced(election, lambda body, term: _answer(core, body, term))
-
-
-def _raise_fd_limit() -> None:
-    """Every connection is a file descriptor: take the hard limit, not the (often 1,024) soft one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError) as e:
-            logger.warning("could not raise the open-file limit from %d: %s", soft, e)
-
-
-def _answer(core: MetaServiceCore, payload: bytes, term: int = 0) -> bytes:
-    t0 = time.perf_counter()
-    try:
-        req = p.request_decoder.decode(payload)
-    except Exception as e:  # noqa: BLE001 - a malformed message must not stop the service
-        reply: p.Reply = p.Error(errors.INVALID_PARAM, f"malformed request: {e}")
-        name = "malformed"
-    else:
-        name = type(req).__name__
-    with core.lock:
-        if name != "malformed":
-            try:
-                reply = core.handle(req)
-            except errors.MemCacheError as e:
-                reply = p.Error(e.code, str(e))
-            except Exception as e:  # noqa: BLE001 - a handler's bug is an error reply, never the end
-                logger.exception("request %s failed", name)
-                reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
-            stats.count_outcomes(core.outcomes, req, reply)
-        core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
-    reply.term = term
-    try:
-        return p.request_encoder.encode(reply)
-    except Exception as e:  # noqa: BLE001 - an unencodable reply must not stop the service
-        logger.exception("reply to %s could not be encoded", name)
-        return p.request_encoder.encode(p.Error(errors.ERROR, f"reply could not be encoded: {e}", term=term))

@@ -14,71 +14,26 @@ Invariants (docs/design.md explains each):
   keeps living while one replica is left. ``under_replicated`` counts committed objects holding fewer
   replicas than their put asked for (placed partially, or a replica's segment died or was corrupt).
 Time is passed in (``now``, monotonic seconds) so the logic is testable without sleeping.
+
+The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``; choosing segments, allocating,
+evicting and freeing space in ``space.py`` (a mixin of ``ObjectTable``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import msgspec
-
 from .. import errors
 from ..layout import footprint
-from ..protocol import JournalEntry, Location, ObjectReport, SegmentInfo
+from ..protocol import Location, ObjectReport, SegmentInfo
 from .allocator import Allocator, aligned
+from .objects import Counters, Obj, Segment
+from .space import MAX_SHARED_SIZES as MAX_SHARED_SIZES
+from .space import Space
 
 logger = logging.getLogger(__name__)
-
-MAX_JOURNAL = 1_000_000
-DISK_LOOKAHEAD = 256     # how far eviction looks down the LRU list for an object already on disk
-MAX_SHARED_SIZES = 4096     # distinct object sizes whose int objects the table shares
-
-
-class Obj(msgspec.Struct, eq=False, gc=False):
-    """One object: a million of them fill a table, so every byte counts (benchmarks/bench_meta_memory.py).
-    Not tracked by the garbage collector (it never holds a reference cycle: strings, numbers and
-    locations only), which saves 16 bytes each and keeps full collections from walking them all."""
-
-    key: str
-    size: int
-    generation: int
-    locations: list[Location]
-    owner: int                      # client that allocated it
-    checksum: int = 0               # payload XXH3-64 from the writer (0: none)
-    committed: bool = False
-    pending_deadline: float = 0.0
-    lease_until: float = 0.0
-    replicas: int = 1               # replicas the put asked for
-    under: bool = False             # committed with fewer locations than ``replicas`` (counted)
-    disk: tuple[int, int] | None = None   # (segment id of the provider holding a disk record, its generation)
-    disk_offered: float = 0.0       # offered to that provider's disk writer; not again before this time
-
-
-class Segment:
-    def __init__(self, info: SegmentInfo, allocator: Allocator, alloc_after: float = 0.0) -> None:
-        self.info = info
-        self.allocator = allocator
-        self.lru: OrderedDict[str, Obj] = OrderedDict()  # committed objects here, least recent first
-        self.journal: list[JournalEntry] = []
-        self.journal_seq = 0
-        self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
-
-    def record_removed(self, report: ObjectReport) -> None:
-        """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header."""
-        self.journal_seq += 1
-        self.journal.append(JournalEntry(self.journal_seq, False, report))
-        if len(self.journal) > MAX_JOURNAL:
-            del self.journal[: len(self.journal) - MAX_JOURNAL]
-
-    def journal_since(self, ack: int) -> list[JournalEntry]:
-        if self.journal and self.journal[0].seq <= ack:
-            keep = next((i for i, e in enumerate(self.journal) if e.seq > ack), len(self.journal))
-            del self.journal[:keep]
-        return list(self.journal)
 
 
 class _Drawn:
@@ -100,26 +55,7 @@ class _Drawn:
             i += 1
 
 
-@dataclasses.dataclass
-class Counters:
-    allocs: int = 0
-    commits: int = 0
-    lookups: int = 0
-    hits: int = 0
-    exists: int = 0
-    removes: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    alloc_failures: int = 0
-    pending_reclaimed: int = 0
-    integrity_failures: int = 0
-    evictions_to_disk: int = 0      # evictions that kept the object on its disk tier
-    disk_drops: int = 0             # disk-only objects gone for good (their tier dropped the record)
-    disk_hits: int = 0              # lookups that found an object on disk only
-    promotions: int = 0             # disk-only objects brought back into DRAM
-
-
-class ObjectTable:
+class ObjectTable(Space):
     def __init__(self, high: float, low: float, lease_ttl_s: float, pending_timeout_s: float,
                  first_generation: int) -> None:
         self.high, self.low = high / 100.0, low / 100.0
@@ -236,53 +172,6 @@ class ObjectTable:
                                 pending_deadline=now + self.pending_timeout_s, replicas=replicas)
         self.pending += 1
         return errors.SUCCESS, self._next_gen, locs
-
-    def _choose(self, pinned: list[Segment], candidates: Iterable[Segment], replicas: int, size: int,
-                now: float) -> list[tuple[Segment, int]]:
-        """Up to ``replicas`` distinct segments with room, in this order of passes: pinned ones (without,
-        then with eviction); then segments on hosts not yet holding a replica; then any segment.
-        Segments smaller than the object are skipped (never evicted for nothing)."""
-        chosen: list[tuple[Segment, int]] = []
-        hosts: set[str] = set()
-        need = aligned(size)
-
-        def take(segs: Iterable[Segment], evict: bool, distinct_host: bool) -> None:
-            for seg in segs:
-                if len(chosen) == replicas:
-                    return
-                if seg.allocator.size < need or any(seg is c for c, _ in chosen) \
-                        or (distinct_host and seg.info.host_id in hosts):
-                    continue
-                off = self._alloc_in(seg, size, now, evict)
-                if off is not None:
-                    chosen.append((seg, off))
-                    hosts.add(seg.info.host_id)
-
-        for evict in (False, True):
-            take(pinned, evict, False)
-        for distinct_host in (True, False):
-            for evict in (False, True):
-                take(candidates, evict, distinct_host)
-        return chosen
-
-    def _shared_size(self, size: int) -> int:
-        """One int object per distinct size (KV pages come in a few sizes): 32 bytes less per object."""
-        if len(self._sizes) < MAX_SHARED_SIZES:
-            return self._sizes.setdefault(size, size)
-        return self._sizes.get(size, size)
-
-    def _alloc_in(self, seg: Segment, size: int, now: float, evict: bool) -> int | None:
-        a = seg.allocator
-        if not evict:
-            if a.used + aligned(size) > self.high * a.size:
-                return None
-            return a.alloc(size)
-        if a.used + aligned(size) > self.high * a.size:
-            self.evict_segment(seg, now, target=max(0, int(self.low * a.size) - aligned(size)))
-        off = a.alloc(size)
-        while off is None and self._evict_one(seg, now):
-            off = a.alloc(size)
-        return off
 
     def commit(self, client_id: int, key: str, generation: int, now: float, checksum: int = 0) -> int:
         obj = self.objects.get(key)
@@ -409,58 +298,6 @@ class ObjectTable:
         self.counters.removes += len(keys)
         return len(keys)
 
-    # ---- eviction ------------------------------------------------------------------------------------
-
-    def evict_all(self, now: float) -> int:
-        n = 0
-        for seg in self.segments.values():
-            if seg.allocator.used > self.high * seg.allocator.size:
-                n += self.evict_segment(seg, now, target=int(self.low * seg.allocator.size))
-        return n
-
-    def evict_segment(self, seg: Segment, now: float, target: int) -> int:
-        n = 0
-        while seg.allocator.used > target and self._evict_one(seg, now):
-            n += 1
-        return n
-
-    def _evict_one(self, seg: Segment, now: float) -> bool:
-        obj = self._victim(seg, now)
-        if obj is None:
-            return False
-        self.counters.evictions += 1
-        self.counters.evicted_bytes += obj.size
-        if obj.disk is not None and obj.disk[0] in self.disk_tiers:
-            self.counters.evictions_to_disk += 1
-            self.to_disk_only(obj, now)
-        else:
-            self._unlink(obj, now)
-        return True
-
-    def _victim(self, seg: Segment, now: float) -> Obj | None:
-        """The least recently used unleased object; in a segment with a disk tier, the least recently
-        used one among the first ``DISK_LOOKAHEAD`` that already has its disk record (evicting it loses
-        nothing), when there is one."""
-        first = None
-        with_disk = seg.info.segment_id in self.disk_tiers
-        for n, obj in enumerate(seg.lru.values()):
-            if obj.lease_until > now:
-                continue
-            if first is None:
-                first = obj
-                if not with_disk:
-                    break
-            if obj.disk is not None:
-                return obj
-            if n >= DISK_LOOKAHEAD:
-                break
-        return first
-
-    def to_disk_only(self, obj: Obj, now: float) -> None:
-        """Drop every DRAM copy of an object that has a disk record: it stays visible, served from disk."""
-        for loc in list(obj.locations):
-            self._drop_replica(obj, loc, now)
-
     # ---- internals -----------------------------------------------------------------------------------
 
     def _mark(self, obj: Obj) -> None:
@@ -497,12 +334,6 @@ class ObjectTable:
             self.doomed.append(obj)
         else:
             self._free_space(obj)
-
-    def _free_space(self, obj: Obj) -> None:
-        for loc in obj.locations:
-            seg = self.segments.get(loc.segment_id)
-            if seg is not None:
-                seg.allocator.free_range(loc.offset, footprint(obj.size))
 
     # ---- for drains (meta/drain.py) ------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ def test_a_departed_peers_segment_is_unmapped_by_readers(meta, stores, monkeypat
     """Scenario: a reader maps a peer's segment to read from it; the peer leaves. Once the reader
     refreshes its view of the pool, the segment is no longer in its /proc/self/maps (before, readers
     kept every departed peer's segment mapped, and tmpfs usage grew with each)."""
-    from memcache_core.local import service as service_mod
+    from memcache_core.local import membership as service_mod
     monkeypatch.setattr(service_mod, "SEGMENT_REFRESH_S", 0.3)
     peer = stores()
     assert peer("put", keys=["p"], layout=LAYOUT)["codes"] == [0]

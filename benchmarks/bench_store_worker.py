@@ -1,0 +1,365 @@
+"""``bench_store.py``'s worker processes: the engine adapters (memcache_core, Mooncake Store), the worker
+that times operations, and ``Proc``, the parent's handle on one worker (spawned)."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import time
+from typing import Any
+
+import numpy as np
+from bench_store_common import (
+    OBJ_BYTES,
+    OUT_OF_SPACE,
+    SEED,
+    SEGMENT,
+    SMALL,
+    BenchError,
+    OpFailed,
+    _bench_nixl,
+    _free_port,
+    memcpy_s,
+    minor_faults,
+    page_aligned,
+    piece_memcpy_s,
+    pieces_of,
+    stamp,
+)
+
+# ---- engine adapters (run inside the worker processes) ----------------------------------------------
+
+class CoreClient:
+    """memcache_core's DistributedObjectStore."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from memcache_core import DistributedObjectStore, LocalConfig, ReplicateConfig
+        cfg = LocalConfig()
+        cfg.meta_service_url = spec["meta_service_url"]
+        cfg.config_store_url = spec["config_store_url"]
+        _bench_nixl().configure(cfg, spec["protocol"])
+        cfg.dram_size = SEGMENT
+        cfg.log_level = "warning"
+        cfg.hcom_url = "tcp://127.0.0.1:0"
+        cfg.checksum = spec.get("checksum", True)
+        cfg.auth_enable = spec.get("auth", True)
+        self._rc = ReplicateConfig
+        self.store = DistributedObjectStore()
+        if self.store.setup(cfg) != 0 or self.store.init(0, init_bm=True) != 0:
+            raise BenchError("LocalService did not start")
+        self.ident = self.store.get_local_service_id()
+
+    def register(self, ptr: int, size: int) -> None:
+        if self.store.register_buffer(ptr, size) != 0:
+            raise BenchError("register_buffer failed")
+
+    def set_checksum(self, on: bool) -> None:
+        """Checksums on or off for this process's next puts (computed) and gets (verified)."""
+        cfg = self.store._service().config
+        cfg.checksum, cfg.checksum_verify_ratio = on, 1.0 if on else 0.0
+
+    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
+        rc = None
+        if peer is not None or replicas != 1:
+            rc = self._rc(replicas)
+            rc.preferredLocalServiceIDs = [peer] if peer is not None else []
+        return self.store.batch_put_from_layers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                [[s for _, s in ps] for ps in pieces], replicateConfig=rc)
+
+    def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
+        return self.store.batch_get_into_layers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                [[s for _, s in ps] for ps in pieces])
+
+    def put1(self, key: str, ptr: int, size: int) -> int:
+        return self.store.put_from(key, ptr, size)
+
+    def get1(self, key: str, ptr: int, size: int) -> int:
+        return self.store.get_into(key, ptr, size)
+
+    def exist1(self, key: str) -> int:
+        return self.store.is_exist(key)
+
+    def exist(self, keys: list[str]) -> list[int]:
+        return self.store.batch_is_exist(keys)
+
+    def remove(self, keys: list[str]) -> None:
+        self.store.remove_batch(keys)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class MooncakeClient:
+    """Mooncake Store's MooncakeDistributedStore over its TCP transport (its only CPU transport)."""
+
+    def set_checksum(self, on: bool) -> None:
+        """Mooncake Store has no payload checksums: there is nothing to switch."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        self._rc = ReplicateConfig
+        self.store = MooncakeDistributedStore()
+        self.ident = f"127.0.0.1:{_free_port()}"
+        rc = self.store.setup(self.ident, spec["metadata_url"], SEGMENT, 64 << 20, "tcp", "",
+                              spec["master_addr"])
+        if rc != 0:
+            raise BenchError(f"Mooncake setup failed ({rc})")
+
+    def register(self, ptr: int, size: int) -> None:
+        if self.store.register_buffer(ptr, size) != 0:
+            raise BenchError("register_buffer failed")
+
+    def _config(self, segment: str | None, replicas: int = 1) -> Any:
+        rc = self._rc()
+        rc.replica_num = replicas
+        rc.preferred_segment = segment or self.ident
+        return rc
+
+    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
+        cfg = self._config(peer, replicas)
+        if all(len(ps) == 1 for ps in pieces):
+            return self.store.batch_put_from(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces], cfg)
+        return self.store.batch_put_from_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                       [[s for _, s in ps] for ps in pieces], cfg)
+
+    def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
+        if all(len(ps) == 1 for ps in pieces):
+            got = self.store.batch_get_into(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces])
+        else:
+            got = self.store.batch_get_into_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
+                                                          [[s for _, s in ps] for ps in pieces])
+        return [0 if g == sum(s for _, s in ps) else (g if g < 0 else -1) for g, ps in zip(got, pieces, strict=True)]
+
+    def put1(self, key: str, ptr: int, size: int) -> int:
+        return self.store.put_from(key, ptr, size, self._config(None))
+
+    def get1(self, key: str, ptr: int, size: int) -> int:
+        got = self.store.get_into(key, ptr, size)
+        return 0 if got == size else -1
+
+    def exist1(self, key: str) -> int:
+        return self.store.is_exist(key)
+
+    def exist(self, keys: list[str]) -> list[int]:
+        return self.store.batch_is_exist(keys)
+
+    def remove(self, keys: list[str]) -> None:
+        for k in keys:
+            self.store.remove(k, True)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# ---- worker process -------------------------------------------------------------------------------
+
+class Worker:
+    """One LocalService process: holds a data buffer (source or destination), a reference copy of the
+    expected content and a scratch buffer for the memcpy reference."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.client = (MooncakeClient if spec["engine"] == "mooncake" else CoreClient)(spec)
+        self.lease_s = spec["lease_ms"] / 1000
+        n = spec["max_batch"] * OBJ_BYTES
+        self.expected = page_aligned(n, np.random.default_rng(SEED).bytes(n))
+        self.data = page_aligned(n, self.expected.tobytes())
+        self.scratch = page_aligned(n, bytes(n))
+        self.small = page_aligned(SMALL, np.random.default_rng(SEED + 1).bytes(SMALL))
+        self.small_dst = page_aligned(SMALL, bytes(SMALL))
+        for arr in (self.data, self.small, self.small_dst):
+            self.client.register(arr.ctypes.data, arr.nbytes)
+
+    def _batch(self, layout: str, batch: int, prefix: str) -> tuple[list[str], list[list[tuple[int, int]]]]:
+        keys = [f"{prefix}/{k}" for k in range(batch)]
+        return keys, [pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch)]
+
+    def put(self, layout: str, batch: int, rep: int, prefix: str, peer: Any) -> dict[str, Any]:
+        ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)  # drop old stamps
+        stamp(self.data, layout, batch, rep, tag=1 if peer is None else 2)
+        keys, pieces = self._batch(layout, batch, prefix)
+        for attempt in range(3):
+            f, t = minor_faults(), time.perf_counter()
+            codes = self.client.put(keys, pieces, peer)
+            dt, f = time.perf_counter() - t, minor_faults() - f
+            if attempt < 2 and all(c in (0, *OUT_OF_SPACE) for c in codes) and any(c != 0 for c in codes):
+                # objects read moments ago stay leased (their space is freed when the lease ends):
+                # drop this batch, wait for the leases and time the put again
+                self.client.remove(keys)
+                time.sleep(self.lease_s + 0.2)
+                continue
+            break
+        if any(c != 0 for c in codes):
+            return {"error": f"put {prefix}: codes {sorted(set(codes))}", "codes": True}
+        return {"s": dt, "faults": f, "memcpy_s": memcpy_s(self.scratch, self.expected, batch * OBJ_BYTES),
+                "piece_memcpy_s": piece_memcpy_s(pieces, self.scratch.ctypes.data, gather=True)}
+
+    def get(self, layout: str, batch: int, rep: int, prefix: str) -> dict[str, Any]:
+        keys, pieces = self._batch(layout, batch, prefix)
+        f, t = minor_faults(), time.perf_counter()
+        codes = self.client.get(keys, pieces)
+        dt, f = time.perf_counter() - t, minor_faults() - f
+        if any(c != 0 for c in codes):
+            return {"error": f"get {prefix}: codes {sorted(set(codes))}", "codes": True}
+        n = batch * OBJ_BYTES
+        mc = memcpy_s(self.scratch, self.expected, n)   # the scratch copy then becomes the expected image
+        want = self.scratch
+        stamp(want, layout, batch, rep, tag=1)
+        if not np.array_equal(self.data[:n], want[:n]):
+            bad = int(np.flatnonzero(self.data[:n] != want[:n])[0])
+            return {"error": f"get {prefix}: bytes differ from what was written (first at offset {bad})"}
+        return {"s": dt, "faults": f, "memcpy_s": mc,
+                "piece_memcpy_s": piece_memcpy_s(pieces, self.expected.ctypes.data, gather=False)}
+
+    def fill(self, op: str, prefix: str, count: int, peer: Any = None) -> dict[str, Any]:
+        """Put (or get, or remove) ``count`` objects, a batch at a time: touches every page of a segment."""
+        step = len(self.data) // OBJ_BYTES
+        for first in range(0, count, step):
+            keys, pieces = self._batch("contiguous", min(step, count - first), f"{prefix}/{first}")
+            codes = (self.client.put(keys, pieces, peer) if op == "put" else self.client.get(keys, pieces)
+                     if op == "get" else (self.client.remove(keys), [0] * len(keys))[1])
+            if any(c != 0 for c in codes):
+                return {"error": f"pool warm-up {op} {prefix}: codes {sorted(set(codes))}"}
+        return {}
+
+    def remove(self, layout: str, batch: int, prefix: str) -> dict[str, Any]:
+        self.client.remove(self._batch(layout, batch, prefix)[0])
+        return {}
+
+    def paired(self, op: str, layout: str, batch: int, prefix: str, reps: int) -> dict[str, Any]:
+        """Time ``op`` with checksums and without, alternately, on the same objects: per repetition
+        the pair ran seconds apart under the same load, so their ratio is a fair cost."""
+        keys, pieces = self._batch(layout, batch, prefix)
+        on: list[float] = []
+        off: list[float] = []
+        for rep in range(reps):
+            for flag in ((True, False) if rep % 2 else (False, True)):
+                self.client.set_checksum(flag)
+                if op == "put":
+                    k = [f"{key}/{rep}/{int(flag)}" for key in keys]
+                    t = time.perf_counter()
+                    codes = self.client.put(k, pieces, None)
+                    dt = time.perf_counter() - t
+                    self.client.remove(k)
+                else:
+                    t = time.perf_counter()
+                    codes = self.client.get(keys, pieces)
+                    dt = time.perf_counter() - t
+                if any(c != 0 for c in codes):
+                    return {"error": f"paired {op} {prefix}: codes {sorted(set(codes))}"}
+                (on if flag else off).append(dt)
+        self.client.set_checksum(True)
+        return {"on": on, "off": off}
+
+    def replica_sets(self, layout: str, batch: int, prefix: str, counts: list[int], op: str) -> dict[str, Any]:
+        """Put (op "put") or remove one batch per replica count, unstamped (readers compare with
+        ``expected``); the first copy always in the writer's own segment."""
+        ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)
+        keys, pieces = self._batch(layout, batch, prefix)
+        for n in counts:
+            k = [f"{key}/n{n}" for key in keys]
+            codes = (self.client.put(k, pieces, self.client.ident, n) if op == "put"
+                     else (self.client.remove(k), [0])[1])
+            if any(c != 0 for c in codes):
+                return {"error": f"replica set {prefix} n{n}: codes {sorted(set(codes))}"}
+        return {}
+
+    def paired_replicas(self, op: str, layout: str, batch: int, prefix: str, reps: int,
+                        counts: list[int]) -> dict[str, Any]:
+        """Time ``op`` with each replica count in turn (the order rotates per repetition) on the same
+        pieces, so the runs of one repetition are seconds apart under the same load. Puts use new
+        keys (removed after); gets read the sets ``replica_sets`` put and are checked byte for byte."""
+        ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)
+        keys, pieces = self._batch(layout, batch, prefix)
+        own = self.client.ident   # the first copy always in the writer's own segment, the others beyond
+        times: dict[str, list[float]] = {str(n): [] for n in counts}
+        nbytes = batch * OBJ_BYTES
+        for rep in range(reps):
+            for n in counts[rep % len(counts):] + counts[:rep % len(counts)]:
+                k = [f"{key}/n{n}" + (f"/{rep}" if op == "put" else "") for key in keys]
+                if op == "get":
+                    self.data[:nbytes] = 0
+                t = time.perf_counter()
+                codes = self.client.put(k, pieces, own, n) if op == "put" else self.client.get(k, pieces)
+                times[str(n)].append(time.perf_counter() - t)
+                if any(c != 0 for c in codes):
+                    return {"error": f"paired replicas {op} {prefix}: codes {sorted(set(codes))}"}
+                if op == "put":
+                    self.client.remove(k)
+                elif not np.array_equal(self.data[:nbytes], self.expected[:nbytes]):
+                    return {"error": f"paired replicas get {prefix} n{n}: bytes differ from what was written"}
+        return {"s": times}
+
+    def small_ops(self, op: str, prefix: str, n: int) -> dict[str, Any]:
+        lat, c = [], self.client
+        ptr_s, ptr_d = self.small.ctypes.data, self.small_dst.ctypes.data
+        for i in range(n):
+            key = f"{prefix}/{i}"
+            t = time.perf_counter_ns()
+            rc = (c.put1(key, ptr_s, SMALL) if op == "put" else c.get1(key, ptr_d, SMALL) if op == "get"
+                  else c.exist1(key) - 1)
+            lat.append(time.perf_counter_ns() - t)
+            if rc != 0:
+                return {"error": f"small {op} {key}: {rc}"}
+        if op == "get" and not np.array_equal(self.small, self.small_dst):
+            return {"error": "small get: bytes differ from what was written"}
+        return {"ns": lat}
+
+    def batch_exist(self, prefix: str, n: int, reps: int) -> dict[str, Any]:
+        keys, lat = [f"{prefix}/{i}" for i in range(n)], []
+        for _ in range(reps):
+            t = time.perf_counter_ns()
+            flags = self.client.exist(keys)
+            lat.append(time.perf_counter_ns() - t)
+            if list(flags) != [1] * n:
+                return {"error": f"batch_is_exist: {sum(f == 1 for f in flags)} of {n} keys found"}
+        return {"ns": lat}
+
+
+def _worker_main(conn: Any, spec: dict[str, Any]) -> None:
+    try:
+        w = Worker(spec)
+        conn.send({"ident": w.client.ident})
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
+        conn.send({"error": f"worker start: {e!r}"})
+        return
+    while True:
+        cmd, kwargs = conn.recv()
+        if cmd == "close":
+            w.client.close()
+            conn.send({})
+            return
+        try:
+            conn.send(getattr(w, cmd)(**kwargs))
+        except Exception as e:  # noqa: BLE001
+            conn.send({"error": f"{cmd}: {e!r}"})
+
+
+class Proc:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.proc.start()
+        self.ident = self.wait()["ident"]
+
+    def wait(self) -> dict[str, Any]:
+        if not self.conn.poll(300):
+            raise BenchError("worker did not answer within 300 s")
+        r = self.conn.recv()
+        if "error" in r:
+            raise (OpFailed if r.get("codes") else BenchError)(r["error"])
+        return r
+
+    def call(self, cmd: str, **kwargs: Any) -> dict[str, Any]:
+        self.conn.send((cmd, kwargs))
+        return self.wait()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close", {}))
+            self.conn.poll(20)
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()

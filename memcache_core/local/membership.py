@@ -1,0 +1,168 @@
+"""The LocalService as a pool member: its ``Session`` (what one Join established), joining and
+re-joining, the heartbeat with its journal of objects that left our segment, calls that act as this
+member, and the table of the pool's segments (refreshed so that peers that left are unmapped).
+
+Identity: the MetaService issues this member's id at ``Join`` (ids are never drawn from ``random``,
+which engines seed identically in every process). Everything that depends on the id lives in one
+immutable ``Session``, swapped whole on a re-join and read once per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from .. import errors
+from .. import protocol as p
+from ..config import LocalConfig
+from ..errors import MemCacheError, MetaServiceUnavailable
+from ..memory import Mapping
+from ..rpc import RpcClient, expect
+from ..transfer import TransferEngine
+from . import recovery, tier
+from .drain import Drainer
+from .metrics import LocalMetrics
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_REFRESH_S = 10.0    # how often the segment table is re-read (peers that left are unmapped)
+
+Pieces = list[tuple[int, int]]   # (address, length) of the buffers an object is laid across, end to end
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Session:
+    """What one Join established; replaced as a whole on a re-join."""
+
+    client_id: int
+    epoch: int
+    lease_ttl_s: float
+    pending_timeout_s: float
+    segment: p.SegmentInfo | None
+    token: bytes = b""
+
+
+
+class Membership:
+    """The member's side of the LocalService (a mixin: ``LocalService.__init__`` sets the state)."""
+
+    config: LocalConfig
+    host_id: str
+    rpc: RpcClient
+    session: Session
+    segment: Mapping | None
+    engine: TransferEngine | None
+    disk: tier.DiskTier | None
+    drainer: Drainer
+    metrics: LocalMetrics
+    _segment_template: p.SegmentInfo | None
+    _segments: dict[int, p.SegmentInfo]
+    _journal_ack: int
+    _lock: threading.Lock
+    _join_lock: threading.Lock
+    _stop: threading.Event
+
+    def _join(self, recover: bool) -> None:
+        """Join (or re-join) and install the new session in one step."""
+        objects = recovery.scan(self.segment) if recover and self.segment is not None else []
+        old = self.session
+        on_disk = self.disk.store.reports() if self.disk is not None else []
+        reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
+                                     objects, old.token, on_disk), probe=True)
+        j = expect(reply, p.Joined)
+        seg = None
+        if self._segment_template is not None:
+            seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
+        with self._lock:
+            stale, self._segments = list(self._segments.values()), {}
+            self._journal_ack = 0
+            self.session = Session(j.client_id, j.meta_epoch, j.lease_ttl_ms / 1000.0,
+                                   j.pending_timeout_ms / 1000.0, seg, j.token)
+        if self.engine is not None:
+            for seg_info in stale:
+                self.engine.forget(seg_info)
+        if recover:
+            logger.info("re-joined MetaService (epoch %d) as %d with %d objects", j.meta_epoch, j.client_id,
+                        len(objects))
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_ms / 1000.0
+        timeout = min(self.config.client_timeout_seconds, max(1.0, 3 * interval))
+        next_refresh = time.monotonic() + SEGMENT_REFRESH_S
+        while not self._stop.wait(interval):
+            try:
+                if self._segments and time.monotonic() >= next_refresh:
+                    next_refresh = time.monotonic() + SEGMENT_REFRESH_S
+                    self._refresh_segments()   # unmap peers that left even if nobody asks for them
+                s = self.session
+                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack), timeout_s=timeout,
+                                         probe=True), p.HeartbeatReply)
+                if not r.known or r.meta_epoch != s.epoch:
+                    if r.meta_epoch != s.epoch:
+                        self.metrics.meta_restarts.inc()
+                    self.metrics.rejoins.inc()
+                    self._rejoin(s)
+                    continue
+                self._apply_journal(r.journal)
+                self.drainer.on_heartbeat(r.drain)
+            except MetaServiceUnavailable:
+                continue
+            except MemCacheError as e:
+                logger.warning("heartbeat failed: %s", e)
+            except Exception:
+                logger.exception("heartbeat loop error")
+
+    def _rejoin(self, seen: Session) -> None:
+        """Re-join once for a session found stale (by the heartbeat, or by a call refused as a
+        non-member); several threads finding the same stale session re-join once."""
+        with self._join_lock:
+            if self.session is seen and not self._stop.is_set():
+                self._join(recover=True)
+
+    def _member_call(self, make: Callable[[Session], p.Request]) -> p.Reply:
+        """A call that acts as this member; after a MetaService restart re-join first, then retry once."""
+        s = self.session
+        try:
+            return self.rpc.call(make(s))
+        except errors.NotAMember:
+            self._rejoin(s)
+            return self.rpc.call(make(self.session))
+
+    def _apply_journal(self, journal: list[p.JournalEntry]) -> None:
+        """Objects of our segment that left the pool: clear their headers, so a scan skips them."""
+        for e in journal:
+            if e.seq <= self._journal_ack:
+                continue
+            if not e.added and self.segment is not None:
+                recovery.clear_header(self.segment, e.obj)
+            self._journal_ack = e.seq
+
+    # ---- segments ------------------------------------------------------------------------------------
+
+    def _segment(self, sid: int) -> p.SegmentInfo:
+        seg = self._segments.get(sid)
+        if seg is None:
+            self._refresh_segments()
+            seg = self._segments.get(sid)
+            if seg is None:
+                raise errors.PeerUnavailable(f"segment {sid} is not in the pool")
+        return seg
+
+    def _refresh_segments(self) -> None:
+        """Fetch the pool's segments; unmap (and disconnect from) those that left or changed."""
+        r = expect(self.rpc.call(p.GetSegments([]), idempotent=True), p.Segments)
+        with self._lock:
+            live = {s.segment_id: s for s in r.segments}
+            gone = [old for sid, old in self._segments.items() if live.get(sid) != old]
+            self._segments = live
+        if self.engine is not None:
+            for old in gone:
+                self.engine.forget(old)
+
+
+def _fields(info: p.SegmentInfo) -> tuple:
+    return (info.segment_id, info.size, info.host_id, info.shm_path, info.data_addr, info.tag, info.nixl)

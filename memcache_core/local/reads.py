@@ -1,0 +1,222 @@
+"""Get, in named phases: lookup -> check sizes -> read with replica fallback -> confirm.
+
+Get leases: ``Lookup`` leases the objects for ``lease_ttl``; a read that finishes later than that is
+confirmed with ``Validate`` before it counts; a read whose bytes fail their checksum is a miss,
+reported to the MetaService, which drops the object. Replicas are read nearest first; a disk record
+on a provider is one more replica after every DRAM copy failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+from .. import errors
+from .. import protocol as p
+from ..errors import InvalidParameter, MemCacheError
+from ..memory import Mapping
+from ..rpc import expect
+from ..transfer import CopyOp
+from . import tier
+from .membership import Membership, Pieces
+from .writes import _valid_key
+
+if TYPE_CHECKING:
+    from .service import LocalService
+
+logger = logging.getLogger(__name__)
+
+LEASE_SAFETY = 0.8          # trust a read without Validate only if it ended within 80% of the lease
+
+
+class Reads(Membership):
+    """``LocalService.get`` and its phases (a mixin)."""
+
+    integrity_failures: int
+    _sample: random.Random
+
+    def lookup_sizes(self, keys: Sequence[str]) -> list[p.Found | None]:
+        return expect(self.rpc.call(p.Lookup(list(keys), lease=False), idempotent=True), p.LookupReply).results
+
+    def get(self, keys: Sequence[str], pieces: Sequence[Pieces] | None,
+            exact: bool = True) -> tuple[list[MemCacheError | None], list[p.Found | None]]:
+        """Read each key into its pieces. ``pieces`` None: only lease and return the locations.
+
+        Per-key error or None; a key that is absent gets KeyNotFound. Never a partial success:
+        a key whose bytes could not all be read, failed their checksum, or whose lease ran out
+        while the space was reused, is an error.
+        """
+        results: list[MemCacheError | None] = [None] * len(keys)
+        found: list[p.Found | None] = [None] * len(keys)
+        valid = [i for i in range(len(keys)) if _valid_key(keys[i], results, i)]
+        t0 = time.monotonic()
+        lease_ttl_s = self._lookup(keys, valid, results, found)
+        if lease_ttl_s is None or pieces is None:
+            return results, found
+        todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
+        corrupt = self._read_with_fallback(keys, pieces, found, todo, results)
+        if time.monotonic() - t0 > lease_ttl_s * LEASE_SAFETY:
+            self._confirm(keys, found, results)
+        if corrupt:
+            self._report_corrupt(corrupt)
+        return results, found
+
+    def _lookup(self, keys: Sequence[str], valid: list[int], results: list[MemCacheError | None],
+                found: list[p.Found | None]) -> float | None:
+        """Lease the objects of the ``valid`` keys into ``found``; the lease in seconds, None when no
+        lookup was made or it failed (every valid key then carries the error)."""
+        if not valid:
+            return None
+        try:
+            reply = expect(self.rpc.call(p.Lookup([keys[i] for i in valid], lease=True), idempotent=True),
+                           p.LookupReply)
+        except MemCacheError as e:
+            for i in valid:
+                results[i] = e
+            return None
+        for i, f in zip(valid, reply.results, strict=True):
+            found[i] = f
+            if f is None:
+                results[i] = errors.KeyNotFound(f"key {keys[i]!r} does not exist")
+        return reply.lease_ttl_ms / 1000.0
+
+    def _read_with_fallback(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
+                            todo: list[int], results: list[MemCacheError | None]) -> list[tuple[str, int, int]]:
+        """Disk-only objects from their provider, the others from their DRAM replicas, then the disk
+        record where every DRAM copy failed. Returns the corrupt replicas (``_read``)."""
+        svc = cast("LocalService", self)
+        verify_disk = self.config.checksum and self.config.checksum_verify_ratio > 0
+        on_disk = [i for i in todo if not found[i].locations]  # type: ignore[union-attr]
+        if on_disk:   # evicted to a provider's disk tier: that provider serves the bytes (local/tier.py)
+            tier.read_disk(svc, list(keys), list(pieces), found, on_disk, results, verify_disk)
+            todo = [i for i in todo if found[i].locations]  # type: ignore[union-attr]
+        corrupt = self._read(keys, pieces, found, todo, results)
+        fallback = [i for i in todo if results[i] is not None and found[i].disk]  # type: ignore[union-attr]
+        if fallback:   # every DRAM copy failed: the provider's disk record is one more replica
+            tier.read_disk(svc, list(keys), list(pieces), found, fallback, results, verify_disk)
+        failed = [e for e in (results[i] for i in todo) if e is not None]
+        if failed:   # a miss the engine will recompute: say why, once per batch
+            logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),
+                           type(failed[0]).__name__, failed[0])
+        return corrupt
+
+    def _read(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
+              todo: list[int], results: list[MemCacheError | None]) -> list[tuple[str, int, int]]:
+        """Read each key from its replicas in turn, nearest first; a replica that fails (a dead or
+        unknown peer, bytes failing their checksum) is followed by the next. Returns the corrupt
+        replicas as (key, generation, segment id)."""
+        assert self.engine is not None
+        ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
+        corrupt: list[tuple[str, int, int]] = []
+        attempt = {i: list(found[i].locations) for i in todo}  # type: ignore[union-attr]
+        self._know_segments([loc for locs in attempt.values() if len(locs) > 1 for loc in locs])
+        attempt = {i: self._replica_order(locs) for i, locs in attempt.items()}
+        while todo:
+            ops, owners = [], []
+            for i in todo:
+                f, seg = found[i], self._next_replica(attempt[i], results, i)
+                if seg is None or f is None:
+                    continue
+                verify = ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
+                ops.append(CopyOp(seg[0], seg[1], _clip(pieces[i], f.size), f.size, keys[i], f.generation,
+                                  f.checksum, hash=verify))
+                owners.append(i)
+            self.engine.read(ops)
+            todo = []
+            for i, op in zip(owners, ops, strict=True):
+                results[i] = op.error
+                if isinstance(op.error, errors.ChecksumMismatch):
+                    self.integrity_failures += 1
+                    logger.error("integrity failure: %s", op.error)
+                    corrupt.append((op.key, op.generation, op.segment.segment_id))
+                if op.error is not None and attempt[i]:
+                    logger.info("reading %r from segment %d failed (%s); trying another replica", op.key,
+                                op.segment.segment_id, op.error)
+                    todo.append(i)
+        return corrupt
+
+    def _know_segments(self, locs: list[p.Location]) -> None:
+        """Fetch the segment table once when replicas lie in segments not known here (to rank them)."""
+        if any(loc.segment_id not in self._segments for loc in locs):
+            try:
+                self._refresh_segments()
+            except MemCacheError as e:
+                logger.debug("segment table not refreshed: %s", e)
+
+    def _next_replica(self, left: list[p.Location], results: list[MemCacheError | None],
+                      i: int) -> tuple[p.SegmentInfo, int] | None:
+        """The next replica of key ``i`` whose segment is in the pool, as (segment, offset)."""
+        while left:
+            loc = left.pop(0)
+            try:
+                return self._segment(loc.segment_id), loc.offset
+            except MemCacheError as e:
+                results[i] = e
+        return None
+
+    def _report_corrupt(self, corrupt: list[tuple[str, int, int]]) -> None:
+        try:
+            self._member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _, _ in corrupt],
+                                                  [g for _, g, _ in corrupt], [sid for _, _, sid in corrupt]))
+        except MemCacheError as e:
+            logger.warning("could not report %d corrupt objects: %s", len(corrupt), e)
+
+    def _replica_order(self, locs: list[p.Location]) -> list[p.Location]:
+        """Our own segment first, then segments on this host (shared memory, or TCP over loopback),
+        then the others in the MetaService's order."""
+        if len(locs) == 1:
+            return locs
+        return sorted(locs, key=lambda loc: replica_distance(self._segments.get(loc.segment_id),
+                                                            self.segment, self.host_id))
+
+    def _confirm(self, keys: Sequence[str], found: list[p.Found | None],
+                 results: list[MemCacheError | None]) -> None:
+        """The reads outlived their lease: keep only those whose objects were not replaced since."""
+        idx = [i for i, r in enumerate(results) if r is None and found[i] is not None]
+        if not idx:
+            return
+        try:
+            flags = expect(self.rpc.call(p.Validate([keys[i] for i in idx],
+                                                    [found[i].generation for i in idx]),  # type: ignore[union-attr]
+                                         idempotent=True), p.Flags).flags
+        except MemCacheError as e:
+            flags = [False] * len(idx)
+            logger.warning("could not confirm %d reads that outlived their lease: %s", len(idx), e)
+        for i, ok in zip(idx, flags, strict=True):
+            if not ok:
+                results[i] = errors.LeaseExpired(f"{keys[i]!r} changed while a slow read held an expired lease")
+
+
+def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: str) -> int:
+    """How near a replica is: 0 in our own segment, 1 on this host, 2 elsewhere, 3 not known here."""
+    if seg is None:
+        return 3
+    if own is not None and seg.shm_path == own.path:
+        return 0
+    return 1 if seg.host_id == host_id else 2
+
+
+
+def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool, results: list[MemCacheError | None],
+          i: int) -> bool:
+    assert f is not None
+    want = sum(s for _, s in pieces)
+    if (want != f.size) if exact else (want < f.size):
+        results[i] = InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
+        return False
+    return True
+
+
+def _clip(pieces: Pieces, size: int) -> Pieces:
+    """The pieces cut to ``size`` bytes in total (for reads into buffers larger than the object)."""
+    out, left = [], size
+    for ptr, s in pieces:
+        if left <= 0:
+            break
+        out.append((ptr, min(s, left)))
+        left -= s
+    return out
+

@@ -1,0 +1,267 @@
+"""The server side of the control plane: one selector loop answering frames, bounded in connections,
+handshake time, buffered input and unread replies (``FrameServer``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import selectors
+import socket
+import ssl
+import time
+from collections.abc import Callable
+
+from ..auth import ServerHandshake
+from .framing import FRAME_HEAD, is_addr_in_use, take_frame
+
+__all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLY", "PREAUTH_TIMEOUT_S", "FrameServer", "is_addr_in_use"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
+MAX_BUFFERED_INPUT = 512 << 20   # bytes of unfinished frames a server holds for all connections together
+PREAUTH_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Peer:
+    """A server-side connection: its handshake (until done), input, unsent output, last activity."""
+
+    handshake: ServerHandshake | None
+    last: float
+    tls_pending: bool = False
+    inbuf: bytearray = dataclasses.field(default_factory=bytearray)
+    out: bytearray | None = None
+
+
+class FrameServer:
+    """Single-threaded selector loop answering frames with ``handler(payload) -> reply bytes``.
+
+    Bounded: a connection must finish the pool handshake within ``PREAUTH_TIMEOUT_S`` (nothing it
+    sends before is decoded, and it can make the server hold 64 bytes); at most ``max_connections``
+    are open (more are refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
+    read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it; unfinished frames
+    of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
+    over is disconnected: a Join report of a million objects still fits); running out of
+    file descriptors pauses accepting instead of spinning.
+    """
+
+    def __init__(self, binds: list[tuple[str, int]], handler: Callable[[bytes], bytes],
+                 secret: bytes | None = None, max_connections: int = 4096, idle_timeout_s: float = 600.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.handler = handler
+        self.tls = tls
+        self.secret = secret
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.sel = selectors.DefaultSelector()
+        self.listeners: list[socket.socket] = []
+        for host, port in binds:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            s.listen(1024)
+            s.setblocking(False)
+            self.sel.register(s, selectors.EVENT_READ, None)
+            self.listeners.append(s)
+        self._peers: dict[socket.socket, _Peer] = {}
+        self._buffered = 0   # bytes of unfinished frames held for all connections together
+        self.max_buffered_input = MAX_BUFFERED_INPUT
+        self._paused_until = 0.0
+        self._next_sweep = time.monotonic() + 1.0
+        self.refused = 0
+
+    def poll(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            for s in self.listeners:
+                self.sel.register(s, selectors.EVENT_READ, None)
+        for key, events in self.sel.select(timeout_s):
+            sock: socket.socket = key.fileobj  # type: ignore[assignment]
+            if key.data is None:
+                self._accept(sock)
+                continue
+            peer = self._peers.get(sock)
+            if peer is not None and peer.tls_pending:
+                self._tls_step(sock, peer)
+                continue
+            if events & selectors.EVENT_READ:
+                self._read(sock)
+            peer = self._peers.get(sock)
+            if events & selectors.EVENT_WRITE and peer is not None and peer.out is not None:
+                self._flush(sock, peer)
+        if now >= self._next_sweep:
+            self._sweep(now)
+
+    def _accept(self, lsock: socket.socket) -> None:
+        try:
+            conn, _ = lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                logger.error("cannot accept connections (%s); pausing accepts for 100 ms", e)
+                self._pause_accepting(0.1)
+            return
+        if len(self._peers) >= self.max_connections:
+            self.refused += 1
+            conn.close()
+            return
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        hs = ServerHandshake(self.secret) if self.secret is not None else None
+        self._peers[conn] = peer = _Peer(hs, time.monotonic(), tls_pending=self.tls is not None)
+        self.sel.register(conn, selectors.EVENT_READ, "conn")
+        if peer.tls_pending:
+            self._tls_step(conn, peer)
+        elif hs is not None:
+            self._send(conn, peer, bytearray(hs.hello))
+
+    def _tls_step(self, conn: socket.socket, peer: _Peer) -> None:
+        """Advance a TLS handshake without blocking; once done, start the pool's own handshake."""
+        assert isinstance(conn, ssl.SSLSocket)
+        try:
+            conn.do_handshake()
+        except ssl.SSLWantReadError:
+            self.sel.modify(conn, selectors.EVENT_READ, "conn")
+            return
+        except ssl.SSLWantWriteError:
+            self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
+            return
+        except (ssl.SSLError, OSError):
+            self._close(conn)
+            return
+        peer.tls_pending = False
+        self.sel.modify(conn, selectors.EVENT_READ, "conn")
+        if peer.handshake is not None:
+            self._send(conn, peer, bytearray(peer.handshake.hello))
+
+    def _pause_accepting(self, seconds: float) -> None:
+        if not self._paused_until:
+            for s in self.listeners:
+                self.sel.unregister(s)
+        self._paused_until = time.monotonic() + seconds
+
+    def _read(self, conn: socket.socket) -> None:
+        peer = self._peers.get(conn)
+        if peer is None:
+            return
+        try:
+            chunk = conn.recv(1 << 16)
+            while isinstance(conn, ssl.SSLSocket) and conn.pending():
+                chunk += conn.recv(conn.pending())   # decrypted bytes the selector does not report
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(conn)
+            return
+        peer.last = time.monotonic()
+        if peer.handshake is not None:
+            proof, chunk = peer.handshake.feed(chunk)
+            if peer.handshake.failed:
+                self._close(conn)
+                return
+            if not peer.handshake.done:
+                return
+            peer.handshake = None
+            self._send(conn, peer, bytearray(proof))
+            if conn not in self._peers:
+                return
+        if self._buffered + len(chunk) > self.max_buffered_input:
+            logger.warning("closing a connection: %d bytes of unfinished frames would be buffered server-wide "
+                           "(limit %d)", self._buffered + len(chunk), self.max_buffered_input)
+            self._close(conn)
+            return
+        buf = peer.inbuf
+        before = len(buf)
+        buf += chunk
+        out = bytearray()
+        waiting = len(peer.out) if peer.out is not None else 0
+        try:
+            while (frame := take_frame(buf)) is not None:
+                rid, body = frame
+                reply = self.handler(body)
+                out += FRAME_HEAD.pack(len(reply), rid)
+                out += reply
+                if waiting + len(out) > MAX_PENDING_REPLY:
+                    # one 64 KiB read can hold thousands of small requests for big replies: stop here,
+                    # not after building all of them
+                    logger.warning("closing a connection that does not read its replies (%d bytes waiting)",
+                                   waiting + len(out))
+                    self._close(conn)
+                    return
+        except ValueError:
+            self._close(conn)
+            return
+        finally:
+            if conn in self._peers:
+                self._buffered += len(buf) - before
+        if out:
+            self._send(conn, peer, out)
+
+    def _send(self, conn: socket.socket, peer: _Peer, data: bytearray) -> None:
+        if peer.out is not None:
+            peer.out += data
+            if len(peer.out) > MAX_PENDING_REPLY:
+                logger.warning("closing a connection that does not read its replies (%d bytes waiting)",
+                               len(peer.out))
+                self._close(conn)
+            return
+        try:
+            n = conn.send(data)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            n = 0
+        except OSError:
+            self._close(conn)
+            return
+        if n < len(data):
+            del data[:n]          # keep the rest in place: no second copy of a large reply
+            peer.out = data
+            self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
+
+    def _flush(self, conn: socket.socket, peer: _Peer) -> None:
+        data, peer.out = peer.out, None
+        self.sel.modify(conn, selectors.EVENT_READ, "conn")
+        assert data is not None
+        self._send(conn, peer, data)
+
+    def _sweep(self, now: float) -> None:
+        """Close connections that never authenticated in time, and idle ones."""
+        self._next_sweep = now + 1.0
+        for conn, peer in list(self._peers.items()):
+            limit = PREAUTH_TIMEOUT_S if peer.handshake is not None else self.idle_timeout_s
+            if now - peer.last > limit:
+                self._close(conn)
+
+    @property
+    def connections(self) -> int:
+        return len(self._peers)
+
+    @property
+    def buffered_input(self) -> int:
+        return self._buffered
+
+    def _close(self, conn: socket.socket) -> None:
+        try:
+            self.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        peer = self._peers.pop(conn, None)
+        if peer is not None:
+            self._buffered -= len(peer.inbuf)
+        conn.close()
+
+    def close(self) -> None:
+        for conn in list(self._peers):
+            self._close(conn)
+        for s in self.listeners:
+            if not self._paused_until:
+                self.sel.unregister(s)
+            s.close()
+        self.sel.close()
