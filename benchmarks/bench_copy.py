@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -33,6 +32,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_store import OBJ_BYTES, SEED, BenchError, page_aligned, piece_memcpy_s, pieces_of  # noqa: E402
+from bench_store_worker import Proc as StoreProc  # noqa: E402
+from bench_store_worker import serve  # noqa: E402
 
 SEGMENT = 1 << 30
 
@@ -73,6 +74,12 @@ class Worker:
             read(ops)
             self.copy_s += time.perf_counter() - t
         engine.read = timed_read
+
+    def hello(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self.store.close()
 
     def _pieces(self, layout: str, batch: int) -> list[list[tuple[int, int]]]:
         return [pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch)]
@@ -132,53 +139,11 @@ class Worker:
 
 
 def _worker_main(conn: Any, spec: dict[str, Any]) -> None:
-    try:
-        w = Worker(spec)
-        conn.send({})
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
-        conn.send({"error": f"worker start: {e!r}"})
-        return
-    while True:
-        cmd, kwargs = conn.recv()
-        if cmd == "close":
-            w.store.close()
-            conn.send({})
-            return
-        try:
-            conn.send(getattr(w, cmd)(**kwargs))
-        except Exception as e:  # noqa: BLE001
-            conn.send({"error": f"{cmd}: {e!r}"})
+    serve(conn, Worker, spec)
 
 
-class Proc:
-    def __init__(self, spec: dict[str, Any]) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
-        self.proc.start()
-        self.wait()
-
-    def wait(self) -> dict[str, Any]:
-        if not self.conn.poll(300):
-            raise BenchError("worker did not answer within 300 s")
-        r: dict[str, Any] = self.conn.recv()
-        if "error" in r:
-            raise BenchError(r["error"])
-        return r
-
-    def call(self, cmd: str, **kwargs: Any) -> dict[str, Any]:
-        self.conn.send((cmd, kwargs))
-        return self.wait()
-
-    def close(self) -> None:
-        try:
-            self.conn.send(("close", {}))
-            self.conn.poll(20)
-        except OSError:
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+def Proc(spec: dict[str, Any]) -> StoreProc:  # noqa: N802 - reads as the class it builds
+    return StoreProc(spec, _worker_main)
 
 
 def _row(label: str, rs: list[dict[str, Any]], nbytes: int) -> str:

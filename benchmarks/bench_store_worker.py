@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -169,6 +170,12 @@ class Worker:
         for arr in (self.data, self.small, self.small_dst):
             self.client.register(arr.ctypes.data, arr.nbytes)
 
+    def hello(self) -> dict[str, Any]:
+        return {"ident": self.client.ident}
+
+    def close(self) -> None:
+        self.client.close()
+
     def _batch(self, layout: str, batch: int, prefix: str) -> tuple[list[str], list[list[tuple[int, int]]]]:
         keys = [f"{prefix}/{k}" for k in range(batch)]
         return keys, [pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch)]
@@ -315,17 +322,19 @@ class Worker:
         return {"ns": lat}
 
 
-def _worker_main(conn: Any, spec: dict[str, Any]) -> None:
+def serve(conn: Any, make: Callable[[dict[str, Any]], Any], spec: dict[str, Any]) -> None:
+    """A spawned worker's loop: build ``make(spec)``, answer its ``hello()``, then run the parent's
+    commands (method name and keyword arguments) until ``close``; errors go back as ``{"error": ...}``."""
     try:
-        w = Worker(spec)
-        conn.send({"ident": w.client.ident})
+        w = make(spec)
+        conn.send(w.hello())
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the run
         conn.send({"error": f"worker start: {e!r}"})
         return
     while True:
         cmd, kwargs = conn.recv()
         if cmd == "close":
-            w.client.close()
+            w.close()
             conn.send({})
             return
         try:
@@ -334,13 +343,19 @@ def _worker_main(conn: Any, spec: dict[str, Any]) -> None:
             conn.send({"error": f"{cmd}: {e!r}"})
 
 
+def _worker_main(conn: Any, spec: dict[str, Any]) -> None:
+    serve(conn, Worker, spec)
+
+
 class Proc:
-    def __init__(self, spec: dict[str, Any]) -> None:
+    """A spawned worker process (``target`` runs ``serve`` with its Worker class)."""
+
+    def __init__(self, spec: dict[str, Any], target: Callable[[Any, dict[str, Any]], None] = _worker_main) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, spec), daemon=True)
         self.proc.start()
-        self.ident = self.wait()["ident"]
+        self.ident = self.wait().get("ident")
 
     def wait(self) -> dict[str, Any]:
         if not self.conn.poll(300):
