@@ -266,6 +266,7 @@ class HeartbeatReply(_Reply):
     known: bool
     journal: list[JournalEntry] = []
     drain: bool = False            # the member's segment is being drained: it should copy its objects out
+    disk_tiers: int = 0            # segments of the pool with a disk tier (none: no disk-held object to promote)
 
 
 class DrainMove(msgspec.Struct, array_like=True, frozen=True):

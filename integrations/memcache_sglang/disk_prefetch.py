@@ -14,7 +14,8 @@ its read is read from DRAM, one still on disk is read from disk beside its promo
 Measured (``benchmarks/bench_disk_promotion.py``): a read racing the promotion of its own pages
 costs about a fifth more than a plain disk read, a read that waited for the promotion about half
 more, and a read after a finished promotion a tenth of it. At most ``MAX_PENDING_KEYS`` keys wait
-for promotion; more are skipped (their reads come from disk).
+for promotion; more are skipped (their reads come from disk). In a pool without a disk tier (as the
+heartbeats tell, ``pool_has_disk_tier``) nothing is held on disk only and nothing is submitted.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class DiskPromoter:
         self.failed = 0      # keys store.prefetch left on disk (no room, I/O error) or could not ask about
 
     def submit(self, store: Any, keys: list[str]) -> None:
-        if not keys or getattr(store, "prefetch", None) is None:
-            return
+        if not keys or getattr(store, "prefetch", None) is None or not store.pool_has_disk_tier():
+            return   # no disk tier in the pool: nothing is on disk only, so no Lookup to spend
         with self._lock:
             if self._closed:
                 return

@@ -62,6 +62,7 @@ class Membership:
     _segment_template: p.SegmentInfo | None
     _segments: dict[int, p.SegmentInfo]
     _journal_ack: int
+    pool_disk_tiers: int            # from the last heartbeat: segments of the pool with a disk tier
     _lock: threading.Lock
     _join_lock: threading.Lock
     _stop: threading.Event
@@ -109,6 +110,7 @@ class Membership:
                     continue
                 self._apply_journal(r.journal)
                 self.drainer.on_heartbeat(r.drain)
+                self.pool_disk_tiers = r.disk_tiers
             except MetaServiceUnavailable:
                 continue
             except MemCacheError as e:

@@ -64,6 +64,7 @@ class LocalService(Writes, Reads):
         self.engine: TransferEngine | None = None
         self._segments: dict[int, p.SegmentInfo] = {}
         self._journal_ack = 0
+        self.pool_disk_tiers = 0
         self._sample = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._lock = threading.Lock()
         self._join_lock = threading.Lock()

@@ -316,6 +316,11 @@ class DistributedObjectStore:
         memcache_hybrid's signature; the tiers here are DRAM over disk."""
         return _codes(len(keys), lambda: self._service().prefetch(keys))
 
+    def pool_has_disk_tier(self) -> bool:
+        """Whether, at the last heartbeat, a provider of the pool had a disk tier (without one no object
+        is held on disk only, so ``prefetch`` has nothing to do)."""
+        return self._svc is not None and self._svc.pool_disk_tiers > 0
+
     def evict(self, keys: list[str], src_media: Any = None, dst_media: Any = None) -> list[int]:
         """Keep objects on their provider's disk tier only: a code per key (0 done, -3007 not in the
         pool, -3101 not on disk yet: its provider was asked to write it, call again later)."""

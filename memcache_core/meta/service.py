@@ -286,7 +286,8 @@ class MetaServiceCore:
         journal: list[p.JournalEntry] = []
         if m.segment_id is not None:
             journal = self.table.segments[m.segment_id].journal_since(ack)
-        return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id))
+        return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id),
+                                disk_tiers=len(self.table.disk_tiers))
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""

@@ -111,6 +111,8 @@ class Worker:
                     if m.name == "memcache_local_transfer_bytes" for s in m.samples if s.name.endswith("_total")}
         if op == "prefetch":
             return {"codes": self.store.prefetch(cmd["keys"])}
+        if op == "pool_has_disk_tier":
+            return {"value": self.store.pool_has_disk_tier()}
         if op == "evict":
             return {"codes": self.store.evict(cmd["keys"])}
         if op == "key_info":

@@ -205,6 +205,7 @@ def test_prefetch_and_promotion_bring_disk_objects_back_into_dram(tmp_path):
         assert prov("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 4
         wait_for(lambda: prov("evict", keys=keys)["codes"] == [0] * 4, 10, "objects on disk only")
         reader = StoreProcess(ms, init_bm=False)
+        wait_for(lambda: reader("pool_has_disk_tier")["value"], 10, "the pool's disk tier told by a heartbeat")
         assert reader("prefetch", keys=keys[:2] + ["absent"])["codes"] == [0, 0, -3007]
         assert reader("key_info", keys=keys[:2])["media"] == [["DRAM", "DISK"]] * 2
         for _ in range(2):
