@@ -92,12 +92,19 @@ def _all_keys_body(core: MetaServiceCore, prefix: str = "") -> bytes:
     """``{"success", "count", "keys"}`` of every committed key (starting with ``prefix``), in no
     particular order.
 
-    Only the copy of the table holds the lock; no sort and msgspec's encoder, so the work after it
-    is short too (the HTTP thread shares the GIL with the control plane's)."""
+    Only the copy of the table's keys holds the lock (one C-level copy, no tuples: it also holds the
+    GIL throughout); each key's state is read after it, a dict read being atomic. No sort and
+    msgspec's encoder, so the work after it is short too (the HTTP thread shares the GIL with the
+    control plane's)."""
     with core.lock:
-        objs = list(core.table.objects.items())
-    keys = [k for k, o in objs if o.committed and k.startswith(prefix)]
+        names = list(core.table.objects)
+    objs = core.table.objects
+    keys = [k for k in names if k.startswith(prefix) and _committed(objs.get(k))]
     return msgspec.json.encode({"success": True, "count": len(keys), "keys": keys})
+
+
+def _committed(obj: Any) -> bool:
+    return obj is not None and obj.committed
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -182,7 +182,10 @@ def _corrupt_segments(ms: MetaServiceProcess, stop: threading.Event) -> int:
         while not stop.wait(0.002):
             segs = expect(client.call(p.GetSegments([]), idempotent=True), p.Segments).segments
             for s in segs:
-                fd = os.open(s.shm_path, os.O_RDWR)
+                try:
+                    fd = os.open(s.shm_path, os.O_RDWR)
+                except FileNotFoundError:   # its owner exited between GetSegments and here
+                    continue
                 try:
                     off = int(rng.integers(0, s.size))
                     b = os.pread(fd, 1, off)
