@@ -108,7 +108,8 @@ class LocalService(Writes, Reads):
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
-                                         self._tls_client, self.metrics, copy_threads(cfg), nixl)
+                                         self._tls_client, self.metrics, copy_threads(cfg), nixl,
+                                         cfg.shm_copy_loop)
             self._start_metrics_server()
             self._join(recover=False)
         except BaseException:

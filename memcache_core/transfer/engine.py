@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..errors import ChecksumMismatch, MemCacheError, TransferFailed
+from ..errors import ChecksumMismatch, ConfigError, MemCacheError, TransferFailed
 from ..layout import pack_header, payload_offset
 from ..memory import Mapping, buffer_address, view_at
 from ..protocol import SegmentInfo
+from . import native
 from .shm import ShmTransport
 from .shmcopy import copy_batch, verify
 from .tcp import TcpClient
@@ -83,7 +84,7 @@ class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
                  read_threads: int, write_threads: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, metrics: Any = None, copy_threads: int = 1,
-                 nixl: NixlTransport | None = None) -> None:
+                 nixl: NixlTransport | None = None, copy_loop: str = "auto") -> None:
         self.protocol = protocol
         self.metrics = metrics   # local.metrics.LocalMetrics (transfer/ never imports local/)
         self.host_id = host_id
@@ -94,6 +95,10 @@ class TransferEngine:
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
         self._threads = {True: read_threads, False: write_threads}
         self.copy_threads = max(1, copy_threads)
+        self.loop = native.load() if copy_loop != "python" else None
+        if copy_loop == "native" and self.loop is None:
+            raise ConfigError("shm_copy_loop: 'native', but the native copy loop was not built here (no C "
+                              "compiler at install time?); use 'auto' or 'python'")
         self._copy_pool = (ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="memcache-copy")
                            if self.copy_threads > 1 else None)
 
@@ -143,7 +148,7 @@ class TransferEngine:
     def _shm_job(self, ops: list[CopyOp], reading: bool, threads: int) -> None:
         t0 = time.perf_counter()
         try:
-            copy_batch(ops, reading, self.shm, self._copy_pool, threads)
+            copy_batch(ops, reading, self.shm, self._copy_pool, threads, self.loop)
         except Exception as e:  # noqa: BLE001 - a transfer bug must turn into a per-key failure
             logger.exception("shared-memory transfer failed")
             for op in ops:
