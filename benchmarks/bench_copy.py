@@ -149,7 +149,7 @@ def Proc(spec: dict[str, Any]) -> StoreProc:  # noqa: N802 - reads as the class 
 def _row(label: str, rs: list[dict[str, Any]], nbytes: int) -> str:
     t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
     ratios = sorted(r["memcpy_s"] / r["s"] for r in rs)
-    line = (f"{label:34} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
+    line = (f"{label:41} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
             f"x{statistics.median(ratios):.2f} (x{ratios[0]:.2f}-x{ratios[-1]:.2f})  {t * 1e3:7.2f} ms")
     if "copy_s" in rs[0]:
         line += (f"  copy x{statistics.median(r['memcpy_s'] / r['copy_s'] for r in rs):.2f} "
@@ -162,21 +162,24 @@ def gets(spec: dict[str, Any], args: argparse.Namespace) -> None:
     writer = Proc({**spec, "segment": SEGMENT, "keys": {}})
     readers = []
     try:
-        for n in args.threads:
-            readers.append((n, Proc({**spec, "segment": 0, "keys": {"shm_copy_threads": n}})))
+        for loop in args.loops:
+            for n in args.threads:
+                keys = {"shm_copy_threads": n, "shm_copy_loop": loop}
+                readers.append(((n, loop), Proc({**spec, "segment": 0, "keys": keys})))
         for layout in args.layouts:
             for batch in args.batches:
                 prefix = f"{layout}/b{batch}"
                 writer.call("put", layout=layout, batch=batch, prefix=prefix)
-                rows: dict[int, list[dict[str, Any]]] = {n: [] for n, _ in readers}
+                rows: dict[tuple[int, str], list[dict[str, Any]]] = {n: [] for n, _ in readers}
                 for rep in range(args.reps + 1):
                     order = readers[rep % len(readers):] + readers[:rep % len(readers)]
                     for n, r in order:
                         res = r.call("get", layout=layout, batch=batch, prefix=prefix)
                         if rep:   # the first repetition maps the writer's pages: not counted
                             rows[n].append(res)
-                for n, rs in rows.items():
-                    print(_row(f"get {layout:10} batch {batch:2} threads {n}", rs, batch * OBJ_BYTES), flush=True)
+                for (n, loop), rs in rows.items():
+                    label = f"get {layout:10} batch {batch:2} threads {n} {loop:6}"
+                    print(_row(label, rs, batch * OBJ_BYTES), flush=True)
     finally:
         for _, r in readers:
             r.close()
@@ -238,6 +241,8 @@ def per_piece(spec: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2", help="shm_copy_threads values of the readers (default 1,2)")
+    ap.add_argument("--loops", default="native,python",
+                    help="shm_copy_loop values of the readers (default native,python)")
     ap.add_argument("--batches", default="1,8", help="objects per get (default 1,8)")
     ap.add_argument("--layouts", default="contiguous,layered")
     ap.add_argument("--reps", type=int, default=9, help="timed repetitions per figure (default 9)")
@@ -250,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = [int(x) for x in args.threads.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.layouts = args.layouts.split(",")
+    args.loops = args.loops.split(",")
     from memcache_core.testing import running_meta_service
     print(f"{os.cpu_count()} CPUs; medians of {args.reps} repetitions; xR = median of (memcpy time / op time), "
           f"(min-max); checksums {args.checksum}", flush=True)

@@ -85,6 +85,10 @@ class TransferEngine:
                  read_threads: int, write_threads: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, metrics: Any = None, copy_threads: int = 1,
                  nixl: NixlTransport | None = None, copy_loop: str = "auto") -> None:
+        self.loop = native.load() if copy_loop != "python" else None
+        if copy_loop == "native" and self.loop is None:
+            raise ConfigError("shm_copy_loop: 'native', but the native copy loop was not built here (no C "
+                              "compiler at install time?); use 'auto' or 'python'")
         self.protocol = protocol
         self.metrics = metrics   # local.metrics.LocalMetrics (transfer/ never imports local/)
         self.host_id = host_id
@@ -95,10 +99,6 @@ class TransferEngine:
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
         self._threads = {True: read_threads, False: write_threads}
         self.copy_threads = max(1, copy_threads)
-        self.loop = native.load() if copy_loop != "python" else None
-        if copy_loop == "native" and self.loop is None:
-            raise ConfigError("shm_copy_loop: 'native', but the native copy loop was not built here (no C "
-                              "compiler at install time?); use 'auto' or 'python'")
         self._copy_pool = (ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="memcache-copy")
                            if self.copy_threads > 1 else None)
 
