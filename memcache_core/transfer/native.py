@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.machinery
 import logging
 import os
 import threading
@@ -92,7 +93,8 @@ def load() -> NativeLoop | None:
 
 def _load() -> NativeLoop | None:
     here = os.path.dirname(os.path.abspath(__file__))
-    found = sorted(glob.glob(os.path.join(here, "_copyloop*.so")))
+    own = [os.path.join(here, "_copyloop" + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
+    found = [p for p in own if os.path.exists(p)] or sorted(glob.glob(os.path.join(here, "_copyloop*.so")))
     if not found:
         logger.debug("native copy loop not built: copies run the Python loop")
         return None
