@@ -4,9 +4,10 @@ Path per segment: the caller's own segment and, with ``host_shm``, every segment
 copied through shared memory; other segments (and all peers with ``host_tcp``) go over TCP to the
 owner's data server, or, with ``transfer_engine: "nixl"``, as one NIXL request per peer and batch when
 the segment has a NIXL agent and every local piece lies in registered memory (``nixl.py``). Copies
-release the GIL, so a batch is split over a few threads: shared-memory copies piece by piece over
-``copy_threads`` (``shmcopy.py``), TCP transfers op by op per peer; small batches run inline, where
-thread hand-off would cost more than the copy.
+release the GIL, so a batch is split over a few threads: shared-memory copies over ``copy_threads``
+(the C loop, ``shmloop.py``, whole objects per thread; or the Python loop, ``shmcopy.py``, piece by
+piece), TCP transfers op by op per peer; small batches run inline, where thread hand-off would cost
+more than the copy.
 
 Integrity: a write hashes each piece (XXH3-64) right before copying it, while it is hot in cache,
 then writes the object's header (``layout.py``) after the payload; a verified read hashes each piece

@@ -1,6 +1,7 @@
-"""A batch of shared-memory copies split over copy threads, piece by piece.
+"""A batch of shared-memory copies split over copy threads, piece by piece: the pure-Python loop.
 
-On one thread (``copy_each``) each op is copied straight from its pieces, one ``memmove`` per piece:
+``copy_batch`` maps (pins) the batch's segments, then hands the batch to the native loop
+(``shmloop.py``) when it is loaded, else copies it here. On one thread (``copy_each``) each op is copied straight from its pieces, one ``memmove`` per piece:
 the least Python work per piece. On several, the batch's pieces become runs (``plan.py``: pieces
 that touch in the caller's memory merged) cut into parts of about equal bytes, two per thread; the
 calling thread and the copy pool's threads claim parts until none is left (``memmove`` releases the
