@@ -5,9 +5,10 @@ hashed while still in L1/L2. On one thread the whole batch is one call. On sever
 more objects is cut between objects only, into groups of about equal bytes (twice as many as
 threads), claimed by the calling thread and the copy pool's threads until none is left, so no object
 is hashed in a pass of its own and a pool thread that gets no core in time leaves its share to the
-others. A single object is cut in byte ranges: the calling thread copies and hashes the first, then
-each next range in order, copying it itself if no pool thread took it yet, or hashing only what a
-pool thread copied once that thread is done (the hash streams over the object in order).
+others. A single object is cut in byte ranges of about 1 MiB that the pool's threads copy from the
+front; the calling thread goes through them in order (the hash streams over the object in order),
+copying and hashing each range no pool thread took yet, hashing only what a pool thread copied once
+it is done, and while it waits, copying ranges from the back itself.
 
 A read's verdict (checksum compared) or a write's header (after its whole payload) follows the call
 that finished the op.
@@ -19,6 +20,7 @@ import threading
 from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ChecksumMismatch, MemCacheError
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 PARTS_PER_THREAD = 2        # groups are claimed, so a thread that starts late takes fewer
 MIN_CUT = 2 << 20           # a single object smaller than this is not cut between threads
+RANGE = 1 << 20             # the byte ranges it is cut in, at least one per thread
 
 
 def hashing(op: CopyOp, reading: bool) -> bool:
@@ -99,32 +102,38 @@ def _groups(ops: list[CopyOp], n: int) -> list[list[CopyOp]]:
 
 def _cut_one(loop: NativeLoop, op: CopyOp, bases: dict[str, int], reading: bool,
              pool: ThreadPoolExecutor, threads: int) -> None:
-    """One object over several threads, in byte ranges; the calling thread hashes them all, in order."""
-    total = sum(n for _, n in op.pieces)
-    nparts = min(threads, total // (MIN_CUT // 2)) if total >= MIN_CUT else 1
-    if nparts <= 1:
+    """One object over several threads, in byte ranges. The pool's threads copy ranges from the front;
+    the calling thread goes through them in order, copying and hashing each one nobody took yet,
+    hashing the ones a pool thread copied, and while it waits for one, copying ranges from the back."""
+    total = sum(map(itemgetter(1), op.pieces))
+    if total < MIN_CUT:
         _run_group(loop, [op], bases, reading)
         return
+    n = max(threads, total // RANGE)
     pieces, seg = flat_pieces([op.pieces]), bases[op.segment.shm_path] + op.payload_offset
-    cuts = [total * k // nparts // 4096 * 4096 for k in range(nparts)] + [total]
+    cuts = [total * k // n // 4096 * 4096 for k in range(n)] + [total]
     hashed, direction = hashing(op, reading), READ if reading else 0
 
-    def rows(k: int, flags: int) -> array:
+    def row(k: int, flags: int) -> array:
         return array("Q", (seg, 0, len(op.pieces), cuts[k], cuts[k + 1] - cuts[k], direction | flags, 0))
 
-    copies = _Claimed(list(range(1, nparts)), lambda k: loop.run(pieces, rows(k, COPY)))
-    copies.start(pool, threads)
-    head = rows(0, COPY | (HASH | RESET if hashed else 0))
-    loop.run(pieces, head)
-    last = head
-    for k in range(1, nparts):
-        mine = copies.claim_item(k)
-        last = rows(k, (COPY if mine else 0) | (HASH if hashed else 0) | (DIGEST if hashed and k == nparts - 1 else 0))
-        if not mine:
-            copies.done[k - 1].wait()
+    ranges = _Claimed(list(range(n)), lambda k: loop.run(pieces, row(k, COPY)))
+    ranges.claim_item(0)
+    ranges.start(pool, threads)
+    last = row(0, 0)
+    for k in range(n):
+        hash_flags = (HASH | (RESET if k == 0 else 0) | (DIGEST if k == n - 1 else 0)) if hashed else 0
+        if k == 0 or ranges.claim_item(k):
+            last = row(k, COPY | hash_flags)
+        else:
+            while not ranges.done[k].is_set() and (j := ranges.claim_last()) >= 0:
+                loop.run(pieces, row(j, COPY))
+                ranges.done[j].set()
+            ranges.done[k].wait()
+            last = row(k, hash_flags)
         if last[5] & (COPY | HASH):
             loop.run(pieces, last)
-    copies.wait()
+    ranges.wait()
     try:
         finish(op, reading, bases, last[DIGEST_AT] if hashed else None)
     except MemCacheError as e:
@@ -156,6 +165,15 @@ class _Claimed:
             for i, taken in enumerate(self._taken):
                 if not taken:
                     self._taken[i] = 1
+                    return i
+        return -1
+
+    def claim_last(self) -> int:
+        """Claim the last free item for the caller; -1 when none is left."""
+        with self._lock:
+            for i in range(len(self._taken) - 1, -1, -1):
+                if not self._taken[i]:
+                    self._taken[i] = 2
                     return i
         return -1
 

@@ -7,16 +7,20 @@ from __future__ import annotations
 import ctypes
 import random
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import xxhash
 
 from memcache_core.config import LocalConfig
-from memcache_core.errors import ConfigError
+from memcache_core.errors import ChecksumMismatch, ConfigError
+from memcache_core.layout import payload_offset
+from memcache_core.protocol import SegmentInfo
 from memcache_core.transfer import native
-from memcache_core.transfer.engine import TransferEngine
+from memcache_core.transfer.engine import CopyOp, TransferEngine
 from memcache_core.transfer.native import ALL, COPY, DIGEST, DIGEST_AT, HASH, READ, RESET, ROW, flat_pieces
+from memcache_core.transfer.shmloop import copy_native
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +112,49 @@ def test_native_where_it_was_not_built_is_refused_at_start() -> None:
         engine.close()
     finally:
         native._loaded[:] = saved
+
+
+@pytest.mark.parametrize(("threads", "nobjects"), [(1, 3), (2, 1), (3, 1), (2, 3), (3, 5)])
+def test_batches_over_threads_write_and_read_back(loop: native.NativeLoop, threads: int, nobjects: int) -> None:
+    """shmloop.copy_native on a segment image in private memory: writes (checksums and headers) then
+    reads (verdicts) with whole objects per thread, or one object cut in ranges; a flipped byte in a
+    read's source is a ChecksumMismatch for that object only."""
+    rng = random.Random(threads * 10 + nobjects)
+    sizes = [rng.choice([3 << 20, (5 << 20) + 123, 70_001]) for _ in range(nobjects)]
+    sizes[0] = max(sizes[0], 3 << 20)           # one object big enough to be cut
+    data = [rng.randbytes(n) for n in sizes]
+    seg = np.zeros(sum(payload_offset(0) + n + 64 for n in sizes), np.uint8)
+    info = SegmentInfo(1, seg.nbytes, "h", "/dev/shm/memcache-1-00", "127.0.0.1:1")
+    bases, offsets, at = {info.shm_path: seg.ctypes.data}, [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += payload_offset(0) + n + 64
+    layouts = [_layout(rng, n) for n in sizes]
+    for d, (_, ps) in zip(data, layouts, strict=True):
+        for (p, n), o in zip(ps, _starts(ps), strict=True):
+            ctypes.memmove(p, d[o:o + n], n)
+    with ThreadPoolExecutor(max(1, threads - 1)) as pool:
+        writes = [CopyOp(info, off, ps, n, f"k{i}", 1, hash=True)
+                  for i, (off, (_, ps), n) in enumerate(zip(offsets, layouts, sizes, strict=True))]
+        copy_native(loop, writes, bases, False, pool, threads)
+        for w, d, off in zip(writes, data, offsets, strict=True):
+            assert w.error is None and w.checksum == xxhash.xxh3_64_intdigest(d)
+            assert seg[payload_offset(off):payload_offset(off) + len(d)].tobytes() == d
+            assert seg[off:off + 8].tobytes() == w.header()[:8]
+        for _, ps in layouts:
+            for p, n in ps:
+                ctypes.memset(p, 0, n)
+        seg[payload_offset(offsets[0]) + sizes[0] - 1] ^= 0xFF   # the last byte of the first object
+        reads = [CopyOp(info, w.offset, w.pieces, w.nbytes, w.key, 1, w.checksum, hash=True) for w in writes]
+        copy_native(loop, reads, bases, True, pool, threads)
+    assert isinstance(reads[0].error, ChecksumMismatch)
+    for r, d, (_, ps) in list(zip(reads, data, layouts, strict=True))[1:]:
+        assert r.error is None and _gather(ps) == d
+
+
+def _starts(ps: list[tuple[int, int]]) -> list[int]:
+    out, at = [], 0
+    for _, n in ps:
+        out.append(at)
+        at += n
+    return out
