@@ -2,8 +2,8 @@
 
 One call of the loop copies and hashes a list of ops without the GIL, each op in slices that are
 hashed while still in L1/L2. On one thread the whole batch is one call. On several, a batch of two or
-more objects is cut between objects only, into groups of about equal bytes (twice as many as
-threads), claimed by the calling thread and the copy pool's threads until none is left, so no object
+more objects is cut between objects only, into groups of about equal bytes (four per thread, so
+at most a group's time is lost to a thread that loses its core mid-group), claimed by the calling thread and the copy pool's threads until none is left, so no object
 is hashed in a pass of its own and a pool thread that gets no core in time leaves its share to the
 others. A single object is cut in byte ranges of about 1 MiB that the pool's threads copy from the
 front; the calling thread goes through them in order (the hash streams over the object in order),
@@ -30,7 +30,7 @@ from .shm import memmove
 if TYPE_CHECKING:
     from .engine import CopyOp
 
-PARTS_PER_THREAD = 2        # groups are claimed, so a thread that starts late takes fewer
+GROUPS_PER_THREAD = 4       # groups are claimed: a thread that starts late or loses its core takes fewer
 MIN_CUT = 2 << 20           # a single object smaller than this is not cut between threads
 RANGE = 1 << 20             # the byte ranges it is cut in, at least one per thread
 
@@ -66,7 +66,7 @@ def copy_native(loop: NativeLoop, ops: list[CopyOp], bases: dict[str, int], read
     if pool is None or threads <= 1 or not live:
         _run_group(loop, live, bases, reading)
     elif len(live) >= 2:
-        _Claimed(_groups(live, PARTS_PER_THREAD * threads), lambda g: _run_group(loop, g, bases, reading)
+        _Claimed(_groups(live, GROUPS_PER_THREAD * threads), lambda g: _run_group(loop, g, bases, reading)
                  ).run(pool, threads)
     else:
         _cut_one(loop, live[0], bases, reading, pool, threads)
