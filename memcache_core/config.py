@@ -285,7 +285,7 @@ class LocalConfig:
     """Most bytes per second the background disk writer writes (0 = no limit)."""
     shm_copy_threads: int = 0
     """Threads one batch's shared-memory copies are split over, piece by piece (a large piece is cut
-    in parts); 0 = automatic: 1 on hosts with 2 CPUs or fewer, else half the CPUs, at most 4. Batches
+    in parts); 0 = automatic: half the CPUs, at most 4 (2 CPUs: 2 with the native loop, else 1). Batches
     under 1 MiB are copied on the calling thread."""
     shm_copy_loop: str = "auto"
     """The loop that runs shared-memory copies and their checksums: native (the C loop built at install,

@@ -20,7 +20,7 @@ from memcache_core.protocol import SegmentInfo
 from memcache_core.transfer import native
 from memcache_core.transfer.engine import CopyOp, TransferEngine
 from memcache_core.transfer.native import ALL, COPY, DIGEST, DIGEST_AT, HASH, READ, RESET, ROW, flat_pieces
-from memcache_core.transfer.shmloop import copy_native
+from memcache_core.transfer.shmloop import MIN_CUT, copy_native
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_batches_over_threads_write_and_read_back(loop: native.NativeLoop, threa
     read's source is a ChecksumMismatch for that object only."""
     rng = random.Random(threads * 10 + nobjects)
     sizes = [rng.choice([3 << 20, (5 << 20) + 123, 70_001]) for _ in range(nobjects)]
-    sizes[0] = max(sizes[0], 3 << 20)           # one object big enough to be cut
+    sizes[0] = MIN_CUT + 4097                   # big enough to be cut when it is alone
     data = [rng.randbytes(n) for n in sizes]
     seg = np.zeros(sum(payload_offset(0) + n + 64 for n in sizes), np.uint8)
     info = SegmentInfo(1, seg.nbytes, "h", "/dev/shm/memcache-1-00", "127.0.0.1:1")
