@@ -13,6 +13,7 @@ bytes, flags, digest); pieces are (address, bytes) pairs. Both are ``array('Q')`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import importlib.machinery
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 READ, COPY, HASH, RESET, DIGEST = 1, 2, 4, 8, 16
 ROW = 7                    # uint64 fields per op row (mc_op)
-DIGEST_AT = 6              # the row's digest field
+FLAGS_AT, DIGEST_AT = 5, 6  # the row's flags and digest fields
 ALL = (1 << 64) - 1        # "every byte of the stream"
 SLICE = 64 << 10           # copied then hashed while in L1/L2 (measured: 32-128 KiB alike, 16 KiB slower)
 
@@ -46,7 +47,8 @@ class _State:
             raise MemoryError("XXH3_createState failed")
 
     def __del__(self) -> None:
-        self._free(self.ptr)
+        with contextlib.suppress(Exception):   # at interpreter exit the library may be gone already
+            self._free(self.ptr)
 
 
 class NativeLoop:
@@ -57,6 +59,9 @@ class NativeLoop:
         self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._run.restype = ctypes.c_int
+        lib.mc_op_size.restype = ctypes.c_uint64
+        if lib.mc_op_size() != ROW * 8:
+            raise AssertionError(f"the library's op row is {lib.mc_op_size()} bytes, not {ROW * 8}")
         update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
         self._fns = [_address(f) for f in (xxh.XXH3_64bits_reset, update, xxh.XXH3_64bits_digest)]
         self._create, self._free = xxh.XXH3_createState, xxh.XXH3_freeState

@@ -24,7 +24,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ChecksumMismatch, MemCacheError
-from .native import ALL, COPY, DIGEST, DIGEST_AT, HASH, READ, RESET, ROW, NativeLoop, flat_pieces
+from .native import ALL, COPY, DIGEST, DIGEST_AT, FLAGS_AT, HASH, READ, RESET, ROW, NativeLoop, flat_pieces
 from .shm import memmove
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _run_group(loop: NativeLoop, ops: list[CopyOp], bases: dict[str, int], readi
     loop.run(flat_pieces([op.pieces for op in ops]), rows)
     for k, op in enumerate(ops):
         try:
-            finish(op, reading, bases, rows[k * ROW + DIGEST_AT] if rows[k * ROW + 5] & DIGEST else None)
+            finish(op, reading, bases, rows[k * ROW + DIGEST_AT] if rows[k * ROW + FLAGS_AT] & DIGEST else None)
         except MemCacheError as e:
             op.error = e
 
@@ -132,7 +132,7 @@ def _cut_one(loop: NativeLoop, op: CopyOp, bases: dict[str, int], reading: bool,
                 ranges.done[j].set()
             ranges.done[k].wait()
             last = row(k, hash_flags)
-        if last[5] & (COPY | HASH):
+        if last[FLAGS_AT] & (COPY | HASH):
             loop.run(pieces, last)
     ranges.wait()
     try:
