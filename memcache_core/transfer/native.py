@@ -101,7 +101,8 @@ def _load() -> NativeLoop | None:
     own = [os.path.join(here, "_copyloop" + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
     found = [p for p in own if os.path.exists(p)] or sorted(glob.glob(os.path.join(here, "_copyloop*.so")))
     if not found:
-        logger.debug("native copy loop not built: copies run the Python loop")
+        logger.info("native copy loop not built (no C compiler at install?): shared-memory copies run the "
+                    "Python loop (shm_copy_loop, docs/operations.md)")
         return None
     try:
         xxh = ctypes.CDLL(xxhash._xxhash.__file__)  # type: ignore[attr-defined]
