@@ -2,12 +2,14 @@
 """Shared-memory copy rates through the real store: copy threads, and fresh segments with and without pre-fault.
 
 A MetaService, a writer LocalService process (1 GiB segment) and one pure-client reader process per
-``--threads`` value (``shm_copy_threads``), all on ``host_shm``. Per layout (one contiguous 8,784 KiB
+``--loops`` value (``shm_copy_loop``: the native loop or the pure-Python one) and ``--threads`` value
+(``shm_copy_threads``), all on ``host_shm``. Per layout (one contiguous 8,784 KiB
 piece per object, or 122 pieces: 61 x 128 KiB + 61 x 16 KiB scattered layer-major over the batch, as
 in bench_store.py) and batch, the writer stores the batch once; each repetition every reader reads it
 (the readers' order rotates per repetition) and, right after, times a single-thread ``memmove`` of
 the same bytes between two warm private buffers in the same process ("copy": the time the get spent in
-the transfer engine, against the same memcpy; the rest is the lookup and argument checks; "piece by
+the transfer engine, against the same memcpy; "rpc": its time in control-plane calls, the ``Lookup``;
+the rest is the argument checks; the pointer and size lists are built before the clock starts; "piece by
 piece": one single-thread memmove per piece of the same layout, against the same memcpy: what a
 piece-wise copy costs by itself). Every get is compared byte for byte with the writer's data (the
 destination is cleared before each get).
@@ -74,6 +76,17 @@ class Worker:
             read(ops)
             self.copy_s += time.perf_counter() - t
         engine.read = timed_read
+        svc = self.store._service()
+        call = svc.rpc.call
+        self.rpc_s = 0.0
+
+        def timed_call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return call(*a, **k)
+            finally:
+                self.rpc_s += time.perf_counter() - t
+        svc.rpc.call = timed_call
 
     def hello(self) -> dict[str, Any]:
         return {}
@@ -86,8 +99,9 @@ class Worker:
 
     def put(self, layout: str, batch: int, prefix: str) -> dict[str, Any]:
         keys = [f"{prefix}/{k}" for k in range(batch)]
+        ptrs, sizes = _layers(self._pieces(layout, batch))   # the caller's lists, built before the clock
         t = time.perf_counter()
-        codes = self.store.batch_put_from_layers(keys, *_layers(self._pieces(layout, batch)))
+        codes = self.store.batch_put_from_layers(keys, ptrs, sizes)
         dt = time.perf_counter() - t
         if any(c != 0 for c in codes):
             return {"error": f"put {prefix}: codes {sorted(set(codes))}"}
@@ -97,8 +111,10 @@ class Worker:
         keys, n = [f"{prefix}/{k}" for k in range(batch)], batch * OBJ_BYTES
         self.data[:n] = 0
         self.copy_s = 0.0
+        self.rpc_s = 0.0
+        ptrs, sizes = _layers(self._pieces(layout, batch))
         t = time.perf_counter()
-        codes = self.store.batch_get_into_layers(keys, *_layers(self._pieces(layout, batch)))
+        codes = self.store.batch_get_into_layers(keys, ptrs, sizes)
         dt = time.perf_counter() - t
         if any(c != 0 for c in codes):
             return {"error": f"get {prefix}: codes {sorted(set(codes))}"}
@@ -107,7 +123,7 @@ class Worker:
         if not np.array_equal(self.data[:n], self.expected[:n]):
             bad = int(np.flatnonzero(self.data[:n] != self.expected[:n])[0])
             return {"error": f"get {prefix}: bytes differ from what was written (first at offset {bad})"}
-        return {"s": dt, "memcpy_s": mc, "copy_s": self.copy_s, "pieces_s": pieces}
+        return {"s": dt, "memcpy_s": mc, "copy_s": self.copy_s, "pieces_s": pieces, "rpc_s": self.rpc_s}
 
     def _memcpy(self, n: int) -> float:
         t = time.perf_counter()
@@ -149,12 +165,13 @@ def Proc(spec: dict[str, Any]) -> StoreProc:  # noqa: N802 - reads as the class 
 def _row(label: str, rs: list[dict[str, Any]], nbytes: int) -> str:
     t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
     ratios = sorted(r["memcpy_s"] / r["s"] for r in rs)
-    line = (f"{label:34} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
+    line = (f"{label:41} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
             f"x{statistics.median(ratios):.2f} (x{ratios[0]:.2f}-x{ratios[-1]:.2f})  {t * 1e3:7.2f} ms")
     if "copy_s" in rs[0]:
         line += (f"  copy x{statistics.median(r['memcpy_s'] / r['copy_s'] for r in rs):.2f} "
                  f"{statistics.median(r['copy_s'] for r in rs) * 1e3:.2f} ms  "
-                 f"piece by piece x{statistics.median(r['memcpy_s'] / r['pieces_s'] for r in rs):.2f}")
+                 f"piece by piece x{statistics.median(r['memcpy_s'] / r['pieces_s'] for r in rs):.2f}"
+                 f"  rpc {statistics.median(r['rpc_s'] for r in rs) * 1e3:.2f} ms")
     return line
 
 
@@ -162,21 +179,26 @@ def gets(spec: dict[str, Any], args: argparse.Namespace) -> None:
     writer = Proc({**spec, "segment": SEGMENT, "keys": {}})
     readers = []
     try:
-        for n in args.threads:
-            readers.append((n, Proc({**spec, "segment": 0, "keys": {"shm_copy_threads": n}})))
+        for loop in args.loops:
+            for n in args.threads:
+                keys: dict[str, Any] = {"shm_copy_threads": n}
+                if loop != "default":   # default: leave the key out (older code that has no such key)
+                    keys["shm_copy_loop"] = loop
+                readers.append(((n, loop), Proc({**spec, "segment": 0, "keys": keys})))
         for layout in args.layouts:
             for batch in args.batches:
                 prefix = f"{layout}/b{batch}"
                 writer.call("put", layout=layout, batch=batch, prefix=prefix)
-                rows: dict[int, list[dict[str, Any]]] = {n: [] for n, _ in readers}
+                rows: dict[tuple[int, str], list[dict[str, Any]]] = {n: [] for n, _ in readers}
                 for rep in range(args.reps + 1):
                     order = readers[rep % len(readers):] + readers[:rep % len(readers)]
                     for n, r in order:
                         res = r.call("get", layout=layout, batch=batch, prefix=prefix)
                         if rep:   # the first repetition maps the writer's pages: not counted
                             rows[n].append(res)
-                for n, rs in rows.items():
-                    print(_row(f"get {layout:10} batch {batch:2} threads {n}", rs, batch * OBJ_BYTES), flush=True)
+                for (n, loop), rs in rows.items():
+                    label = f"get {layout:10} batch {batch:2} threads {n} {loop:6}"
+                    print(_row(label, rs, batch * OBJ_BYTES), flush=True)
     finally:
         for _, r in readers:
             r.close()
@@ -204,11 +226,11 @@ def cold_puts(spec: dict[str, Any], args: argparse.Namespace) -> None:
     print(_row("put again into the same space", warm, count * OBJ_BYTES), flush=True)
 
 
-def per_piece(spec: dict[str, Any]) -> None:
+def per_piece(spec: dict[str, Any], loops: list[str]) -> None:
     """The engine's time per piece: one object of 2,000 pieces of 512 B (not touching) and one of 61
-    of 16 KiB, read back from this process's own segment, with checksums on and off."""
-    for checksum in (True, False):
-        store = _store({**spec, "checksum": checksum}, 256 << 20)
+    of 16 KiB, read back from this process's own segment, with checksums on and off, per loop."""
+    for loop, checksum in ((loop, checksum) for loop in loops for checksum in (True, False)):
+        store = _store({**spec, "checksum": checksum}, 256 << 20, shm_copy_loop=loop)
         engine, times = store._service().engine, list[float]()
         read = engine.read
 
@@ -219,7 +241,7 @@ def per_piece(spec: dict[str, Any]) -> None:
         for size, n in ((512, 2000), (16384, 61)):
             buf = page_aligned(2 * size * n, np.random.default_rng(SEED).bytes(2 * size * n))
             ptrs, sizes = [[buf.ctypes.data + 2 * size * i for i in range(n)]], [[size] * n]
-            key = f"pieces/{size}/{checksum}"
+            key = f"pieces/{size}/{checksum}/{loop}"
             if store.register_buffer(buf.ctypes.data, buf.nbytes) != 0 or \
                     store.batch_put_from_layers([key], ptrs, sizes) != [0]:
                 raise BenchError("per-piece put failed")
@@ -230,7 +252,7 @@ def per_piece(spec: dict[str, Any]) -> None:
                     raise BenchError("per-piece get failed")
             engine.read = read
             t = statistics.median(times[5:])
-            print(f"engine read, checksums {'on ' if checksum else 'off'}, {n:5} pieces of {size:5} B: "
+            print(f"engine read, {loop:6} loop, checksums {'on ' if checksum else 'off'}, {n:5} pieces of {size:5} B: "
                   f"{t * 1e6:6.0f} us, {t / n * 1e6:.2f} us per piece", flush=True)
         store.close()
 
@@ -238,6 +260,8 @@ def per_piece(spec: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2", help="shm_copy_threads values of the readers (default 1,2)")
+    ap.add_argument("--loops", default="native,python",
+                    help="shm_copy_loop values of the readers (default native,python; 'default': not set)")
     ap.add_argument("--batches", default="1,8", help="objects per get (default 1,8)")
     ap.add_argument("--layouts", default="contiguous,layered")
     ap.add_argument("--reps", type=int, default=9, help="timed repetitions per figure (default 9)")
@@ -250,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = [int(x) for x in args.threads.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     args.layouts = args.layouts.split(",")
+    args.loops = args.loops.split(",")
     from memcache_core.testing import running_meta_service
     print(f"{os.cpu_count()} CPUs; medians of {args.reps} repetitions; xR = median of (memcpy time / op time), "
           f"(min-max); checksums {args.checksum}", flush=True)
@@ -258,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_batch": max(args.batches), "checksum": args.checksum == "on"}
         try:
             if args.per_piece:
-                per_piece(spec)
+                per_piece(spec, args.loops)
                 return 0
             if args.skip != "gets":
                 gets(spec, args)

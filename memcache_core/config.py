@@ -285,8 +285,12 @@ class LocalConfig:
     """Most bytes per second the background disk writer writes (0 = no limit)."""
     shm_copy_threads: int = 0
     """Threads one batch's shared-memory copies are split over, piece by piece (a large piece is cut
-    in parts); 0 = automatic: 1 on hosts with 2 CPUs or fewer, else half the CPUs, at most 4. Batches
+    in parts); 0 = automatic: half the CPUs, at most 4 (2 CPUs: 2 with the native loop, else 1). Batches
     under 1 MiB are copied on the calling thread."""
+    shm_copy_loop: str = "auto"
+    """The loop that runs shared-memory copies and their checksums: native (the C loop built at install,
+    one call per batch part, outside the GIL), python (one ``memmove`` and hash call per piece), or
+    auto = native where it was built, else python."""
     segment_prefault: str = "auto"
     """Fault the segment's pages in at start, in the background (puts never wait for it): on, off, or
     auto = on for ``memcache local-service`` providers, off for segments inside an engine process."""
@@ -339,6 +343,8 @@ class LocalConfig:
                               f"address peers should use")
         _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
         _check_int("shm_copy_threads", self.shm_copy_threads, 0, 64)
+        if self.shm_copy_loop not in ("auto", "native", "python"):
+            raise ConfigError(f"shm_copy_loop: expected auto, native or python, got {self.shm_copy_loop!r}")
         if self.segment_prefault not in ("auto", "on", "off"):
             raise ConfigError(f"segment_prefault: expected auto, on or off, got {self.segment_prefault!r}")
         _check_bool("segment_hugepages", self.segment_hugepages)

@@ -7,7 +7,9 @@ call is refused with INVALID_PARAM before anything is dereferenced.
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +62,25 @@ class BufferRegistry:
         i = bisect.bisect_right(starts, ptr) - 1
         if i < 0 or ptr + size > ends[i]:
             raise InvalidParameter(f"buffer {ptr:#x}+{size} is not inside a registered buffer")
+
+    def pieces(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """The (pointer, size) pairs, each checked as ``check`` does; in one pass of C-level calls when
+        they are plain ints inside one registered buffer (the usual case: a KV-cache pool), else piece
+        by piece. Raises InvalidParameter."""
+        if len(ptrs) != len(sizes) or not len(ptrs):
+            raise InvalidParameter("each key needs as many pointers as sizes, at least one")
+        if {*map(type, ptrs), *map(type, sizes)} == _INT and min(sizes) > 0:
+            lo, hi = min(ptrs), max(map(operator.add, ptrs, sizes))
+            starts, ends = self._starts, self._ends
+            i = bisect.bisect_right(starts, lo) - 1
+            if i >= 0 and hi <= ends[i]:    # every piece lies in [lo, hi), inside buffer i
+                return list(zip(ptrs, sizes, strict=True))
+        for ptr, size in zip(ptrs, sizes, strict=True):
+            self.check(ptr, size)
+        return [(int(p), int(s)) for p, s in zip(ptrs, sizes, strict=True)]
+
+
+_INT = {int}
 
 
 def _check_int(name: str, v: Any) -> None:

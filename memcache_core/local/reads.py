@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, cast
 
 from .. import errors
@@ -203,7 +204,7 @@ def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: st
 def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool, results: list[MemCacheError | None],
           i: int) -> bool:
     assert f is not None
-    want = sum(s for _, s in pieces)
+    want = sum(map(itemgetter(1), pieces))
     if (want != f.size) if exact else (want < f.size):
         results[i] = InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
         return False
@@ -212,6 +213,8 @@ def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool, results: lis
 
 def _clip(pieces: Pieces, size: int) -> Pieces:
     """The pieces cut to ``size`` bytes in total (for reads into buffers larger than the object)."""
+    if sum(map(itemgetter(1), pieces)) <= size:
+        return pieces
     out, left = [], size
     for ptr, s in pieces:
         if left <= 0:

@@ -26,7 +26,7 @@ from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
 from ..errors import InvalidParameter, MemCacheError, check_key, check_keys
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
-from ..transfer import TransferEngine
+from ..transfer import TransferEngine, native
 from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
 from . import tier
@@ -109,7 +109,8 @@ class LocalService(Writes, Reads):
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
-                                         self._tls_client, self.metrics, copy_threads(cfg), nixl)
+                                         self._tls_client, self.metrics, copy_threads(cfg), nixl,
+                                         cfg.shm_copy_loop)
             self._start_metrics_server()
             self._join(recover=False)
         except BaseException:
@@ -242,9 +243,14 @@ class LocalService(Writes, Reads):
 
 
 def copy_threads(cfg: LocalConfig) -> int:
-    """``shm_copy_threads``, or (0) one thread on hosts with 2 CPUs or fewer (measured: a second thread
-    waits for a core the engine's own threads need) and half the CPUs up to 4 elsewhere
+    """``shm_copy_threads``, or (0) half the CPUs up to 4, and on hosts with 2 CPUs or fewer: 2 with the
+    native loop (measured there: +30-45% on batches of 8 objects when the other core is free, at most
+    ~5% lost when it is busy), 1 with the Python loop (a second thread lost)
     (benchmarks/README.md, bench_copy.py)."""
     cpus = os.cpu_count() or 1
-    return cfg.shm_copy_threads or (1 if cpus <= 2 else min(cpus // 2, 4))
+    if cfg.shm_copy_threads:
+        return cfg.shm_copy_threads
+    if cpus <= 2:
+        return 2 if cpus == 2 and cfg.shm_copy_loop != "python" and native.load() is not None else 1
+    return min(cpus // 2, 4)
 

@@ -176,11 +176,7 @@ class DistributedObjectStore:
         errs: list[MemCacheError | None] = []
         for ps, ss in zip(ptrs, sizes, strict=True):
             try:
-                if len(ps) != len(ss) or not ps:
-                    raise InvalidParameter("each key needs as many pointers as sizes, at least one")
-                for ptr, size in zip(ps, ss, strict=True):
-                    self._buffers.check(ptr, size)
-                pieces.append([(int(p_), int(s)) for p_, s in zip(ps, ss, strict=True)])
+                pieces.append(self._buffers.pieces(ps, ss))
                 errs.append(None)
             except InvalidParameter as e:
                 pieces.append([])

@@ -4,9 +4,10 @@ Path per segment: the caller's own segment and, with ``host_shm``, every segment
 copied through shared memory; other segments (and all peers with ``host_tcp``) go over TCP to the
 owner's data server, or, with ``transfer_engine: "nixl"``, as one NIXL request per peer and batch when
 the segment has a NIXL agent and every local piece lies in registered memory (``nixl.py``). Copies
-release the GIL, so a batch is split over a few threads: shared-memory copies piece by piece over
-``copy_threads`` (``shmcopy.py``), TCP transfers op by op per peer; small batches run inline, where
-thread hand-off would cost more than the copy.
+release the GIL, so a batch is split over a few threads: shared-memory copies over ``copy_threads``
+(the C loop, ``shmloop.py``, whole objects per thread; or the Python loop, ``shmcopy.py``, piece by
+piece), TCP transfers op by op per peer; small batches run inline, where thread hand-off would cost
+more than the copy.
 
 Integrity: a write hashes each piece (XXH3-64) right before copying it, while it is hot in cache,
 then writes the object's header (``layout.py``) after the payload; a verified read hashes each piece
@@ -26,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..errors import ChecksumMismatch, MemCacheError, TransferFailed
+from ..errors import ChecksumMismatch, ConfigError, MemCacheError, TransferFailed
 from ..layout import pack_header, payload_offset
 from ..memory import Mapping, buffer_address, view_at
 from ..protocol import SegmentInfo
+from . import native
 from .shm import ShmTransport
 from .shmcopy import copy_batch, verify
 from .tcp import TcpClient
@@ -83,7 +85,11 @@ class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
                  read_threads: int, write_threads: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, metrics: Any = None, copy_threads: int = 1,
-                 nixl: NixlTransport | None = None) -> None:
+                 nixl: NixlTransport | None = None, copy_loop: str = "auto") -> None:
+        self.loop = native.load() if copy_loop != "python" else None
+        if copy_loop == "native" and self.loop is None:
+            raise ConfigError("shm_copy_loop: 'native', but the native copy loop was not built here (no C "
+                              "compiler at install time?); use 'auto' or 'python'")
         self.protocol = protocol
         self.metrics = metrics   # local.metrics.LocalMetrics (transfer/ never imports local/)
         self.host_id = host_id
@@ -143,7 +149,7 @@ class TransferEngine:
     def _shm_job(self, ops: list[CopyOp], reading: bool, threads: int) -> None:
         t0 = time.perf_counter()
         try:
-            copy_batch(ops, reading, self.shm, self._copy_pool, threads)
+            copy_batch(ops, reading, self.shm, self._copy_pool, threads, self.loop)
         except Exception as e:  # noqa: BLE001 - a transfer bug must turn into a per-key failure
             logger.exception("shared-memory transfer failed")
             for op in ops:

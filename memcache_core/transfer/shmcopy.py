@@ -1,6 +1,7 @@
-"""A batch of shared-memory copies split over copy threads, piece by piece.
+"""A batch of shared-memory copies split over copy threads, piece by piece: the pure-Python loop.
 
-On one thread (``copy_each``) each op is copied straight from its pieces, one ``memmove`` per piece:
+``copy_batch`` maps (pins) the batch's segments, then hands the batch to the native loop
+(``shmloop.py``) when it is loaded, else copies it here. On one thread (``copy_each``) each op is copied straight from its pieces, one ``memmove`` per piece:
 the least Python work per piece. On several, the batch's pieces become runs (``plan.py``: pieces
 that touch in the caller's memory merged) cut into parts of about equal bytes, two per thread; the
 calling thread and the copy pool's threads claim parts until none is left (``memmove`` releases the
@@ -24,10 +25,14 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from ..errors import ChecksumMismatch, MemCacheError, TransferFailed
+from ..errors import MemCacheError, TransferFailed
 from ..memory import view_at
+from .native import NativeLoop
 from .plan import Run, coalesce, ops_per_part, split_runs
 from .shm import ShmTransport, memmove
+from .shmloop import copy_native, finish, verify
+
+__all__ = ["copy_batch", "verify"]
 
 if TYPE_CHECKING:
     from .engine import CopyOp
@@ -181,21 +186,14 @@ class _Batch:
             op.error = e
 
     def finish(self, op: CopyOp, digest: int | None) -> None:
-        """Reads: compare with the committed checksum. Writes: the header, after the whole payload."""
-        if self.reading:
-            if digest is not None:
-                verify(op, digest)
-            return
-        if digest is not None:
-            op.checksum = digest
-        header = op.header()
-        memmove(self.bases[op.segment.shm_path] + op.offset, header, len(header))   # last: a valid header
+        finish(op, self.reading, self.bases, digest)
 
 
 def copy_batch(ops: list[CopyOp], reading: bool, shm: ShmTransport, pool: ThreadPoolExecutor | None,
-               threads: int) -> None:
-    """Copy every op through shared memory on up to ``threads`` threads (this one and the pool's), in
-    twice as many parts; failures are recorded per op in ``op.error``."""
+               threads: int, loop: NativeLoop | None = None) -> None:
+    """Copy every op through shared memory on up to ``threads`` threads (this one and the pool's):
+    with the native ``loop`` whole objects per thread (``shmloop.py``), else in twice as many parts
+    as threads; failures are recorded per op in ``op.error``."""
     with contextlib.ExitStack() as stack:
         bases: dict[str, int] = {}
         for op in ops:
@@ -208,6 +206,9 @@ def copy_batch(ops: list[CopyOp], reading: bool, shm: ShmTransport, pool: Thread
                 for other in ops:
                     if other.segment.shm_path == path:
                         other.error = e
+        if loop is not None:
+            copy_native(loop, ops, bases, reading, pool, threads)
+            return
         if pool is None or threads <= 1:
             _Batch(ops, bases, reading, 0).copy_each()
             return
@@ -220,13 +221,6 @@ def copy_batch(ops: list[CopyOp], reading: bool, shm: ShmTransport, pool: Thread
             pool.submit(batch.work)   # type: ignore[union-attr]
         batch.work()
         batch.finished.wait()
-
-
-def verify(op: CopyOp, got: int) -> None:
-    if got != op.checksum:
-        raise ChecksumMismatch(f"{op.key!r} (generation {op.generation}) read from segment "
-                               f"{op.segment.segment_id} offset {op.offset}: checksum {got:#018x}, "
-                               f"committed {op.checksum:#018x}")
 
 
 def _span(pieces: list[tuple[int, int]]) -> tuple[int, int]:

@@ -1,8 +1,10 @@
-"""Shared-memory copies split over copy threads (transfer/shmcopy.py), with real processes on host_shm.
+"""Shared-memory copies split over copy threads, with real processes on host_shm, through both loops:
+the native one (transfer/native.py, shmloop.py) and the pure-Python one (shmcopy.py).
 
 Every get is compared byte for byte with what was put, and the bytes between and after the pieces of
 the destination must stay untouched. Checksums are on (the default), so an op cut between threads is
-also proven to hash its bytes in order: otherwise its reads would fail as corrupt.
+also proven to hash its bytes in order: otherwise its reads would fail as corrupt. Objects written
+through one loop are read through the other: the checksums are the same.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ LAYOUTS = {
     # name: (piece sizes, gap after each piece in the caller's buffer, objects per batch)
     "layered, scattered": (DSR1_LAYOUT, 64, 3),          # odd batch: one object cut between two threads
     "layered, touching": (DSR1_LAYOUT, 0, 2),            # pieces merged into one run per object
-    "one large piece": ([8_994_817], 0, 1),              # one object cut in parts, odd tail
+    "one large piece": ([8_994_817], 0, 1),              # one object cut in parts, odd tail (Python loop)
+    "one object over 16 MiB": ([(9 << 20) + 1, (7 << 20) + 77_777], 5, 1),   # cut in ranges (native loop)
     "many small pieces": ([700] * 2000, 1, 1),           # 2,000 pieces of 700 bytes
     "around page boundaries": ([1, 4095, 4097, 8191, 65537, 131071] * 12, 3, 2),
 }
@@ -33,9 +36,15 @@ def _check(reader: Any, keys: list[str], layout: list[int], gap: int) -> None:
     assert r["codes"] == [0] * len(keys) and r["mismatches"] == []
 
 
-def test_threaded_copies_are_byte_exact(stores: Any) -> None:
-    writer = stores(shm_copy_threads=2)
-    readers = [stores(init_bm=False, shm_copy_threads=n) for n in (1, 2, 3)]
+LOOPS = ["native", "python"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_threaded_copies_are_byte_exact(stores: Any, loop: str) -> None:
+    other = LOOPS[1 - LOOPS.index(loop)]
+    writer = stores(shm_copy_threads=2, shm_copy_loop=loop)
+    readers = [stores(init_bm=False, shm_copy_threads=n, shm_copy_loop=loop) for n in (1, 2, 3)]
+    readers.append(stores(init_bm=False, shm_copy_threads=2, shm_copy_loop=other))
     for name, (layout, gap, batch) in LAYOUTS.items():
         keys = [f"{name}/{i}" for i in range(batch)]
         r = writer("put", keys=keys, layout=layout, gap=gap)
@@ -45,27 +54,29 @@ def test_threaded_copies_are_byte_exact(stores: Any) -> None:
         _check(writer, keys, layout, gap)                # its own segment, threaded too
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_threaded_puts_are_read_back_by_any_thread_count(stores: Any, threads: int) -> None:
+@pytest.mark.parametrize(("threads", "loop"), [(1, "native"), (3, "native"), (3, "python")])
+def test_threaded_puts_are_read_back_by_any_thread_count(stores: Any, threads: int, loop: str) -> None:
     """Objects written with one thread count and read with another carry the same checksum."""
-    writer = stores(shm_copy_threads=threads)
-    reader = stores(init_bm=False, shm_copy_threads=2)
+    writer = stores(shm_copy_threads=threads, shm_copy_loop=loop)
+    reader = stores(init_bm=False, shm_copy_threads=2, shm_copy_loop=loop)
     layout, gap, batch = LAYOUTS["layered, scattered"]
     keys = [f"t{threads}/{i}" for i in range(batch)]
     assert writer("put", keys=keys, layout=layout, gap=gap)["codes"] == [0] * batch
     _check(reader, keys, layout, gap)
-    _check(reader, keys[:1], layout, gap)                # one object: cut in two, hashed after both parts
+    _check(reader, keys[:1], layout, gap)                # one object: the Python loop cuts it in two
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_corrupt_byte_in_any_part_is_a_miss(meta: MetaServiceProcess, threads: int) -> None:
-    """One object, one large piece: with several threads it is cut between them and hashed after its
-    last part; a byte flipped in the segment, in the first or the last part, fails the get (-3110)."""
+@pytest.mark.parametrize(("threads", "loop"), [(1, "native"), (2, "native"), (3, "native"), (1, "python"),
+                                               (2, "python")])
+def test_a_corrupt_byte_in_any_part_is_a_miss(meta: MetaServiceProcess, threads: int, loop: str) -> None:
+    """One object, one large piece (over 16 MiB, so both loops cut it between threads): a byte flipped
+    in the segment, in the first or the last part, fails the get (-3110)."""
     owner, reader = DistributedObjectStore(), DistributedObjectStore()
-    assert owner.setup(meta.local_config(dram_size="32MB")) == 0 and owner.init(0, init_bm=True) == 0
-    assert reader.setup(meta.local_config(shm_copy_threads=threads)) == 0 and reader.init(1, init_bm=False) == 0
+    assert owner.setup(meta.local_config(dram_size="64MB")) == 0 and owner.init(0, init_bm=True) == 0
+    assert reader.setup(meta.local_config(shm_copy_threads=threads, shm_copy_loop=loop)) == 0
+    assert reader.init(1, init_bm=False) == 0
     try:
-        size = 6 * (1 << 20) + 12345
+        size = 17 * (1 << 20) + 12345
         dst = np.zeros(size, np.uint8)
         assert reader.register_buffer(dst.ctypes.data, size) == 0
         seg = owner._service().segment

@@ -5,7 +5,9 @@ copies is split over threads."""
 from __future__ import annotations
 
 import socket
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,6 +102,21 @@ def test_a_range_must_lie_inside_one_registered_buffer():
 def test_bad_pointers_and_sizes_are_refused(ptr, size):
     with pytest.raises(InvalidParameter):
         BufferRegistry().register(ptr, size)
+
+
+def test_a_whole_list_of_pieces_is_checked_as_each_piece_is():
+    """``pieces``: the fast pass (plain ints inside one buffer) and the piece-by-piece pass agree."""
+    r = BufferRegistry()
+    r.register(0x1000, 0x100)
+    r.register(0x1100, 0x100)
+    assert r.pieces([0x1000, 0x10f0], [0x10, 0x10]) == [(0x1000, 0x10), (0x10f0, 0x10)]
+    assert r.pieces([0x10f0, 0x1100], [0x10, 0x100]) == [(0x10f0, 0x10), (0x1100, 0x100)]  # two buffers
+    assert r.pieces([np.int64(0x1000)], [np.uint32(8)]) == [(0x1000, 8)]  # type: ignore[list-item]
+    bad: list[tuple[list[Any], list[Any]]] = [([0x1000, 0x10f8], [0x10, 0x10]), ([0x1000], [0]), ([0x1000, 0x1010], [8, -8]),
+           ([0x1000], [True]), ([0x1000], [1.0]), ([0x1000], []), ([], []), ([0xfff], [1])]
+    for ptrs, sizes in bad:
+        with pytest.raises(InvalidParameter):
+            r.pieces(ptrs, sizes)
 
 
 # ---- splitting a batch over threads --------------------------------------------------------------
