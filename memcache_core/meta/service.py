@@ -117,7 +117,7 @@ class MetaServiceCore:
                 results = []
                 for k in keys:
                     o = t.lookup(k, now, lease)
-                    results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations), o.checksum,
+                    results.append(None if o is None else p.Found(o.size, o.generation, o.locations, o.checksum,
                                                                   o.disk[0] if o.disk is not None else 0))
                 return p.LookupReply(results, self.config.lease_ttl_ms)
             case p.Heartbeat(client_id=cid, token=token, journal_ack=ack):
