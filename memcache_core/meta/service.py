@@ -114,12 +114,7 @@ class MetaServiceCore:
                 objs = t.objects   # ObjectTable.exists inlined: this is the hottest request
                 return p.Flags([o is not None and o.committed for o in map(objs.get, keys)])
             case p.Lookup(keys=keys, lease=lease):
-                results = []
-                for k in keys:
-                    o = t.lookup(k, now, lease)
-                    results.append(None if o is None else p.Found(o.size, o.generation, o.locations, o.checksum,
-                                                                  o.disk[0] if o.disk is not None else 0))
-                return p.LookupReply(results, self.config.lease_ttl_ms)
+                return p.LookupReply(t.lookup_many(keys, now, lease), self.config.lease_ttl_ms)
             case p.Heartbeat(client_id=cid, token=token, journal_ack=ack):
                 return self._heartbeat(cid, token, ack, now)
             case p.Join():

@@ -27,9 +27,9 @@ from typing import Any
 
 from .. import errors
 from ..layout import footprint
-from ..protocol import Location, ObjectReport, SegmentInfo
+from ..protocol import Found, Location, ObjectReport, SegmentInfo
 from .allocator import Allocator, aligned
-from .objects import Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
+from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
 from .space import Space
 
 logger = logging.getLogger(__name__)
@@ -232,17 +232,51 @@ class ObjectTable(Space):
         if not obj.locations:
             self.counters.disk_hits += 1
         if lease:
-            if self._lease_for[0] is not now:   # the keys of one request share their lease end
-                self._lease_for = (now, now + self.lease_ttl_s)
-            obj.lease_until = max(obj.lease_until, self._lease_for[1])
-            if obj.more is None:   # one location (or none: on disk only)
-                sid = obj.first_segment
-                if sid is not None:
-                    self.segments[sid].lru.touch(obj)
-            else:
-                for loc in obj.locations:
-                    self.segments[loc.segment_id].lru.touch(obj)
+            self._touch(obj, self._lease_end(now))
         return obj
+
+    def lookup_many(self, keys: list[str], now: float, lease: bool) -> list[Found | None]:  # noqa: C901
+        """``lookup`` of each key, answered as the protocol's ``Found`` (a batch get's hot path)."""
+        objects, segments, out, disk_hits = self.objects, self.segments, [], 0
+        end = self._lease_end(now) if lease else 0.0
+        for k in keys:
+            obj = objects.get(k)
+            if obj is None or not obj.committed:
+                out.append(None)
+                continue
+            if not lease:
+                pass
+            elif obj.more is None and (sid1 := obj.packed & FIRST_SEGMENT):   # ``_touch`` unrolled
+                if end > obj.lease_until:
+                    obj.lease_until = end
+                segments[sid1 - 1].lru.touch(obj)
+            else:
+                self._touch(obj, end)
+            found = obj.found()
+            disk_hits += not found.locations
+            out.append(found)
+        c = self.counters
+        c.lookups += len(keys)
+        c.hits += len(keys) - out.count(None)
+        c.disk_hits += disk_hits
+        return out
+
+    def _lease_end(self, now: float) -> float:
+        if self._lease_for[0] is not now:   # the keys of one request share their lease end
+            self._lease_for = (now, now + self.lease_ttl_s)
+        return self._lease_for[1]
+
+    def _touch(self, obj: Obj, lease_end: float) -> None:
+        """A leased read: the lease never shrinks, and the object becomes the most recent in its segments."""
+        if lease_end > obj.lease_until:
+            obj.lease_until = lease_end
+        if obj.more is None:   # one location (or none: on disk only)
+            sid = obj.first_segment
+            if sid is not None:
+                self.segments[sid].lru.touch(obj)
+        else:
+            for loc in obj.locations:
+                self.segments[loc.segment_id].lru.touch(obj)
 
     def exists(self, key: str) -> bool:
         obj = self.objects.get(key)
