@@ -64,6 +64,19 @@ def _handle(core: service.MetaServiceCore, keys: list[str]) -> list[tuple[str, f
     return out
 
 
+def _check_lru(t: ObjectTable, keys: list[str], more: list[str], segments: int, evictions: int) -> None:
+    """Key i of the fill went to segment i % segments; in each, the objects gone must be the oldest
+    ones (the last 1,000 keys were read since, and the new puts are the most recent)."""
+    gone = [k not in t.objects for k in keys[:-1000]]
+    for s in range(segments):
+        mine = gone[s::segments]
+        if any(mine[mine.index(False):] if False in mine else ()):
+            raise SystemExit(f"segment {s}: an object was evicted while an older one stayed")
+    if sum(gone) != evictions or evictions < len(more) * 9 // 10 or \
+            not all(k in t.objects for k in keys[-1000:] + more):
+        raise SystemExit(f"eviction was not least-recently-used: {evictions} evictions, {sum(gone)} objects gone")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--objects", type=int, default=1_000_000)
@@ -85,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     _put(t, more, ids, rng)
     evict = time.perf_counter() - start
     n = t.counters.evictions
-    gone = sum(k not in t.objects for k in keys)
-    if n < len(more) * 9 // 10 or gone != n or any(k in t.objects for k in keys[:n * 9 // 10]) \
-            or not all(k in t.objects for k in keys[-1000:] + more):
-        raise SystemExit(f"eviction was not least-recently-used: {n} evictions, {gone} objects gone")
+    _check_lru(t, keys, more, len(ids), n)
     print(f"{args.objects:,} objects, {args.segments} segments: fill {fill:.2f} s ({fill / args.objects * 1e6:.2f} us/put); "
           f"{len(more):,} more puts evicting {n:,} (low mark {args.low:g}%): {evict:.2f} s "
           f"({evict / n * 1e6:.2f} us per eviction, with its put)")

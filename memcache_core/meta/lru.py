@@ -65,6 +65,19 @@ class Lru:
     def __delitem__(self, key: str) -> None:
         self._unlink(self[key])
 
+    def first(self) -> Obj | None:
+        """The least recently used object."""
+        return None if self.head is None else self.objects[self.head]
+
+    def append(self, obj: Obj) -> None:
+        """Add an object not in this list (just committed) at the most recent end."""
+        self._insert(obj, last=True)
+
+    def discard(self, obj: Obj) -> None:
+        """Take the object out if it is in this list (as the table's current object of its key)."""
+        if self.objects.get(obj.key) is obj and obj.committed and self._linked(obj):
+            self._unlink(obj)
+
     def touch(self, obj: Obj) -> None:
         """The object was used: it becomes the most recent. (The hot path of a read: an object with one
         location and its neighbours' links unrolled.)"""
@@ -95,7 +108,8 @@ class Lru:
         self._insert(obj, last)
 
     def _insert(self, obj: Obj, last: bool) -> None:
-        node, key, sid = obj.links(self.sid, create=True), obj.key, self.sid
+        key, sid = obj.key, self.sid
+        node = obj if obj.more is None else obj.links(sid, create=True)   # (no extras: one location, this)
         if last:
             node.prev, node.next = self.tail, None
             if self.tail is None:

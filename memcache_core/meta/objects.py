@@ -191,10 +191,15 @@ class Obj(msgspec.Struct, eq=False, gc=False):
             self.more = None
 
 
+PENDING_LEASE = float("-inf")   # a pending object's ``lease_until`` (never leased): ``committed`` in one slot
+
+
 class PendingObj(Obj, gc=False):
     """An object allocated and not committed yet: its writer and its deadline. Commit replaces it
-    with an ``Obj`` (pending objects are never in an LRU list)."""
+    with an ``Obj`` (pending objects are never in an LRU list). Its ``lease_until`` is ``PENDING_LEASE``,
+    so the hottest check (Exist) reads a slot, not the class attribute ``committed``."""
 
+    lease_until: float = PENDING_LEASE
     owner: int = 0                   # type: ignore[misc]   # client that allocated it
     pending_deadline: float = 0.0    # type: ignore[misc]
     committed: ClassVar[bool] = False

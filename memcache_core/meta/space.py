@@ -103,6 +103,9 @@ class Space:
         nothing), when there is one."""
         first = None
         with_disk = seg.info.segment_id in self.disk_tiers
+        head = seg.lru.first()
+        if head is not None and not with_disk and head.lease_until <= now:
+            return head   # (the common case, without walking)
         for n, obj in enumerate(seg.lru.values()):
             if obj.lease_until > now:
                 continue

@@ -15,7 +15,8 @@ Invariants (docs/design.md explains each):
   replicas than their put asked for (placed partially, or a replica's segment died or was corrupt).
 Time is passed in (``now``, monotonic seconds) so the logic is testable without sleeping.
 
-The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``; choosing segments, allocating,
+The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``, a segment's LRU list in ``lru.py``
+(an object leaves a segment's list before it loses its location there); choosing segments, allocating,
 evicting and freeing space in ``space.py`` (a mixin of ``ObjectTable``).
 """
 
@@ -184,9 +185,12 @@ class ObjectTable(Space):
         # keyed by the object's own string: the request's is a copy
         obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum), more=obj.more)
         self.pending -= 1
-        for loc in obj.locations:
-            self.segments[loc.segment_id].lru[obj.key] = obj
-        self._mark(obj)
+        if obj.more is None:   # one location, one replica asked for: never under-replicated
+            self.segments[(obj.packed & FIRST_SEGMENT) - 1].lru.append(obj)
+        else:
+            for loc in obj.locations:
+                self.segments[loc.segment_id].lru.append(obj)
+            self._mark(obj)
         self.counters.commits += 1
         if self.listener is not None:
             self.listener(True, obj)
@@ -237,7 +241,8 @@ class ObjectTable(Space):
 
     def lookup_many(self, keys: list[str], now: float, lease: bool) -> list[Found | None]:  # noqa: C901
         """``lookup`` of each key, answered as the protocol's ``Found`` (a batch get's hot path)."""
-        objects, segments, out, disk_hits = self.objects, self.segments, [], 0
+        objects, segments, disk_hits = self.objects, self.segments, 0
+        out: list[Found | None] = []
         end = self._lease_end(now) if lease else 0.0
         for k in keys:
             obj = objects.get(k)
@@ -341,6 +346,8 @@ class ObjectTable(Space):
 
     def _mark(self, obj: Obj) -> None:
         """Keep ``under_replicated`` in step with this object's replica count."""
+        if obj.more is None:   # one replica asked for, not marked: nothing to change
+            return
         under = (obj.committed and 0 < len(obj.locations) < obj.replicas  # disk-only objects are not "under"
                  and self.objects.get(obj.key) is obj)
         if under != obj.under:
@@ -353,8 +360,7 @@ class ObjectTable(Space):
             seg = self.segments.get(loc.segment_id)
             if seg is None:
                 continue
-            if seg.lru.get(obj.key) is obj:
-                del seg.lru[obj.key]
+            seg.lru.discard(obj)
             seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
         if self.objects.get(obj.key) is obj:
             del self.objects[obj.key]
