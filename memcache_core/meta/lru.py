@@ -1,7 +1,7 @@
 """A segment's LRU list: a doubly linked list threaded through the objects themselves (two pointers
 each, where an ``OrderedDict`` entry took ~90 bytes). Links are keys, not objects, so objects never
 form reference cycles; an object's links in its first location's segment are its own ``prev`` /
-``next``, those in its other segments are ``Links`` in its ``Extra``. Touching, appending and evicting
+``next``, those in its other segments are ``Links`` in its ``Extra`` (one per location there). Touching, appending and evicting
 from the head are O(1); nothing is ever scanned past (no deleted slots as in a plain dict).
 
 Every object in a list is in the table's ``objects`` under its key (the table takes an object out of
@@ -109,7 +109,7 @@ class Lru:
 
     def _insert(self, obj: Obj, last: bool) -> None:
         key, sid = obj.key, self.sid
-        node = obj if obj.more is None else obj.links(sid, create=True)   # (no extras: one location, this)
+        node = obj if obj.more is None else obj.links(sid)   # (no extras: one location, this one)
         if last:
             node.prev, node.next = self.tail, None
             if self.tail is None:

@@ -48,9 +48,13 @@ class Extra(msgspec.Struct, gc=False):
     replicas: int = 1                  # replicas the put asked for
     under: bool = False                # committed with fewer locations than ``replicas`` (counted)
     rest: tuple[Location, ...] = ()    # locations after the first
-    links: dict[int, Links] | None = None   # LRU links in the segments of ``rest`` (segment id -> links)
+    links: tuple[Links, ...] = ()      # LRU links in the segments of ``rest``, one per location there
     disk: tuple[int, int] | None = None     # (segment id of the provider holding a disk record, its generation)
     disk_offered: float = 0.0          # offered to that provider's disk writer; not again before this time
+
+    def __post_init__(self) -> None:
+        if len(self.links) != len(self.rest):
+            self.links = tuple(Links() for _ in self.rest)
 
     def idle(self) -> bool:
         return (self.replicas == 1 and not self.under and not self.rest and not self.links
@@ -101,19 +105,14 @@ class Obj(msgspec.Struct, eq=False, gc=False):
     def locations(self, locs: list[Location]) -> None:
         """Change the locations. The caller took the object out of the LRU lists of locations it drops
         (and adds it to those of new ones after); links of kept ones move with the first location."""
-        old = self.first_segment
-        new = locs[0].segment_id if locs else None
         more = self._extra()
-        links = dict(more.links or {})
-        if old != new:
-            own = Links(self.prev, self.next)
-            took = links.pop(new, None) if new is not None else None
-            self.prev, self.next = (took.prev, took.next) if took is not None else (OUT, OUT)
-            if old is not None and any(loc.segment_id == old for loc in locs[1:]):
-                links[old] = own
-        kept = {loc.segment_id for loc in locs[1:]}
-        more.links = {sid: n for sid, n in links.items() if sid in kept} or None
+        nodes = {loc.segment_id: (n.prev, n.next) for loc, n in zip(more.rest, more.links, strict=True)}
+        first = self.first_segment
+        if first is not None:
+            nodes[first] = (self.prev, self.next)
+        self.prev, self.next = nodes.get(locs[0].segment_id, (OUT, OUT)) if locs else (OUT, OUT)
         more.rest = tuple(locs[1:])
+        more.links = tuple(Links(*nodes.get(loc.segment_id, (OUT, OUT))) for loc in locs[1:])
         self.packed = pack(self.size, self.generation, self.checksum, locs[0] if locs else None)
         self._tidy()
 
@@ -168,18 +167,13 @@ class Obj(msgspec.Struct, eq=False, gc=False):
         self._extra().disk_offered = v
         self._tidy()
 
-    def links(self, segment_id: int, create: bool = False) -> Obj | Links:
+    def links(self, segment_id: int) -> Obj | Links:
         """This object's LRU links in one of its segments: its own for the first location."""
-        more = self.more
-        if more is not None and more.links is not None:
-            n = more.links.get(segment_id)
-            if n is not None:
-                return n
-        if not create or self.first_segment == segment_id:
-            return self
-        more = self._extra()
-        more.links = {**(more.links or {}), segment_id: Links()}
-        return more.links[segment_id]
+        if self.more is not None:
+            for loc, n in zip(self.more.rest, self.more.links, strict=True):
+                if loc.segment_id == segment_id:
+                    return n
+        return self
 
     def _extra(self) -> Extra:
         if self.more is None:
