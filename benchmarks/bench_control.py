@@ -63,11 +63,11 @@ def parts() -> None:
     from memcache_core import protocol as p
     from memcache_core.config import MetaConfig
     from memcache_core.meta import service, stats
-    from memcache_core.meta.table import Obj
+    from memcache_core.meta.objects import new_obj
     from memcache_core.rpc import FRAME_HEAD, take_frame
     core = service.MetaServiceCore(MetaConfig())
     for k in KEYS:
-        core.table.objects[k] = Obj(k, 4096, 1, [p.Location(1, 0)], 1, committed=True)
+        core.table.objects[k] = new_obj(k, 4096, 1, [p.Location(1, 0)])
     for n_keys in (1, 1000):
         body = p.request_encoder.encode(p.Exist(KEYS[:n_keys]))
         req = p.request_decoder.decode(body)

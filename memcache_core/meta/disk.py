@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from .. import errors
 from .. import protocol as p
 from ..layout import footprint
+from .objects import new_obj
 from .table import Obj, ObjectTable
 
 OFFER_RETRY_S = 30.0
@@ -54,8 +55,7 @@ def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool) -> bool:
     unknown (a provider's records after a MetaService or provider restart)."""
     cur = t.objects.get(r.key)
     if cur is None and create:
-        t.objects[r.key] = Obj(r.key, r.size, r.generation, [], owner=0, checksum=r.checksum, committed=True,
-                               disk=(sid, r.generation))
+        t.objects[r.key] = new_obj(r.key, r.size, r.generation, [], r.checksum, disk=(sid, r.generation))
         t.bump_generation(r.generation)
         return True
     if cur is None or not cur.committed or cur.size != r.size or not cur.checksum or cur.checksum != r.checksum:
@@ -113,7 +113,7 @@ def _offload(t: ObjectTable, sid: int, tier: DiskTier, room: int, now: float) ->
     out: list[p.ObjectReport] = []
     room = _walk(seg.lru.values(), a.used - OFFLOAD_MARK * t.low * a.size, sid, room, now, out)
     if tier.policy == "write_through":
-        room = _walk(reversed(seg.lru.values()), float("inf"), sid, room, now, out)
+        room = _walk(seg.lru.values(reverse=True), float("inf"), sid, room, now, out)
     tier.scanned = sig if room > 0 else None   # cut short by the writer's room: look again next time
     return out
 
@@ -179,7 +179,7 @@ def promoted(t: ObjectTable, sid: int, req: p.Promoted, now: float) -> list[int]
             seg.allocator.free_range(off, footprint(held[3]))
             codes.append(errors.STATE_MISMATCH)
             continue
-        obj.locations.append(p.Location(sid, off))
+        obj.locations = [*obj.locations, p.Location(sid, off)]
         seg.lru[obj.key] = obj   # the object's own string: k is the request's copy
         t.counters.promotions += 1
         codes.append(errors.SUCCESS)

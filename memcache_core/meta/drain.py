@@ -37,6 +37,7 @@ from .. import protocol as p
 from ..layout import footprint
 from . import validate
 from .allocator import aligned
+from .objects import new_obj
 from .table import Obj, ObjectTable, Segment
 
 MAX_ATTEMPTS = 3                 # copies of one object that may fail before it is dropped
@@ -252,9 +253,11 @@ class Drains:
             t.corrupt(m.key, m.generation, now)
             self._count_dropped(d, m.size)
             return errors.CHECKSUM_MISMATCH
+        if d.segment.lru.get(obj.key) is obj:   # out of the source's LRU list before the location goes
+            del d.segment.lru[obj.key]
         obj.locations = [p.Location(m.target.info.segment_id, m.target_offset) if loc == src else loc
                          for loc in obj.locations]
-        obj.generation, obj.checksum = m.new_generation, m.checksum or checksum
+        obj.set_version(m.new_generation, m.checksum or checksum)
         m.target.lru[m.key] = obj
         self._release(d.segment, obj, src, m.generation, m.checksum, now)
         d.moved_objects += 1
@@ -270,8 +273,8 @@ class Drains:
             del seg.lru[obj.key]
         seg.record_removed(p.ObjectReport(obj.key, loc.offset, obj.size, generation, checksum))
         if obj.lease_until > now:
-            self.table.doomed.append(Obj(obj.key, obj.size, generation, [loc], 0, checksum, True,
-                                         lease_until=obj.lease_until))
+            self.table.doomed.append(new_obj(obj.key, obj.size, generation, [loc], checksum,
+                                             lease_until=obj.lease_until))
         else:
             seg.allocator.free_range(loc.offset, footprint(obj.size))
 
@@ -283,7 +286,7 @@ class Drains:
         seg.record_removed(p.ObjectReport(m.key, m.target_offset, m.size, m.new_generation, m.checksum))
         if quarantine:                               # its writer may still be copying
             self.table.quarantine.append((now + self.table.quarantine_s,
-                                          Obj(m.key, m.size, m.new_generation, [loc], 0)))
+                                          new_obj(m.key, m.size, m.new_generation, [loc])))
         else:
             seg.allocator.free_range(m.target_offset, footprint(m.size))
 
@@ -291,8 +294,8 @@ class Drains:
         if len(obj.locations) == 1:
             self.table.drop(obj, now)
         else:                                        # the other replicas keep the object
+            self._release(d.segment, obj, src, obj.generation, obj.checksum, now)   # (its LRU list first)
             obj.locations = [loc for loc in obj.locations if loc != src]
-            self._release(d.segment, obj, src, obj.generation, obj.checksum, now)
         self._count_dropped(d, obj.size)
 
     def _count_dropped(self, d: Drain, size: int, n: int = 1) -> None:

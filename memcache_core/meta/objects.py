@@ -1,44 +1,219 @@
-"""The data model of the object table: an object (``Obj``), a segment with its allocator, LRU list and
-journal of removed objects (``Segment``), and the table's ``Counters``."""
+"""The data model of the object table: an object (``Obj``, ``PendingObj``), a segment with its allocator,
+LRU list and journal of removed objects (``Segment``), and the table's ``Counters``.
+
+A million objects fill a table, so every byte counts (benchmarks/bench_meta_memory.py): an object is
+four pointers and two LRU links (64 bytes) and one int that packs its size, generation, checksum and
+first location (64 bytes), where separate int objects, a location list and a ``Location`` took ~300.
+What few objects have (more replicas, a disk record, an under-replicated mark) is in ``Extra``."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
+from typing import ClassVar
 
 import msgspec
 
-from ..protocol import JournalEntry, Location, ObjectReport, SegmentInfo
+from ..protocol import Found, JournalEntry, Location, ObjectReport, SegmentInfo
 from .allocator import Allocator
+from .lru import OUT, Links, Lru
 
 MAX_JOURNAL = 1_000_000
 
+# ``Obj.packed``, lowest bits first: the first location's segment id + 1 (64 bits; 0: no location),
+# size (48), the first location's offset (48), generation (64), checksum (64). Wider values are
+# refused, never truncated. (The segment id is lowest: a read finds it with one ``&``.)
+_M48, _M64 = (1 << 48) - 1, (1 << 64) - 1
+_SIZE, _OFF, _GEN, _SUM = 64, 112, 160, 224
+FIRST_SEGMENT = _M64   # for the table's read path: (packed & FIRST_SEGMENT) - 1, when not 0
+
+
+def pack(size: int, generation: int, checksum: int, first: Location | None) -> int:
+    sid1, off = (first.segment_id + 1, first.offset) if first is not None else (0, 0)
+    if (size | off) >> 48 or (sid1 | generation | checksum) >> 64:
+        raise ValueError(f"object field out of range: size {size}, generation {generation}, "
+                         f"checksum {checksum}, location {first}")
+    return sid1 | size << _SIZE | off << _OFF | generation << _GEN | checksum << _SUM
+
+
+def with_checksum(packed: int, checksum: int) -> int:
+    """A pending object's ``packed`` (checksum 0) with the checksum its writer committed."""
+    if checksum >> 64:
+        raise ValueError(f"checksum out of range: {checksum}")
+    return packed | checksum << _SUM
+
+
+class Extra(msgspec.Struct, gc=False):
+    """What few objects have; an object whose extras are all defaults holds none (``Obj.more`` None)."""
+
+    replicas: int = 1                  # replicas the put asked for
+    under: bool = False                # committed with fewer locations than ``replicas`` (counted)
+    rest: tuple[Location, ...] = ()    # locations after the first
+    links: tuple[Links, ...] = ()      # LRU links in the segments of ``rest``, one per location there
+    disk: tuple[int, int] | None = None     # (segment id of the provider holding a disk record, its generation)
+    disk_offered: float = 0.0          # offered to that provider's disk writer; not again before this time
+
+    def __post_init__(self) -> None:
+        if len(self.links) != len(self.rest):
+            self.links = tuple(Links() for _ in self.rest)
+
+    def idle(self) -> bool:
+        return (self.replicas == 1 and not self.under and not self.rest and not self.links
+                and self.disk is None and self.disk_offered == 0.0)
+
+
 
 class Obj(msgspec.Struct, eq=False, gc=False):
-    """One object: a million of them fill a table, so every byte counts (benchmarks/bench_meta_memory.py).
-    Not tracked by the garbage collector (it never holds a reference cycle: strings, numbers and
-    locations only), which saves 16 bytes each and keeps full collections from walking them all."""
+    """One committed object. Not tracked by the garbage collector (no reference cycles: LRU links are
+    keys, not objects), which saves 16 bytes each and keeps full collections from walking them."""
 
     key: str
-    size: int
-    generation: int
-    locations: list[Location]
-    owner: int                      # client that allocated it
-    checksum: int = 0               # payload XXH3-64 from the writer (0: none)
-    committed: bool = False
-    pending_deadline: float = 0.0
+    packed: int                        # size, generation, checksum, first location (``pack``)
     lease_until: float = 0.0
-    replicas: int = 1               # replicas the put asked for
-    under: bool = False             # committed with fewer locations than ``replicas`` (counted)
-    disk: tuple[int, int] | None = None   # (segment id of the provider holding a disk record, its generation)
-    disk_offered: float = 0.0       # offered to that provider's disk writer; not again before this time
+    more: Extra | None = None
+    prev: str | None = OUT             # LRU links in the first location's segment (``lru.py``)
+    next: str | None = OUT
+    committed: ClassVar[bool] = True
+    owner: ClassVar[int] = 0
+    pending_deadline: ClassVar[float] = 0.0
+
+    @property
+    def size(self) -> int:
+        return self.packed >> _SIZE & _M48
+
+    @property
+    def generation(self) -> int:
+        return self.packed >> _GEN & _M64
+
+    @property
+    def checksum(self) -> int:
+        return self.packed >> _SUM
+
+    @property
+    def first_segment(self) -> int | None:
+        sid1 = self.packed & _M64
+        return sid1 - 1 if sid1 else None
+
+    @property
+    def locations(self) -> list[Location]:
+        """A fresh list: assign ``locations`` to change them (``Obj.locations.append`` changes nothing)."""
+        v = self.packed
+        sid1 = v & _M64
+        first = [Location(sid1 - 1, v >> _OFF & _M48)] if sid1 else []
+        return first + list(self.more.rest) if self.more is not None else first
+
+    @locations.setter
+    def locations(self, locs: list[Location]) -> None:
+        """Change the locations. The caller took the object out of the LRU lists of locations it drops
+        (and adds it to those of new ones after); links of kept ones move with the first location."""
+        more = self._extra()
+        nodes = {loc.segment_id: (n.prev, n.next) for loc, n in zip(more.rest, more.links, strict=True)}
+        first = self.first_segment
+        if first is not None:
+            nodes[first] = (self.prev, self.next)
+        self.prev, self.next = nodes.get(locs[0].segment_id, (OUT, OUT)) if locs else (OUT, OUT)
+        more.rest = tuple(locs[1:])
+        more.links = tuple(Links(*nodes.get(loc.segment_id, (OUT, OUT))) for loc in locs[1:])
+        self.packed = pack(self.size, self.generation, self.checksum, locs[0] if locs else None)
+        self._tidy()
+
+    def found(self) -> Found:
+        """The object as a lookup answers it (its fields decoded once)."""
+        v = self.packed
+        sid1 = v & _M64
+        locs = [Location(sid1 - 1, v >> _OFF & _M48)] if sid1 else []
+        more = self.more
+        if more is None:
+            return Found(v >> _SIZE & _M48, v >> _GEN & _M64, locs, v >> _SUM, 0)
+        return Found(v >> _SIZE & _M48, v >> _GEN & _M64, locs + list(more.rest), v >> _SUM,
+                     more.disk[0] if more.disk is not None else 0)
+
+    def set_version(self, generation: int, checksum: int) -> None:
+        locs = self.locations
+        self.packed = pack(self.size, generation, checksum, locs[0] if locs else None)
+
+    @property
+    def replicas(self) -> int:
+        return self.more.replicas if self.more is not None else 1
+
+    @replicas.setter
+    def replicas(self, n: int) -> None:
+        self._extra().replicas = n
+        self._tidy()
+
+    @property
+    def under(self) -> bool:
+        return self.more is not None and self.more.under
+
+    @under.setter
+    def under(self, v: bool) -> None:
+        self._extra().under = v
+        self._tidy()
+
+    @property
+    def disk(self) -> tuple[int, int] | None:
+        return self.more.disk if self.more is not None else None
+
+    @disk.setter
+    def disk(self, v: tuple[int, int] | None) -> None:
+        self._extra().disk = v
+        self._tidy()
+
+    @property
+    def disk_offered(self) -> float:
+        return self.more.disk_offered if self.more is not None else 0.0
+
+    @disk_offered.setter
+    def disk_offered(self, v: float) -> None:
+        self._extra().disk_offered = v
+        self._tidy()
+
+    def links(self, segment_id: int) -> Obj | Links:
+        """This object's LRU links in one of its segments: its own for the first location."""
+        if self.more is not None:
+            for loc, n in zip(self.more.rest, self.more.links, strict=True):
+                if loc.segment_id == segment_id:
+                    return n
+        return self
+
+    def _extra(self) -> Extra:
+        if self.more is None:
+            self.more = Extra()
+        return self.more
+
+    def _tidy(self) -> None:
+        if self.more is not None and self.more.idle():
+            self.more = None
+
+
+PENDING_LEASE = float("-inf")   # a pending object's ``lease_until`` (never leased): ``committed`` in one slot
+
+
+class PendingObj(Obj, gc=False):
+    """An object allocated and not committed yet: its writer and its deadline. Commit replaces it
+    with an ``Obj`` (pending objects are never in an LRU list). Its ``lease_until`` is ``PENDING_LEASE``,
+    so the hottest check (Exist) reads a slot, not the class attribute ``committed``."""
+
+    lease_until: float = PENDING_LEASE
+    owner: int = 0                   # type: ignore[misc]   # client that allocated it
+    pending_deadline: float = 0.0    # type: ignore[misc]
+    committed: ClassVar[bool] = False
+
+
+def new_obj(key: str, size: int, generation: int, locations: list[Location], checksum: int = 0,
+            lease_until: float = 0.0, replicas: int = 1, disk: tuple[int, int] | None = None) -> Obj:
+    """A committed object (recovered from reports, a disk record, or a copy whose space waits)."""
+    obj = Obj(key, pack(size, generation, checksum, locations[0] if locations else None), lease_until)
+    if len(locations) > 1 or replicas != 1 or disk is not None:
+        obj.more = Extra(replicas=replicas, rest=tuple(locations[1:]), disk=disk)
+    return obj
 
 
 class Segment:
-    def __init__(self, info: SegmentInfo, allocator: Allocator, alloc_after: float = 0.0) -> None:
+    def __init__(self, info: SegmentInfo, allocator: Allocator, objects: dict[str, Obj],
+                 alloc_after: float = 0.0) -> None:
         self.info = info
         self.allocator = allocator
-        self.lru: OrderedDict[str, Obj] = OrderedDict()  # committed objects here, least recent first
+        self.lru = Lru(info.segment_id, objects)   # committed objects here, least recent first
         self.journal: list[JournalEntry] = []
         self.journal_seq = 0
         self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
@@ -73,4 +248,3 @@ class Counters:
     disk_drops: int = 0             # disk-only objects gone for good (their tier dropped the record)
     disk_hits: int = 0              # lookups that found an object on disk only
     promotions: int = 0             # disk-only objects brought back into DRAM
-

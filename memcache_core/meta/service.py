@@ -27,6 +27,7 @@ from . import disk, placement, stats, validate
 from .drain import Drains
 from .events import EventPublisher
 from .metrics import Metrics
+from .objects import PENDING_LEASE
 from .server import _answer as _answer
 from .server import serve as serve
 from .table import Obj, ObjectTable
@@ -112,14 +113,9 @@ class MetaServiceCore:
             case p.Exist(keys=keys):   # keys checked by the decoder (protocol.Keys)
                 t.counters.exists += len(keys)
                 objs = t.objects   # ObjectTable.exists inlined: this is the hottest request
-                return p.Flags([o is not None and o.committed for o in map(objs.get, keys)])
+                return p.Flags([o is not None and o.lease_until is not PENDING_LEASE for o in map(objs.get, keys)])
             case p.Lookup(keys=keys, lease=lease):
-                results = []
-                for k in keys:
-                    o = t.lookup(k, now, lease)
-                    results.append(None if o is None else p.Found(o.size, o.generation, list(o.locations), o.checksum,
-                                                                  o.disk[0] if o.disk is not None else 0))
-                return p.LookupReply(results, self.config.lease_ttl_ms)
+                return p.LookupReply(t.lookup_many(keys, now, lease), self.config.lease_ttl_ms)
             case p.Heartbeat(client_id=cid, token=token, journal_ack=ack):
                 return self._heartbeat(cid, token, ack, now)
             case p.Join():

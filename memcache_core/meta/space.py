@@ -13,7 +13,6 @@ from .allocator import aligned
 from .objects import Counters, Obj, Segment
 
 DISK_LOOKAHEAD = 256     # how far eviction looks down the LRU list for an object already on disk
-MAX_SHARED_SIZES = 4096     # distinct object sizes whose int objects the table shares
 
 
 class Space:
@@ -24,7 +23,6 @@ class Space:
     segments: dict[int, Segment]
     counters: Counters
     disk_tiers: dict[int, Any]
-    _sizes: dict[int, int]
 
     if TYPE_CHECKING:   # the table's own, used here
         def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None: ...
@@ -58,12 +56,6 @@ class Space:
             for evict in (False, True):
                 take(candidates, evict, distinct_host)
         return chosen
-
-    def _shared_size(self, size: int) -> int:
-        """One int object per distinct size (KV pages come in a few sizes): 32 bytes less per object."""
-        if len(self._sizes) < MAX_SHARED_SIZES:
-            return self._sizes.setdefault(size, size)
-        return self._sizes.get(size, size)
 
     def _alloc_in(self, seg: Segment, size: int, now: float, evict: bool) -> int | None:
         a = seg.allocator
@@ -111,6 +103,9 @@ class Space:
         nothing), when there is one."""
         first = None
         with_disk = seg.info.segment_id in self.disk_tiers
+        head = seg.lru.first()
+        if head is not None and not with_disk and head.lease_until <= now:
+            return head   # (the common case, without walking)
         for n, obj in enumerate(seg.lru.values()):
             if obj.lease_until > now:
                 continue

@@ -15,7 +15,8 @@ Invariants (docs/design.md explains each):
   replicas than their put asked for (placed partially, or a replica's segment died or was corrupt).
 Time is passed in (``now``, monotonic seconds) so the logic is testable without sleeping.
 
-The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``; choosing segments, allocating,
+The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``, a segment's LRU list in ``lru.py``
+(an object leaves a segment's list before it loses its location there); choosing segments, allocating,
 evicting and freeing space in ``space.py`` (a mixin of ``ObjectTable``).
 """
 
@@ -27,10 +28,9 @@ from typing import Any
 
 from .. import errors
 from ..layout import footprint
-from ..protocol import Location, ObjectReport, SegmentInfo
+from ..protocol import Found, Location, ObjectReport, SegmentInfo
 from .allocator import Allocator, aligned
-from .objects import Counters, Obj, Segment
-from .space import MAX_SHARED_SIZES as MAX_SHARED_SIZES
+from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
 from .space import Space
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,6 @@ class ObjectTable(Space):
         self.disk_tiers: dict[int, Any] = {}          # segment id -> meta.disk.DiskTier
         self.disk_drops: dict[int, list[ObjectReport]] = {}   # records each tier should delete
         self.promoting: dict[tuple[str, int], tuple[int, int, float, int]] = {}   # meta/disk.py
-        self._sizes: dict[int, int] = {}
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
 
     # ---- segments -------------------------------------------------------------------------------
@@ -101,15 +100,16 @@ class ObjectTable(Space):
             logger.error("segment %d reported inconsistent objects (%s); starting it empty",
                          info.segment_id, e)
             alloc, refused, accepted = Allocator(info.size), [r for r, _ in accepted] + refused, []
-        seg = Segment(info, alloc, alloc_after)
+        seg = Segment(info, alloc, self.objects, alloc_after)
         self.segments[info.segment_id] = seg
         for r, cur in accepted:
             loc = Location(info.segment_id, r.offset)
             if cur is None:
-                cur = Obj(r.key, r.size, r.generation, [], owner=0, checksum=r.checksum, committed=True)
+                cur = new_obj(r.key, r.size, r.generation, [loc], r.checksum)
                 self.objects[r.key] = cur
                 self._next_gen = max(self._next_gen, r.generation + 1)
-            cur.locations.append(loc)
+            else:
+                cur.locations = [*cur.locations, loc]
             cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported
             self._mark(cur)   # a holder declared dead that re-joins gives the object its replica back
             seg.lru[cur.key] = cur
@@ -166,10 +166,12 @@ class ObjectTable(Space):
             too_big = segs and all(aligned(size_in_segment) > s.allocator.size for s in segs)
             return (errors.OVER_CAPACITY if too_big else errors.OUT_OF_MEMORY), 0, []
         self._next_gen += 1
-        locs = [Location(seg.info.segment_id, off) for seg, off in chosen][:]   # exact size: a comprehension's
-        # list keeps room for 4 (24 bytes per object)
-        self.objects[key] = Obj(key, self._shared_size(size), self._next_gen, locs, client_id,
-                                pending_deadline=now + self.pending_timeout_s, replicas=replicas)
+        locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
+        obj = PendingObj(key, pack(size, self._next_gen, 0, locs[0]), owner=client_id,
+                         pending_deadline=now + self.pending_timeout_s)
+        if len(locs) > 1 or replicas != 1:
+            obj.more = Extra(replicas=replicas, rest=tuple(locs[1:]))
+        self.objects[key] = obj
         self.pending += 1
         return errors.SUCCESS, self._next_gen, locs
 
@@ -179,13 +181,16 @@ class ObjectTable(Space):
             return errors.STATE_MISMATCH  # aborted (timed out, writer declared dead), replaced, not ours
         if obj.committed:
             return errors.SUCCESS
-        obj.committed = True
-        obj.checksum = checksum
+        # the committed object replaces the pending one (its writer and deadline are no longer kept);
+        # keyed by the object's own string: the request's is a copy
+        obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum), more=obj.more)
         self.pending -= 1
-        obj.pending_deadline = 0.0
-        for loc in obj.locations:   # keyed by the object's own string: the request's is a copy
-            self.segments[loc.segment_id].lru[obj.key] = obj
-        self._mark(obj)
+        if obj.more is None:   # one location, one replica asked for: never under-replicated
+            self.segments[(obj.packed & FIRST_SEGMENT) - 1].lru.append(obj)
+        else:
+            for loc in obj.locations:
+                self.segments[loc.segment_id].lru.append(obj)
+            self._mark(obj)
         self.counters.commits += 1
         if self.listener is not None:
             self.listener(True, obj)
@@ -231,12 +236,52 @@ class ObjectTable(Space):
         if not obj.locations:
             self.counters.disk_hits += 1
         if lease:
-            if self._lease_for[0] is not now:   # the keys of one request share their lease end
-                self._lease_for = (now, now + self.lease_ttl_s)
-            obj.lease_until = max(obj.lease_until, self._lease_for[1])
-            for loc in obj.locations:
-                self.segments[loc.segment_id].lru.move_to_end(key)
+            self._touch(obj, self._lease_end(now))
         return obj
+
+    def lookup_many(self, keys: list[str], now: float, lease: bool) -> list[Found | None]:  # noqa: C901
+        """``lookup`` of each key, answered as the protocol's ``Found`` (a batch get's hot path)."""
+        objects, segments, disk_hits = self.objects, self.segments, 0
+        out: list[Found | None] = []
+        end = self._lease_end(now) if lease else 0.0
+        for k in keys:
+            obj = objects.get(k)
+            if obj is None or not obj.committed:
+                out.append(None)
+                continue
+            if not lease:
+                pass
+            elif obj.more is None and (sid1 := obj.packed & FIRST_SEGMENT):   # ``_touch`` unrolled
+                if end > obj.lease_until:
+                    obj.lease_until = end
+                segments[sid1 - 1].lru.touch(obj)
+            else:
+                self._touch(obj, end)
+            found = obj.found()
+            disk_hits += not found.locations
+            out.append(found)
+        c = self.counters
+        c.lookups += len(keys)
+        c.hits += len(keys) - out.count(None)
+        c.disk_hits += disk_hits
+        return out
+
+    def _lease_end(self, now: float) -> float:
+        if self._lease_for[0] is not now:   # the keys of one request share their lease end
+            self._lease_for = (now, now + self.lease_ttl_s)
+        return self._lease_for[1]
+
+    def _touch(self, obj: Obj, lease_end: float) -> None:
+        """A leased read: the lease never shrinks, and the object becomes the most recent in its segments."""
+        if lease_end > obj.lease_until:
+            obj.lease_until = lease_end
+        if obj.more is None:   # one location (or none: on disk only)
+            sid = obj.first_segment
+            if sid is not None:
+                self.segments[sid].lru.touch(obj)
+        else:
+            for loc in obj.locations:
+                self.segments[loc.segment_id].lru.touch(obj)
 
     def exists(self, key: str) -> bool:
         obj = self.objects.get(key)
@@ -277,14 +322,13 @@ class ObjectTable(Space):
 
     def _drop_replica(self, obj: Obj, loc: Location, now: float) -> None:
         """Take one replica out of a committed object; its space is freed once the object's lease ends."""
-        obj.locations = [x for x in obj.locations if x != loc]
         seg = self.segments.get(loc.segment_id)
-        if seg is not None:
+        if seg is not None:   # out of its LRU list before the location goes (the list finds its links by it)
             if seg.lru.get(obj.key) is obj:
                 del seg.lru[obj.key]
             seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
-        gone = Obj(obj.key, obj.size, obj.generation, [loc], obj.owner, committed=True,
-                   lease_until=obj.lease_until)
+        obj.locations = [x for x in obj.locations if x != loc]
+        gone = new_obj(obj.key, obj.size, obj.generation, [loc], lease_until=obj.lease_until)
         if gone.lease_until > now:
             self.doomed.append(gone)
         else:
@@ -302,6 +346,8 @@ class ObjectTable(Space):
 
     def _mark(self, obj: Obj) -> None:
         """Keep ``under_replicated`` in step with this object's replica count."""
+        if obj.more is None:   # one replica asked for, not marked: nothing to change
+            return
         under = (obj.committed and 0 < len(obj.locations) < obj.replicas  # disk-only objects are not "under"
                  and self.objects.get(obj.key) is obj)
         if under != obj.under:
@@ -310,6 +356,12 @@ class ObjectTable(Space):
 
     def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None:
         """Take the object out of the table; free its space now, or when its lease ends."""
+        for loc in obj.locations:   # out of the LRU lists first: they find neighbours in ``objects``
+            seg = self.segments.get(loc.segment_id)
+            if seg is None:
+                continue
+            seg.lru.discard(obj)
+            seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
         if self.objects.get(obj.key) is obj:
             del self.objects[obj.key]
             if not obj.committed:
@@ -321,13 +373,6 @@ class ObjectTable(Space):
                     ObjectReport(obj.key, 0, obj.size, obj.disk[1], obj.checksum))
                 obj.disk = None
         self._mark(obj)
-        for loc in obj.locations:
-            seg = self.segments.get(loc.segment_id)
-            if seg is None:
-                continue
-            if seg.lru.get(obj.key) is obj:
-                del seg.lru[obj.key]
-            seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
         if keep_space:
             return
         if obj.committed and obj.lease_until > now:
