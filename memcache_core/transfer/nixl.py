@@ -1,8 +1,9 @@
 """Cross-host transfers through NIXL over UCX: one-sided READs and WRITEs of a peer's segment.
 
-Each LocalService (``transfer_engine: "nixl"``) runs one NIXL agent. A provider registers its segment
-with it and puts the agent's metadata (which holds the region's remote key: a capability to read and
-write that memory) and the region's address in its ``SegmentInfo.nixl``. That travels only through
+Each LocalService (``transfer_engine: "nixl"``) runs a NIXL agent for its own requests; a provider runs
+a second one that serves its segment: it registers the segment with it and puts that agent's metadata
+(which holds the region's remote key: a capability to read and write that memory) and the region's
+address in its ``SegmentInfo.nixl``. That travels only through
 the MetaService's authenticated RPC port (``Join``, ``GetSegments``); the status page, metrics and logs
 never show it. A peer loads the metadata on first use and moves the pieces of a batch in one request,
 straight between its registered buffers and the segment; the owner's Python does nothing per
@@ -10,9 +11,9 @@ transfer. Pieces outside registered memory are not ours to hand to NIXL: the eng
 through the built-in TCP path instead.
 
 The initiator drives its own requests by polling ``check_xfer_state`` until a deadline: a failed or
-timed-out transfer raises (a miss or a failed put for its keys), never hangs. Only providers start
-NIXL's progress thread (a peer's emulated READ over UCX's tcp transport is served by it); its poll
-timeout is set in ``_make_agent``, the one place that works around the Python wrapper's busy poll.
+timed-out transfer raises (a miss or a failed put for its keys), never hangs. Only a provider's serving
+agent has NIXL's progress thread (a peer's emulated READ over UCX's tcp transport is served by it); its
+poll timeout and the UCX defaults are set in ``nixl_agent.py``.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import numpy as np
 from ..errors import InvalidParameter, PeerUnavailable, TransferFailed
 from ..memory import Mapping
 from ..protocol import SegmentInfo
+from .nixl_agent import make_agent, own_nixl_logging
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_POLL_US = 2000       # the progress thread's poll timeout (the wrapper's 0 spins a core idle)
 SPIN_S = 0.001                # poll without yielding this long, then sleep SLEEP_S between checks
 SLEEP_S = 0.00005
 SCRATCH_BYTES = 64 << 10      # registered buffers for object headers (written after the payload)
@@ -71,59 +72,16 @@ def available() -> bool:
     return importlib.util.find_spec("nixl") is not None
 
 
-_make_lock = threading.Lock()
-
-
-def _own_nixl_logging() -> None:
-    """nixl configures its logger on import to print INFO lines (agent names) on stdout, which belongs
-    to the application: send its warnings and errors through the application's logging instead. UCX
-    too prints to stdout unless told otherwise (``UCX_LOG_FILE``, read when it loads)."""
-    os.environ.setdefault("UCX_LOG_FILE", "stderr")
-    import nixl  # noqa: F401 - configures the "nixl" logger
-
-    log = logging.getLogger("nixl")
-    for h in list(log.handlers):
-        log.removeHandler(h)
-    log.setLevel(logging.WARNING)
-    log.propagate = True
-
-
-def _make_agent(name: str, progress: bool) -> Any:
-    """A NIXL agent (UCX backend, thread-safe). With ``progress``, its progress thread polls with a
-    ``PROGRESS_POLL_US`` timeout: NIXL's C++ config has the knob (``pthrDelay``) but the Python
-    wrapper hard-codes 0, so the wrapper is handed a config class that keeps our value while it
-    builds the agent. ``tests/integration/test_nixl.py`` measures an idle provider's CPU and fails
-    when this stops working."""
-    import nixl._api as api
-    from nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-    real = api.nixlBind.nixlAgentConfig
-
-    class _Config(real):  # type: ignore[misc, valid-type]
-        def __setattr__(self, key: str, value: Any) -> None:
-            real.__setattr__(self, key, PROGRESS_POLL_US if key == "pthrDelay" else value)
-
-    conf = nixl_agent_config(enable_prog_thread=progress, backends=["UCX"],
-                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-    with _make_lock:
-        api.nixlBind.nixlAgentConfig = _Config
-        try:
-            agent = nixl_agent(name, conf)
-        finally:
-            api.nixlBind.nixlAgentConfig = real
-    if "UCX" not in agent.backends:
-        raise InvalidParameter("transfer_engine: 'nixl' found no UCX backend in the nixl package")
-    return agent
-
-
 class NixlTransport:
     def __init__(self, own: Mapping | None, timeout_s: float) -> None:
         if not available():
             raise InvalidParameter(f"transfer_engine: 'nixl' needs the nixl package ({INSTALL})")
-        _own_nixl_logging()
+        own_nixl_logging()
         self.timeout_s = timeout_s
         self.name = f"memcache-{os.getpid()}-{secrets.token_hex(6)}"
-        self._agent = _make_agent(self.name, progress=own is not None)
+        self._agent = make_agent(self.name, progress=False)   # our own requests: we drive them
+        self._server: Any = None      # a provider's segment, served by its own agent's progress thread
+        self._served: Any = None
         self._lock = threading.Lock()
         self._starts: list[int] = []           # registered local regions, sorted (copy on write)
         self._ends: list[int] = []
@@ -132,10 +90,23 @@ class NixlTransport:
         self._scratch: list[np.ndarray] = []    # free registered header buffers
         self.descriptor = b""
         if own is not None:
-            if not self.register(own.addr, own.size):
-                raise InvalidParameter("transfer_engine: NIXL could not register this LocalService's segment")
-            self.descriptor = msgspec.msgpack.encode(
-                Descriptor(self.name, self._agent.get_agent_metadata(), own.addr, own.size))
+            self._serve(own)
+
+    def _serve(self, own: Mapping) -> None:
+        """Register the segment with a second agent whose progress thread answers peers. Our own requests
+        stay on the first agent, which has no thread: a progress thread on the initiator took 1.6-2x
+        the CPU per GB of a READ or WRITE over UCX tcp (benchmarks/README.md, "NIXL alone"). The
+        segment is registered with the first agent too (a drain writes from it to peers)."""
+        name = self.name + "-serve"
+        self._server = make_agent(name, progress=True)
+        try:
+            self._served = self._server.register_memory([(own.addr, own.size, 0, "")], "DRAM")
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise InvalidParameter(f"transfer_engine: NIXL could not register this LocalService's segment: {e}") from e
+        if not self.register(own.addr, own.size):
+            raise InvalidParameter("transfer_engine: NIXL could not register this LocalService's segment")
+        self.descriptor = msgspec.msgpack.encode(
+            Descriptor(name, self._server.get_agent_metadata(), own.addr, own.size))
 
     # ---- local registrations --------------------------------------------------------------------
 
@@ -316,4 +287,10 @@ class NixlTransport:
                 self._agent.deregister_memory(h)
             except Exception:  # noqa: BLE001, S110
                 pass
-        self._agent = None   # the last reference: the agent and its progress thread stop before unmapping
+        if self._server is not None:
+            try:
+                self._server.deregister_memory(self._served)
+            except Exception:  # noqa: BLE001, S110
+                pass
+        self._agent = self._server = None   # the last references: the agents and the progress thread stop
+                                            # before the segment is unmapped
