@@ -26,6 +26,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,7 +39,8 @@ from .nixl_agent import make_agent, own_nixl_logging
 
 logger = logging.getLogger(__name__)
 
-SPIN_S = 0.001                # poll without yielding this long, then sleep SLEEP_S between checks
+SPIN_S = 0.001                # poll back to back this long, then with yields for the bytes' time at
+SPIN_FLOOR = 1e9              # SPIN_FLOOR, then sleep SLEEP_S between polls (over tcp, our polls move the bytes)
 SLEEP_S = 0.00005
 SCRATCH_BYTES = 64 << 10      # registered buffers for object headers (written after the payload)
 INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
@@ -66,6 +68,38 @@ class _Peer:
     descriptor: Descriptor
     refs: int = 0
     retired: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class _Flight:
+    """One posted request."""
+
+    op: str
+    segment_id: int
+    nbytes: int
+    handle: Any = None
+    state: str = "DONE"
+
+    def poll(self, agent: Any) -> str:
+        if self.state == "PROC":
+            self.state = agent.check_xfer_state(self.handle)
+        if self.state not in ("PROC", "DONE"):
+            raise PeerUnavailable(f"NIXL {self.op} with segment {self.segment_id} failed")
+        return self.state
+
+
+class _Clock:
+    """A batch's deadline, and how long its initiator polls without sleeping."""
+
+    def __init__(self, timeout_s: float, nbytes: int) -> None:
+        now = time.monotonic()
+        self.deadline = now + timeout_s
+        self.yield_from = now + SPIN_S
+        self.spin_until = now + SPIN_S + nbytes / SPIN_FLOOR
+
+
+def _nothing(_: int) -> None:
+    pass
 
 
 def available() -> bool:
@@ -147,32 +181,59 @@ class NixlTransport:
 
     # ---- transfers ------------------------------------------------------------------------------
 
-    def read(self, seg: SegmentInfo, ranges: Ranges) -> None:
-        self._request("READ", seg, ranges)
+    def read(self, seg: SegmentInfo, slices: list[Ranges], landed: Callable[[int], None] = _nothing) -> None:
+        """READ the slices, one request each, all in flight at once; ``landed(i)`` runs as soon as slice i
+        is done while the later ones keep moving (the reader verifies what landed while it is in cache)."""
+        peer = self._pin(seg)
+        flights: list[_Flight] = []
+        try:
+            for ranges in slices:
+                flights.append(self._post("READ", seg, ranges, peer))
+            clock = _Clock(self.timeout_s, sum(f.nbytes for f in flights))
+            for i, f in enumerate(flights):
+                self._wait(f, clock)
+                landed(i)
+        finally:
+            self._release(flights)
+            self._unpin(peer)
 
-    def write(self, seg: SegmentInfo, ranges: Ranges, headers: list[tuple[int, bytes]]) -> None:
-        """The payloads in one request, then (once they landed) the headers in a second one: a valid
-        header always describes a whole payload."""
-        self._request("WRITE", seg, ranges)
+    def write(self, seg: SegmentInfo, ranges: Ranges, steps: list[Callable[[], None]],
+              headers: Callable[[], list[tuple[int, bytes]]]) -> None:
+        """The payloads in one request; while it moves, ``steps`` run one by one, each followed by a
+        progress call (the writer's checksums, read while the transport reads the same bytes); once the
+        payloads landed, ``headers()`` in a second request: a valid header always describes a whole
+        payload."""
+        peer = self._pin(seg)
+        try:
+            flights = [self._post("WRITE", seg, ranges, peer)]
+            try:
+                for step in steps:
+                    step()
+                    flights[0].poll(self._agent)
+                self._wait(flights[0], _Clock(self.timeout_s, flights[0].nbytes))
+            finally:
+                self._release(flights)
+            self._write_headers(seg, headers(), peer)
+        finally:
+            self._unpin(peer)
+
+    def _write_headers(self, seg: SegmentInfo, headers: list[tuple[int, bytes]], peer: _Peer) -> None:
         scratch = self._take_scratch(sum(len(h) for _, h in headers))
+        flights: list[_Flight] = []
         try:
             pos, out = 0, []
             for off, h in headers:
                 scratch[pos:pos + len(h)] = np.frombuffer(h, np.uint8)
                 out.append((off, [(scratch.ctypes.data + pos, len(h))]))
                 pos += len(h)
-            self._request("WRITE", seg, out)
+            flights.append(self._post("WRITE", seg, out, peer))
+            self._wait(flights[0], _Clock(self.timeout_s, 0))
         finally:
+            self._release(flights)
             self._give_scratch(scratch)
 
-    def _request(self, op: str, seg: SegmentInfo, ranges: Ranges) -> None:
-        peer = self._pin(seg)
-        try:
-            self._request_pinned(op, seg, ranges, peer)
-        finally:
-            self._unpin(peer)
-
-    def _request_pinned(self, op: str, seg: SegmentInfo, ranges: Ranges, peer: _Peer) -> None:
+    def _post(self, op: str, seg: SegmentInfo, ranges: Ranges, peer: _Peer) -> _Flight:
+        """One request for the ranges, posted (an empty one is done at once)."""
         d = peer.descriptor
         local, remote = [], []
         for off, pieces in ranges:
@@ -183,35 +244,42 @@ class NixlTransport:
                 pos += size
             if pos > d.base + d.size:
                 raise TransferFailed(f"segment {seg.segment_id}: range at {off} ends past the segment")
+        flight = _Flight(op, seg.segment_id, sum(size for _, size, _ in local))
         if not local:
-            return
+            return flight
         a = self._agent
         try:
-            handle = a.initialize_xfer(op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
-                                       a.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), peer.name)
+            flight.handle = a.initialize_xfer(op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
+                                              a.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), peer.name)
+            flight.state = a.transfer(flight.handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            self._release([flight])
             raise PeerUnavailable(f"NIXL {op} to segment {seg.segment_id} refused: {e}") from e
-        try:
-            self._wait(a, handle, op, seg)
-        finally:
-            try:
-                a.release_xfer_handle(handle)
-            except Exception as e:  # noqa: BLE001 - a request that cannot be cancelled is leaked
-                logger.warning("NIXL request to segment %d not released: %s", seg.segment_id, e)
+        return flight
 
-    def _wait(self, a: Any, handle: Any, op: str, seg: SegmentInfo) -> None:
-        state = a.transfer(handle)
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        while state == "PROC":
+    def _wait(self, flight: _Flight, clock: _Clock) -> None:
+        """Drive the request until it is done: poll back to back for ``SPIN_S``, then with a yield (the
+        GIL too) between polls while it may still be moving at ``SPIN_FLOOR`` bytes/s, then sleep
+        ``SLEEP_S`` between polls; raise at the deadline. A 4 KiB READ over tcp took ~75 us p50 polled
+        back to back, ~100 us with yields and ~150 us with sleeps."""
+        while flight.poll(self._agent) == "PROC":
             now = time.monotonic()
-            if now >= deadline:
-                raise TransferFailed(f"NIXL {op} with segment {seg.segment_id} took over {self.timeout_s} s")
-            if now - start > SPIN_S:
+            if now >= clock.deadline:
+                raise TransferFailed(f"NIXL {flight.op} with segment {flight.segment_id} took over "
+                                     f"{self.timeout_s} s")
+            if now >= clock.spin_until:
                 time.sleep(SLEEP_S)
-            state = a.check_xfer_state(handle)
-        if state != "DONE":
-            raise PeerUnavailable(f"NIXL {op} with segment {seg.segment_id} failed")
+            elif now >= clock.yield_from:
+                time.sleep(0)
+
+    def _release(self, flights: list[_Flight]) -> None:
+        for f in flights:
+            if f.handle is None:
+                continue
+            try:
+                self._agent.release_xfer_handle(f.handle)
+            except Exception as e:  # noqa: BLE001 - a request that cannot be cancelled is leaked
+                logger.warning("NIXL request to segment %d not released: %s", f.segment_id, e)
 
     def _pin(self, seg: SegmentInfo) -> _Peer:
         """The segment's remote agent, loaded on first use; held until ``_unpin`` (a peer forgotten
