@@ -14,6 +14,7 @@ initiator maps the same ``/dev/shm`` file to check; UCX never uses that mapping)
     python benchmarks/bench_nixl_raw.py                         # READ and WRITE, batch 8 and 16
     python benchmarks/bench_nixl_raw.py --env UCX_TCP_TX_SEG_SIZE=8k --env UCX_TCP_RX_SEG_SIZE=8k
     python benchmarks/bench_nixl_raw.py --mode initialize --initiator-progress on --wait sleep
+    python benchmarks/bench_nixl_raw.py --socket                # plain TCP on loopback, no UCX
 
 UCX is pinned to ``UCX_TLS=tcp UCX_NET_DEVICES=lo`` unless the environment (or ``--env``) says
 otherwise; the transport's own tcp defaults (``memcache_core/transfer/nixl.py``) apply unless
@@ -167,6 +168,39 @@ class Initiator:
                 raise RuntimeError(f"bytes differ at local {lp - base:#x}+{n}")
 
 
+def _sender(port: int, nbytes: int, reps: int) -> None:
+    import socket
+    src = page_aligned(nbytes, np.random.default_rng(SEED).bytes(nbytes))
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        for _ in range(reps):
+            c.recv(1)
+            c.sendall(memoryview(src))
+
+
+def run_socket(args: argparse.Namespace) -> None:
+    """What TCP on loopback itself gives here: one Python socket stream of the same bytes from a second
+    process into a private buffer (kernel copies only, no UCX), beside the same memcpy."""
+    import socket
+    nbytes = max(args.batches) * OBJ_BYTES
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        proc = mp.get_context("spawn").Process(target=_sender, args=(srv.getsockname()[1], nbytes, args.reps + 1))
+        proc.start()
+        conn, _ = srv.accept()
+    dst, src = page_aligned(nbytes, bytes(nbytes)), page_aligned(nbytes, bytes(nbytes))
+    runs = []
+    with conn:
+        for _ in range(args.reps + 1):
+            t, got = time.perf_counter(), 0
+            conn.send(b"x")
+            while got < nbytes:
+                got += conn.recv_into(memoryview(dst)[got:], nbytes - got)
+            runs.append((time.perf_counter() - t, 0.0, memcpy_s(src, dst, nbytes), 1, 0.0, 0.0))
+    proc.join(30)
+    _report("TCP", "socket", max(args.batches), runs[1:])
+
+
 def run(args: argparse.Namespace) -> None:
     _env(args.env, not args.no_defaults)
     size = max(args.batches) * SLOT
@@ -201,12 +235,14 @@ def _report(op: str, layout: str, batch: int, runs: list[tuple[float, float, flo
     nbytes = batch * OBJ_BYTES
     ratios = [r[2] / r[0] for r in runs]
     dt = statistics.median(r[0] for r in runs)
-    build = statistics.median(r[1] for r in runs)
-    print(f"{op:5} {layout:10} batch {batch:2}  {nbytes / dt / 1e9:5.2f} GB/s  x{statistics.median(ratios):.2f} "
-          f"(x{min(ratios):.2f}-x{max(ratios):.2f})  memcpy {nbytes / statistics.median(r[2] for r in runs) / 1e9:5.2f}"
-          f" GB/s  build {build * 1e3:.2f} ms  {runs[0][3]} descriptors  CPU per GB: initiator "
-          f"{statistics.median(r[4] for r in runs) / nbytes * 1e12:.0f} ms, owner "
-          f"{statistics.median(r[5] for r in runs) / nbytes * 1e12:.0f} ms", flush=True)
+    line = (f"{op:5} {layout:10} batch {batch:2}  {nbytes / dt / 1e9:5.2f} GB/s  x{statistics.median(ratios):.2f} "
+            f"(x{min(ratios):.2f}-x{max(ratios):.2f})  memcpy "
+            f"{nbytes / statistics.median(r[2] for r in runs) / 1e9:5.2f} GB/s")
+    if op != "TCP":
+        line += (f"  build {statistics.median(r[1] for r in runs) * 1e3:.2f} ms  {runs[0][3]} descriptors  "
+                 f"CPU per GB: initiator {statistics.median(r[4] for r in runs) / nbytes * 1e12:.0f} ms, owner "
+                 f"{statistics.median(r[5] for r in runs) / nbytes * 1e12:.0f} ms")
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -225,8 +261,11 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="set a UCX variable (repeatable)")
     ap.add_argument("--param", action="append", default=[], metavar="K=V",
                     help="a NIXL UCX backend parameter on both sides, e.g. num_workers=2 (repeatable)")
+    ap.add_argument("--socket", action="store_true",
+                    help="instead of NIXL, one plain TCP socket stream of the largest batch's bytes (loopback's own rate)")
     ap.add_argument("--no-defaults", action="store_true", help="leave out the transport's UCX tcp defaults")
-    run(ap.parse_args())
+    args = ap.parse_args()
+    (run_socket if args.socket else run)(args)
 
 
 if __name__ == "__main__":
