@@ -3,12 +3,12 @@
 Each LocalService (``transfer_engine: "nixl"``) runs a NIXL agent for its own requests; a provider runs
 a second one that serves its segment: it registers the segment with it and puts that agent's metadata
 (which holds the region's remote key: a capability to read and write that memory) and the region's
-address in its ``SegmentInfo.nixl``. That travels only through
-the MetaService's authenticated RPC port (``Join``, ``GetSegments``); the status page, metrics and logs
-never show it. A peer loads the metadata on first use and moves the pieces of a batch in one request,
-straight between its registered buffers and the segment; the owner's Python does nothing per
-transfer. Pieces outside registered memory are not ours to hand to NIXL: the engine sends them
-through the built-in TCP path instead.
+address in its ``SegmentInfo.nixl``. That travels only through the MetaService's authenticated RPC
+port (``Join``, ``GetSegments``); the status page, metrics and logs never show it. A peer loads the
+metadata on first use and moves the pieces of a batch in one request (a read: one per slice, all in
+flight at once), straight between its registered buffers and the segment; the owner's Python does
+nothing per transfer. Pieces outside registered memory are not ours to hand to NIXL: the engine sends
+them through the built-in TCP path instead.
 
 The initiator drives its own requests by polling ``check_xfer_state`` until a deadline: a failed or
 timed-out transfer raises (a miss or a failed put for its keys), never hangs. Only a provider's serving
