@@ -15,6 +15,7 @@ initiator maps the same ``/dev/shm`` file to check; UCX never uses that mapping)
     python benchmarks/bench_nixl_raw.py --env UCX_TCP_TX_SEG_SIZE=8k --env UCX_TCP_RX_SEG_SIZE=8k
     python benchmarks/bench_nixl_raw.py --mode initialize --initiator-progress on --wait sleep
     python benchmarks/bench_nixl_raw.py --socket                # plain TCP on loopback, no UCX
+    python benchmarks/bench_nixl_raw.py --bounce                # one descriptor per object + memmove
 
 UCX is pinned to ``UCX_TLS=tcp UCX_NET_DEVICES=lo`` unless the environment (or ``--env``) says
 otherwise; the transport's own tcp defaults (``memcache_core/transfer/nixl.py``) apply unless
@@ -25,6 +26,7 @@ the repetitions), the time to build the request, and the descriptor count.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
 import multiprocessing as mp
 import os
@@ -91,6 +93,17 @@ def _ranges(batch: int, layout: str, local: int, remote: int) -> tuple[np.ndarra
     return np.array(loc, np.uint64), np.array(rem, np.uint64)
 
 
+def _bounce(loc: np.ndarray, flat: int, gather: bool) -> None:
+    """memmove every piece to (gather) or from the contiguous bounce buffer at ``flat``, objects end to end."""
+    pos = flat
+    for ptr, size, _ in loc.tolist():
+        if gather:
+            ctypes.memmove(pos, ptr, size)
+        else:
+            ctypes.memmove(ptr, pos, size)
+        pos += size
+
+
 def cpu_s(pid: int) -> float:
     """CPU time of every thread of a process so far (``/proc/<pid>/task/*/schedstat``, ns)."""
     total = 0
@@ -123,7 +136,10 @@ class Initiator:
         self.buf = page_aligned(n, bytes(n))
         self.src = page_aligned(n, np.random.default_rng(SEED + 1).bytes(n))
         self.scratch = page_aligned(n, bytes(n))
-        self.agent.register_memory([(self.buf.ctypes.data, n, 0, "")], "DRAM")
+        self.bounce = page_aligned(n, bytes(n)) if args.bounce else None
+        for arr in (self.buf, self.bounce):
+            if arr is not None:
+                self.agent.register_memory([(arr.ctypes.data, n, 0, "")], "DRAM")
         self.peer = self.agent.add_remote_agent(meta)
         if isinstance(self.peer, bytes):
             self.peer = self.peer.decode()
@@ -147,10 +163,14 @@ class Initiator:
             self.buf[:nbytes] = 0
         c0, o0 = cpu_s(os.getpid()), cpu_s(self.owner)
         t0 = time.perf_counter()
-        req = self.request(op, loc, rem)
+        if self.bounce is not None and op == "WRITE":
+            _bounce(loc, self.bounce.ctypes.data, gather=True)
+        req = self.request(op, *self._bounced(loc, rem))
         handle = req[0] if isinstance(req, tuple) else req
         t1 = time.perf_counter()
         _wait(self.agent, handle, self.args.wait)
+        if self.bounce is not None and op == "READ":
+            _bounce(loc, self.bounce.ctypes.data, gather=False)
         t2 = time.perf_counter()
         c1, o1 = cpu_s(os.getpid()), cpu_s(self.owner)
         ref = memcpy_s(self.scratch, self.src, nbytes)
@@ -160,6 +180,17 @@ class Initiator:
                 self.agent.release_dlist_handle(h)
         self._check(loc, rem)
         return t2 - t0, t1 - t0, ref, len(loc), c1 - c0, o1 - o0
+
+    def _bounced(self, loc: np.ndarray, rem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """With ``--bounce``: one descriptor per object, between the bounce buffer and its whole payload."""
+        if self.bounce is None:
+            return loc, rem
+        nobj = int(loc[:, 1].sum()) // OBJ_BYTES
+        ks = np.arange(nobj, dtype=np.uint64)
+        sizes = np.full(nobj, OBJ_BYTES, np.uint64)
+        zero = np.zeros(nobj, np.uint64)
+        return (np.stack([self.bounce.ctypes.data + ks * OBJ_BYTES, sizes, zero], axis=1),
+                np.stack([self.remote + ks * SLOT + PAYLOAD, sizes, zero], axis=1))
 
     def _check(self, loc: np.ndarray, rem: np.ndarray) -> None:
         base, rbase = self.buf.ctypes.data, self.remote
@@ -261,6 +292,9 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="set a UCX variable (repeatable)")
     ap.add_argument("--param", action="append", default=[], metavar="K=V",
                     help="a NIXL UCX backend parameter on both sides, e.g. num_workers=2 (repeatable)")
+    ap.add_argument("--bounce", action="store_true",
+                    help="move each object whole between a registered bounce buffer and the region, and scatter "
+                         "(gather) its pieces with memmove (timed with the transfer)")
     ap.add_argument("--socket", action="store_true",
                     help="instead of NIXL, one plain TCP socket stream of the largest batch's bytes (loopback's own rate)")
     ap.add_argument("--no-defaults", action="store_true", help="leave out the transport's UCX tcp defaults")
