@@ -213,9 +213,11 @@ class TransferEngine:
 
     def _nixl_read(self, ops: list[CopyOp]) -> None:
         """One request per slice of about ``NIXL_SLICE_BYTES``, all in flight at once: each slice is
-        verified as soon as it landed, while it is still in cache and the later ones keep moving."""
+        verified as soon as it landed, while it is still in cache and the later ones keep moving (one
+        request when nothing is to be verified)."""
         assert self.nixl is not None
-        slices = split_by_size(ops, NIXL_SLICE_BYTES)
+        verified = any(op.hash and op.checksum for op in ops)
+        slices = split_by_size(ops, NIXL_SLICE_BYTES) if verified else [ops]
         self.nixl.read(ops[0].segment, [[(op.payload_offset, op.pieces) for op in s] for s in slices],
                        lambda i: _verify_all(slices[i]))
 
