@@ -2,9 +2,8 @@
 
 Path per segment: the caller's own segment and, with ``host_shm``, every segment on the same host are
 copied through shared memory; other segments (and all peers with ``host_tcp``) go over TCP to the
-owner's data server, or, with ``transfer_engine: "nixl"``, as NIXL requests (one job per peer and batch:
-a write is one request, a read one per slice, all in flight at once) when the segment has a NIXL agent
-and every local piece lies in registered memory (``nixl.py``). Copies
+owner's data server, or, with ``transfer_engine: "nixl"``, as one NIXL request per peer and batch when
+the segment has a NIXL agent and every local piece lies in registered memory (``nixl.py``). Copies
 release the GIL, so a batch is split over a few threads: shared-memory copies piece by piece over
 ``copy_threads`` (``shmcopy.py``), TCP transfers op by op per peer; small batches run inline, where
 thread hand-off would cost more than the copy.
@@ -202,7 +201,7 @@ class TransferEngine:
         self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops])
         _verify_all(ops)
 
-    # ---- NIXL: one job per peer; the same checksums as TCP ------------------------------------------
+    # ---- NIXL: one job per peer (a read: a request per slice); the same checksums as TCP ------------------------------------------
 
     def _nixl_write(self, ops: list[CopyOp]) -> None:
         """The payloads in one request; the checksums are computed while it moves (``nixl.write``)."""
