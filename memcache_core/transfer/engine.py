@@ -201,7 +201,7 @@ class TransferEngine:
         self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops])
         _verify_all(ops)
 
-    # ---- NIXL: one job per peer (a read: a request per slice); the same checksums as TCP ------------------------------------------
+    # ---- NIXL: one job per peer (a read: a request per slice); the same checksums as TCP ------------
 
     def _nixl_write(self, ops: list[CopyOp]) -> None:
         """The payloads in one request; the checksums are computed while it moves (``nixl.write``)."""
