@@ -7,7 +7,8 @@ wins and this process's environment is left as it was (an engine's own UCX users
 The defaults are for UCX's **tcp** transport and change nothing on the others: its segments (the most
 one send or receive buffer holds, 8 KiB by default) are raised to ``TCP_SEG``, which cut the CPU a
 READ costs per GB by ~3x on the development machine (the owner answers an emulated READ in
-segment-sized messages; benchmarks/README.md, "NIXL alone").
+segment-sized messages; benchmarks/README.md, "NIXL alone"). Where the environment sets either
+segment size, neither default applies: UCX refuses a receive segment smaller than the send segment.
 """
 
 from __future__ import annotations
@@ -20,22 +21,25 @@ from typing import Any
 from ..errors import InvalidParameter
 
 PROGRESS_POLL_US = 1000       # the progress thread's poll timeout: 1 ms, the least above 0 (a busy poll)
-TCP_SEG = "256k"
+TCP_SEG = "64k"
 UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": TCP_SEG, "TCP_RX_SEG_SIZE": TCP_SEG}
 
 _make_lock = threading.Lock()
 
 
 def ucx_settings() -> dict[str, str]:
-    """The UCX settings the agents run with: ours, then the environment's ``UCX_*`` on top."""
-    out = dict(UCX_DEFAULTS)
+    """The UCX settings the agents run with (beyond UCX's own defaults): ours, or the environment's."""
+    out = dict(item.split("=", 1) for item in engine_config().split(",") if item)
     out.update((k[4:], v) for k, v in os.environ.items() if k.startswith("UCX_"))
     return out
 
 
 def engine_config() -> str:
-    """The backend's ``engine_config``: our defaults that the environment does not set."""
-    return ",".join(f"{k}={v}" for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ)
+    """The backend's ``engine_config``: our defaults, none of them where the environment sets either
+    segment size (UCX refuses a receive segment smaller than the send segment: the two go together)."""
+    if any(f"UCX_{k}" in os.environ for k in UCX_DEFAULTS):
+        return ""
+    return ",".join(f"{k}={v}" for k, v in UCX_DEFAULTS.items())
 
 
 def own_nixl_logging() -> None:
@@ -78,5 +82,10 @@ def make_agent(name: str, progress: bool, params: dict[str, str] | None = None) 
     if "UCX" not in agent.plugin_list:
         raise InvalidParameter("transfer_engine: 'nixl' found no UCX backend in the nixl package")
     backend = {"engine_config": engine_config()} if engine_config() else {}
-    agent.create_backend("UCX", backend | dict(params or {}))
+    try:
+        agent.create_backend("UCX", backend | dict(params or {}))
+    except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+        ucx = " ".join(f"UCX_{k}={v}" for k, v in sorted(ucx_settings().items()) if k != "LOG_FILE")
+        raise InvalidParameter(f"transfer_engine: 'nixl': UCX refused its settings ({ucx}): {e}; note that "
+                               "UCX_TCP_RX_SEG_SIZE may not be smaller than UCX_TCP_TX_SEG_SIZE") from e
     return agent
