@@ -242,6 +242,7 @@ def run(args: argparse.Namespace) -> None:
     proc = ctx.Process(target=owner, args=(path, size, theirs, args.env,
                                            not args.no_defaults, args.param, args.poll_us))
     proc.start()
+    theirs.close()   # the owner's end: its exit is an EOF here, not a wait forever
     try:
         meta, remote = mine.recv()
         view = np.frombuffer(mmap.mmap(fd, size), np.uint8)
@@ -256,10 +257,11 @@ def run(args: argparse.Namespace) -> None:
                 for batch in args.batches:
                     _report(op, layout, batch, [ini.one(op, layout, batch, r) for r in range(args.reps + 1)][1:])
     finally:
-        mine.send("done")
-        proc.join(30)
         os.close(fd)
         os.unlink(path)
+        if proc.is_alive():
+            mine.send("done")
+            proc.join(30)
 
 
 def _report(op: str, layout: str, batch: int, runs: list[tuple[float, float, float, int, float, float]]) -> None:
