@@ -20,7 +20,13 @@ def _bandwidth_row(engine: str, protocol: str, layout: str, batch: int, op: str,
             "gbps": round(nbytes / t / 1e9, 3), "memcpy_gbps": round(nbytes / mc / 1e9, 3),
             "ratio": round(statistics.median(r["memcpy_s"] / r["s"] for r in rs), 3), "ms": round(t * 1e3, 2), "reps": len(rs),
             "piece_ratio": round(statistics.median(r["piece_memcpy_s"] / r["s"] for r in rs), 3),
-            "faults_per_mib": round(statistics.median(r["faults"] for r in rs) / (nbytes / (1 << 20)), 1)}
+            "faults_per_mib": round(statistics.median(r["faults"] for r in rs) / (nbytes / (1 << 20)), 1),
+            "off_path_reps": sum(bool(r.get("paths")) and r["paths"] != [_path(protocol, op)] for r in rs)}
+
+
+def _path(protocol: str, op: str) -> str:
+    """The transfer path an op of a row is meant to measure (a put lands in the writer's own segment)."""
+    return "host_shm" if op == "put" or protocol == "host_shm" else protocol
 
 
 def _print_row(row: dict[str, Any]) -> None:
@@ -29,8 +35,9 @@ def _print_row(row: dict[str, Any]) -> None:
         print(f"{row['engine']:8} {row['protocol']:8} {row['layout']:10} {row['batch']:>3} {row['op']:9}"
               f" {row['gbps']:7.2f} GB/s  memcpy {row['memcpy_gbps']:6.2f} GB/s  x{row['ratio']:.2f}"
               f"  {row['ms']:8.2f} ms  {row['faults_per_mib']:4.0f} flt/MiB{extra}"
-              + (f"  (x{row['piece_ratio']:.2f} of memcpy piece by piece)" if row["layout"] == "layered" else ""),
-              flush=True)
+              + (f"  (x{row['piece_ratio']:.2f} of memcpy piece by piece)" if row["layout"] == "layered" else "")
+              + (f"  [{row['off_path_reps']} of {row['reps']} reps not all through {_path(row['protocol'], row['op'])}:"
+                 " the writer's segment was full]" if row.get("off_path_reps") else ""), flush=True)
     else:
         print(f"{row['engine']:8} {row['protocol']:8} {'4KiB' if 'batch' not in row['op'] else '1000 keys':10}"
               f"     {row['op']:21} p50 {row['p50_us']:8.1f} us  p99 {row['p99_us']:8.1f} us  (n={row['n']})",

@@ -74,6 +74,12 @@ class CoreClient:
     def put1(self, key: str, ptr: int, size: int) -> int:
         return self.store.put_from(key, ptr, size)
 
+    def paths(self) -> dict[str, float]:
+        """Payload bytes moved so far per transfer path and direction (e.g. ``nixl/read``)."""
+        reg = self.store._service().metrics.registry
+        return {f"{x.labels['path']}/{x.labels['direction']}": x.value for m in reg.collect()
+                if m.name == "memcache_local_transfer_bytes" for x in m.samples if x.name.endswith("_total")}
+
     def get1(self, key: str, ptr: int, size: int) -> int:
         return self.store.get_into(key, ptr, size)
 
@@ -134,6 +140,10 @@ class MooncakeClient:
     def put1(self, key: str, ptr: int, size: int) -> int:
         return self.store.put_from(key, ptr, size, self._config(None))
 
+    def paths(self) -> dict[str, float]:
+        """Mooncake Store does not say which path its bytes took."""
+        return {}
+
     def get1(self, key: str, ptr: int, size: int) -> int:
         got = self.store.get_into(key, ptr, size)
         return 0 if got == size else -1
@@ -150,6 +160,12 @@ class MooncakeClient:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _moved(before: dict[str, float], after: dict[str, float], direction: str) -> list[str]:
+    """The transfer paths that moved bytes in ``direction`` between two ``paths()`` readings."""
+    return sorted(k.split("/")[0] for k, v in after.items()
+                  if k.endswith("/" + direction) and v > before.get(k, 0))
 
 
 # ---- worker process -------------------------------------------------------------------------------
@@ -185,7 +201,7 @@ class Worker:
         stamp(self.data, layout, batch, rep, tag=1 if peer is None else 2)
         keys, pieces = self._batch(layout, batch, prefix)
         for attempt in range(3):
-            f, t = minor_faults(), time.perf_counter()
+            f, t, before = minor_faults(), time.perf_counter(), self.client.paths()
             codes = self.client.put(keys, pieces, peer)
             dt, f = time.perf_counter() - t, minor_faults() - f
             if attempt < 2 and all(c in (0, *OUT_OF_SPACE) for c in codes) and any(c != 0 for c in codes):
@@ -198,13 +214,15 @@ class Worker:
         if any(c != 0 for c in codes):
             return {"error": f"put {prefix}: codes {sorted(set(codes))}", "codes": True}
         return {"s": dt, "faults": f, "memcpy_s": memcpy_s(self.scratch, self.expected, batch * OBJ_BYTES),
-                "piece_memcpy_s": piece_memcpy_s(pieces, self.scratch.ctypes.data, gather=True)}
+                "piece_memcpy_s": piece_memcpy_s(pieces, self.scratch.ctypes.data, gather=True),
+                "paths": _moved(before, self.client.paths(), "write")}
 
     def get(self, layout: str, batch: int, rep: int, prefix: str) -> dict[str, Any]:
         keys, pieces = self._batch(layout, batch, prefix)
-        f, t = minor_faults(), time.perf_counter()
+        f, t, before = minor_faults(), time.perf_counter(), self.client.paths()
         codes = self.client.get(keys, pieces)
         dt, f = time.perf_counter() - t, minor_faults() - f
+        paths = _moved(before, self.client.paths(), "read")
         if any(c != 0 for c in codes):
             return {"error": f"get {prefix}: codes {sorted(set(codes))}", "codes": True}
         n = batch * OBJ_BYTES
@@ -214,7 +232,7 @@ class Worker:
         if not np.array_equal(self.data[:n], want[:n]):
             bad = int(np.flatnonzero(self.data[:n] != want[:n])[0])
             return {"error": f"get {prefix}: bytes differ from what was written (first at offset {bad})"}
-        return {"s": dt, "faults": f, "memcpy_s": mc,
+        return {"s": dt, "faults": f, "memcpy_s": mc, "paths": paths,
                 "piece_memcpy_s": piece_memcpy_s(pieces, self.expected.ctypes.data, gather=False)}
 
     def fill(self, op: str, prefix: str, count: int, peer: Any = None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ right after copying it and compares with the checksum the writer committed. A mi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import ssl
 import time
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 INLINE_BYTES = 1 << 20    # batches smaller than this are copied on the calling thread
 NIXL = "nixl:"            # job key prefix of ops moved by NIXL
+NIXL_SLICE_BYTES = 4 << 20  # a NIXL read is verified slice by slice, each one request
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,7 +128,7 @@ class TransferEngine:
         jobs: list[tuple[str, list[CopyOp]]] = []
         for addr, peer_ops in by_peer.items():
             if addr.startswith(NIXL):
-                jobs.append((addr, peer_ops))   # one request per peer and batch
+                jobs.append((addr, peer_ops))   # one job per peer and batch
             else:
                 jobs.extend((addr, chunk) for chunk in split_by_bytes(peer_ops, nthreads))
         if len(jobs) == 1 and not shm_ops:
@@ -205,20 +207,24 @@ class TransferEngine:
         self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops])
         _verify_all(ops)
 
-    # ---- NIXL: one request per peer; the same checksums as TCP ------------------------------------------
+    # ---- NIXL: one job per peer (a read: a request per slice); the same checksums as TCP ------------
 
     def _nixl_write(self, ops: list[CopyOp]) -> None:
+        """The payloads in one request; the checksums are computed while it moves (``nixl.write``)."""
         assert self.nixl is not None
-        for op in ops:
-            if op.hash:
-                op.checksum = checksum_of(op.pieces)
         self.nixl.write(ops[0].segment, [(op.payload_offset, op.pieces) for op in ops],
-                        [(op.offset, op.header()) for op in ops])
+                        [functools.partial(_hash, op) for op in ops if op.hash],
+                        lambda: [(op.offset, op.header()) for op in ops])
 
     def _nixl_read(self, ops: list[CopyOp]) -> None:
+        """One request per slice of about ``NIXL_SLICE_BYTES``, all in flight at once: each slice is
+        verified as soon as it landed, while it is still in cache and the later ones keep moving (one
+        request when nothing is to be verified)."""
         assert self.nixl is not None
-        self.nixl.read(ops[0].segment, [(op.payload_offset, op.pieces) for op in ops])
-        _verify_all(ops)
+        verified = any(op.hash and op.checksum for op in ops)
+        slices = split_by_size(ops, NIXL_SLICE_BYTES) if verified else [ops]
+        self.nixl.read(ops[0].segment, [[(op.payload_offset, op.pieces) for op in s] for s in slices],
+                       lambda i: _verify_all(slices[i]))
 
     def forget(self, seg: SegmentInfo) -> None:
         self.shm.forget(seg)
@@ -245,6 +251,23 @@ def _verify_all(ops: list[CopyOp]) -> None:
                 verify(op, checksum_of(op.pieces))
             except ChecksumMismatch as e:
                 op.error = e
+
+
+def _hash(op: CopyOp) -> None:
+    op.checksum = checksum_of(op.pieces)
+
+
+def split_by_size(ops: list[CopyOp], nbytes: int) -> list[list[CopyOp]]:
+    """Consecutive ops in lists of at least ``nbytes`` each (the last may hold less), keeping their order."""
+    out: list[list[CopyOp]] = [[]]
+    acc = 0
+    for op in ops:
+        if acc >= nbytes:
+            out.append([])
+            acc = 0
+        out[-1].append(op)
+        acc += op.nbytes
+    return out
 
 
 def split_by_bytes(ops: list[CopyOp], n: int) -> list[list[CopyOp]]:

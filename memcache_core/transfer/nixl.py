@@ -1,18 +1,19 @@
 """Cross-host transfers through NIXL over UCX: one-sided READs and WRITEs of a peer's segment.
 
-Each LocalService (``transfer_engine: "nixl"``) runs one NIXL agent. A provider registers its segment
-with it and puts the agent's metadata (which holds the region's remote key: a capability to read and
-write that memory) and the region's address in its ``SegmentInfo.nixl``. That travels only through
-the MetaService's authenticated RPC port (``Join``, ``GetSegments``); the status page, metrics and logs
-never show it. A peer loads the metadata on first use and moves the pieces of a batch in one request,
-straight between its registered buffers and the segment; the owner's Python does nothing per
-transfer. Pieces outside registered memory are not ours to hand to NIXL: the engine sends them
-through the built-in TCP path instead.
+Each LocalService (``transfer_engine: "nixl"``) runs a NIXL agent for its own requests; a provider runs
+a second one that serves its segment: it registers the segment with it and puts that agent's metadata
+(which holds the region's remote key: a capability to read and write that memory) and the region's
+address in its ``SegmentInfo.nixl``. That travels only through the MetaService's authenticated RPC
+port (``Join``, ``GetSegments``); the status page, metrics and logs never show it. A peer loads the
+metadata on first use and moves the pieces of a batch in one request (a read: one per slice, all in
+flight at once), straight between its registered buffers and the segment; the owner's Python does
+nothing per transfer. Pieces outside registered memory are not ours to hand to NIXL: the engine sends
+them through the built-in TCP path instead.
 
 The initiator drives its own requests by polling ``check_xfer_state`` until a deadline: a failed or
-timed-out transfer raises (a miss or a failed put for its keys), never hangs. Only providers start
-NIXL's progress thread (a peer's emulated READ over UCX's tcp transport is served by it); its poll
-timeout is set in ``_make_agent``, the one place that works around the Python wrapper's busy poll.
+timed-out transfer raises (a miss or a failed put for its keys), never hangs. Only a provider's serving
+agent has NIXL's progress thread (a peer's emulated READ over UCX's tcp transport is served by it); its
+poll timeout and the UCX defaults are set in ``nixl_agent.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -33,11 +35,12 @@ import numpy as np
 from ..errors import InvalidParameter, PeerUnavailable, TransferFailed
 from ..memory import Mapping
 from ..protocol import SegmentInfo
+from .nixl_agent import make_agent, own_nixl_logging
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_POLL_US = 2000       # the progress thread's poll timeout (the wrapper's 0 spins a core idle)
-SPIN_S = 0.001                # poll without yielding this long, then sleep SLEEP_S between checks
+SPIN_S = 0.001                # poll back to back this long, then with yields for the bytes' time at
+SPIN_FLOOR = 1e9              # SPIN_FLOOR, then sleep SLEEP_S between polls (over tcp, our polls move the bytes)
 SLEEP_S = 0.00005
 SCRATCH_BYTES = 64 << 10      # registered buffers for object headers (written after the payload)
 INSTALL = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
@@ -67,63 +70,52 @@ class _Peer:
     retired: bool = False
 
 
+@dataclasses.dataclass(slots=True)
+class _Flight:
+    """One posted request."""
+
+    op: str
+    segment_id: int
+    nbytes: int
+    handle: Any = None
+    state: str = "DONE"
+
+    def poll(self, agent: Any) -> str:
+        if self.state == "PROC":
+            self.state = agent.check_xfer_state(self.handle)
+        if self.state not in ("PROC", "DONE"):
+            raise PeerUnavailable(f"NIXL {self.op} with segment {self.segment_id} failed")
+        return self.state
+
+
+class _Clock:
+    """A batch's deadline, and how long its initiator polls without sleeping."""
+
+    def __init__(self, timeout_s: float, nbytes: int) -> None:
+        now = time.monotonic()
+        self.deadline = now + timeout_s
+        self.yield_from = now + SPIN_S
+        self.spin_until = now + SPIN_S + nbytes / SPIN_FLOOR
+
+
+def _nothing(_: int) -> None:
+    pass
+
+
 def available() -> bool:
     return importlib.util.find_spec("nixl") is not None
-
-
-_make_lock = threading.Lock()
-
-
-def _own_nixl_logging() -> None:
-    """nixl configures its logger on import to print INFO lines (agent names) on stdout, which belongs
-    to the application: send its warnings and errors through the application's logging instead. UCX
-    too prints to stdout unless told otherwise (``UCX_LOG_FILE``, read when it loads)."""
-    os.environ.setdefault("UCX_LOG_FILE", "stderr")
-    import nixl  # noqa: F401 - configures the "nixl" logger
-
-    log = logging.getLogger("nixl")
-    for h in list(log.handlers):
-        log.removeHandler(h)
-    log.setLevel(logging.WARNING)
-    log.propagate = True
-
-
-def _make_agent(name: str, progress: bool) -> Any:
-    """A NIXL agent (UCX backend, thread-safe). With ``progress``, its progress thread polls with a
-    ``PROGRESS_POLL_US`` timeout: NIXL's C++ config has the knob (``pthrDelay``) but the Python
-    wrapper hard-codes 0, so the wrapper is handed a config class that keeps our value while it
-    builds the agent. ``tests/integration/test_nixl.py`` measures an idle provider's CPU and fails
-    when this stops working."""
-    import nixl._api as api
-    from nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-    real = api.nixlBind.nixlAgentConfig
-
-    class _Config(real):  # type: ignore[misc, valid-type]
-        def __setattr__(self, key: str, value: Any) -> None:
-            real.__setattr__(self, key, PROGRESS_POLL_US if key == "pthrDelay" else value)
-
-    conf = nixl_agent_config(enable_prog_thread=progress, backends=["UCX"],
-                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-    with _make_lock:
-        api.nixlBind.nixlAgentConfig = _Config
-        try:
-            agent = nixl_agent(name, conf)
-        finally:
-            api.nixlBind.nixlAgentConfig = real
-    if "UCX" not in agent.backends:
-        raise InvalidParameter("transfer_engine: 'nixl' found no UCX backend in the nixl package")
-    return agent
 
 
 class NixlTransport:
     def __init__(self, own: Mapping | None, timeout_s: float) -> None:
         if not available():
             raise InvalidParameter(f"transfer_engine: 'nixl' needs the nixl package ({INSTALL})")
-        _own_nixl_logging()
+        own_nixl_logging()
         self.timeout_s = timeout_s
         self.name = f"memcache-{os.getpid()}-{secrets.token_hex(6)}"
-        self._agent = _make_agent(self.name, progress=own is not None)
+        self._agent = make_agent(self.name, progress=False)   # our own requests: we drive them
+        self._server: Any = None      # a provider's segment, served by its own agent's progress thread
+        self._served: Any = None
         self._lock = threading.Lock()
         self._starts: list[int] = []           # registered local regions, sorted (copy on write)
         self._ends: list[int] = []
@@ -132,10 +124,23 @@ class NixlTransport:
         self._scratch: list[np.ndarray] = []    # free registered header buffers
         self.descriptor = b""
         if own is not None:
-            if not self.register(own.addr, own.size):
-                raise InvalidParameter("transfer_engine: NIXL could not register this LocalService's segment")
-            self.descriptor = msgspec.msgpack.encode(
-                Descriptor(self.name, self._agent.get_agent_metadata(), own.addr, own.size))
+            self._serve(own)
+
+    def _serve(self, own: Mapping) -> None:
+        """Register the segment with a second agent whose progress thread answers peers. Our own requests
+        stay on the first agent, which has no thread: a progress thread on the initiator took 1.6-2x
+        the CPU per GB of a READ or WRITE over UCX tcp (benchmarks/README.md, "NIXL alone"). The
+        segment is registered with the first agent too (a drain writes from it to peers)."""
+        name = self.name + "-serve"
+        self._server = make_agent(name, progress=True)
+        try:
+            self._served = self._server.register_memory([(own.addr, own.size, 0, "")], "DRAM")
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise InvalidParameter(f"transfer_engine: NIXL could not register this LocalService's segment: {e}") from e
+        if not self.register(own.addr, own.size):
+            raise InvalidParameter("transfer_engine: NIXL could not register this LocalService's segment")
+        self.descriptor = msgspec.msgpack.encode(
+            Descriptor(name, self._server.get_agent_metadata(), own.addr, own.size))
 
     # ---- local registrations --------------------------------------------------------------------
 
@@ -176,32 +181,59 @@ class NixlTransport:
 
     # ---- transfers ------------------------------------------------------------------------------
 
-    def read(self, seg: SegmentInfo, ranges: Ranges) -> None:
-        self._request("READ", seg, ranges)
+    def read(self, seg: SegmentInfo, slices: list[Ranges], landed: Callable[[int], None] = _nothing) -> None:
+        """READ the slices, one request each, all in flight at once; ``landed(i)`` runs as soon as slice i
+        is done while the later ones keep moving (the reader verifies what landed while it is in cache)."""
+        peer = self._pin(seg)
+        flights: list[_Flight] = []
+        try:
+            for ranges in slices:
+                flights.append(self._post("READ", seg, ranges, peer))
+            clock = _Clock(self.timeout_s, sum(f.nbytes for f in flights))
+            for i, f in enumerate(flights):
+                self._wait(f, clock)
+                landed(i)
+        finally:
+            self._release(flights)
+            self._unpin(peer)
 
-    def write(self, seg: SegmentInfo, ranges: Ranges, headers: list[tuple[int, bytes]]) -> None:
-        """The payloads in one request, then (once they landed) the headers in a second one: a valid
-        header always describes a whole payload."""
-        self._request("WRITE", seg, ranges)
+    def write(self, seg: SegmentInfo, ranges: Ranges, steps: list[Callable[[], None]],
+              headers: Callable[[], list[tuple[int, bytes]]]) -> None:
+        """The payloads in one request; while it moves, ``steps`` run one by one, each followed by a
+        progress call (the writer's checksums, read while the transport reads the same bytes); once the
+        payloads landed, ``headers()`` in a second request: a valid header always describes a whole
+        payload."""
+        peer = self._pin(seg)
+        try:
+            flights = [self._post("WRITE", seg, ranges, peer)]
+            try:
+                for step in steps:
+                    step()
+                    flights[0].poll(self._agent)
+                self._wait(flights[0], _Clock(self.timeout_s, flights[0].nbytes))
+            finally:
+                self._release(flights)
+            self._write_headers(seg, headers(), peer)
+        finally:
+            self._unpin(peer)
+
+    def _write_headers(self, seg: SegmentInfo, headers: list[tuple[int, bytes]], peer: _Peer) -> None:
         scratch = self._take_scratch(sum(len(h) for _, h in headers))
+        flights: list[_Flight] = []
         try:
             pos, out = 0, []
             for off, h in headers:
                 scratch[pos:pos + len(h)] = np.frombuffer(h, np.uint8)
                 out.append((off, [(scratch.ctypes.data + pos, len(h))]))
                 pos += len(h)
-            self._request("WRITE", seg, out)
+            flights.append(self._post("WRITE", seg, out, peer))
+            self._wait(flights[0], _Clock(self.timeout_s, 0))
         finally:
+            self._release(flights)
             self._give_scratch(scratch)
 
-    def _request(self, op: str, seg: SegmentInfo, ranges: Ranges) -> None:
-        peer = self._pin(seg)
-        try:
-            self._request_pinned(op, seg, ranges, peer)
-        finally:
-            self._unpin(peer)
-
-    def _request_pinned(self, op: str, seg: SegmentInfo, ranges: Ranges, peer: _Peer) -> None:
+    def _post(self, op: str, seg: SegmentInfo, ranges: Ranges, peer: _Peer) -> _Flight:
+        """One request for the ranges, posted (an empty one is done at once)."""
         d = peer.descriptor
         local, remote = [], []
         for off, pieces in ranges:
@@ -212,35 +244,42 @@ class NixlTransport:
                 pos += size
             if pos > d.base + d.size:
                 raise TransferFailed(f"segment {seg.segment_id}: range at {off} ends past the segment")
+        flight = _Flight(op, seg.segment_id, sum(size for _, size, _ in local))
         if not local:
-            return
+            return flight
         a = self._agent
         try:
-            handle = a.initialize_xfer(op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
-                                       a.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), peer.name)
+            flight.handle = a.initialize_xfer(op, a.get_xfer_descs(np.array(local, np.uint64), "DRAM"),
+                                              a.get_xfer_descs(np.array(remote, np.uint64), "DRAM"), peer.name)
+            flight.state = a.transfer(flight.handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            self._release([flight])
             raise PeerUnavailable(f"NIXL {op} to segment {seg.segment_id} refused: {e}") from e
-        try:
-            self._wait(a, handle, op, seg)
-        finally:
-            try:
-                a.release_xfer_handle(handle)
-            except Exception as e:  # noqa: BLE001 - a request that cannot be cancelled is leaked
-                logger.warning("NIXL request to segment %d not released: %s", seg.segment_id, e)
+        return flight
 
-    def _wait(self, a: Any, handle: Any, op: str, seg: SegmentInfo) -> None:
-        state = a.transfer(handle)
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        while state == "PROC":
+    def _wait(self, flight: _Flight, clock: _Clock) -> None:
+        """Drive the request until it is done: poll back to back for ``SPIN_S``, then with a yield (the
+        GIL too) between polls while it may still be moving at ``SPIN_FLOOR`` bytes/s, then sleep
+        ``SLEEP_S`` between polls; raise at the deadline. A 4 KiB READ over tcp took ~75 us p50 polled
+        back to back, ~100 us with yields and ~150 us with sleeps."""
+        while flight.poll(self._agent) == "PROC":
             now = time.monotonic()
-            if now >= deadline:
-                raise TransferFailed(f"NIXL {op} with segment {seg.segment_id} took over {self.timeout_s} s")
-            if now - start > SPIN_S:
+            if now >= clock.deadline:
+                raise TransferFailed(f"NIXL {flight.op} with segment {flight.segment_id} took over "
+                                     f"{self.timeout_s} s")
+            if now >= clock.spin_until:
                 time.sleep(SLEEP_S)
-            state = a.check_xfer_state(handle)
-        if state != "DONE":
-            raise PeerUnavailable(f"NIXL {op} with segment {seg.segment_id} failed")
+            elif now >= clock.yield_from:
+                time.sleep(0)
+
+    def _release(self, flights: list[_Flight]) -> None:
+        for f in flights:
+            if f.handle is None:
+                continue
+            try:
+                self._agent.release_xfer_handle(f.handle)
+            except Exception as e:  # noqa: BLE001 - a request that cannot be cancelled is leaked
+                logger.warning("NIXL request to segment %d not released: %s", f.segment_id, e)
 
     def _pin(self, seg: SegmentInfo) -> _Peer:
         """The segment's remote agent, loaded on first use; held until ``_unpin`` (a peer forgotten
@@ -316,4 +355,10 @@ class NixlTransport:
                 self._agent.deregister_memory(h)
             except Exception:  # noqa: BLE001, S110
                 pass
-        self._agent = None   # the last reference: the agent and its progress thread stop before unmapping
+        if self._server is not None:
+            try:
+                self._server.deregister_memory(self._served)
+            except Exception:  # noqa: BLE001, S110
+                pass
+        self._agent = self._server = None   # the last references: the agents and the progress thread stop
+                                            # before the segment is unmapped

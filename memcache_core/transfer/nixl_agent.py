@@ -1,0 +1,91 @@
+"""Making NIXL agents (UCX backend) for ``nixl.py``: the UCX defaults, the progress thread's poll timeout,
+and nixl's logging.
+
+UCX defaults. NIXL's UCX backend takes UCX settings in its ``engine_config`` parameter and applies each
+one only where the environment does not set that ``UCX_`` variable, so the user's environment always
+wins and this process's environment is left as it was (an engine's own UCX users see nothing of ours).
+The defaults are for UCX's **tcp** transport and change nothing on the others: its segments (the most
+one send or receive buffer holds, 8 KiB by default) are raised to ``TCP_SEG``, which cut the CPU a
+READ costs per GB by ~3x on the development machine (the owner answers an emulated READ in
+segment-sized messages; benchmarks/README.md, "NIXL alone"). Where the environment sets either
+segment size, neither default applies: UCX refuses a receive segment smaller than the send segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from ..errors import InvalidParameter
+
+PROGRESS_POLL_US = 1000       # the progress thread's poll timeout: 1 ms, the least above 0 (a busy poll)
+TCP_SEG = "64k"
+UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": TCP_SEG, "TCP_RX_SEG_SIZE": TCP_SEG}
+
+_make_lock = threading.Lock()
+
+
+def ucx_settings() -> dict[str, str]:
+    """The UCX settings the agents run with (beyond UCX's own defaults): ours, or the environment's."""
+    out = dict(item.split("=", 1) for item in engine_config().split(",") if item)
+    out.update((k[4:], v) for k, v in os.environ.items() if k.startswith("UCX_"))
+    return out
+
+
+def engine_config() -> str:
+    """The backend's ``engine_config``: our defaults, none of them where the environment sets either
+    segment size (UCX refuses a receive segment smaller than the send segment: the two go together)."""
+    if any(f"UCX_{k}" in os.environ for k in UCX_DEFAULTS):
+        return ""
+    return ",".join(f"{k}={v}" for k, v in UCX_DEFAULTS.items())
+
+
+def own_nixl_logging() -> None:
+    """nixl configures its logger on import to print INFO lines (agent names) on stdout, which belongs
+    to the application: send its warnings and errors through the application's logging instead. UCX
+    too prints to stdout unless told otherwise (``UCX_LOG_FILE``, read when it loads)."""
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    import nixl  # noqa: F401 - configures the "nixl" logger
+
+    log = logging.getLogger("nixl")
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    log.setLevel(logging.WARNING)
+    log.propagate = True
+
+
+def make_agent(name: str, progress: bool, params: dict[str, str] | None = None) -> Any:
+    """A NIXL agent (UCX backend, thread-safe) with our UCX defaults (``params`` adds backend parameters).
+    With ``progress``, its progress thread polls with a ``PROGRESS_POLL_US`` timeout: NIXL's C++ config
+    has the knob (``pthrDelay``) but the Python wrapper hard-codes 0, so the wrapper is handed a config
+    class that keeps our value while it builds the agent. ``tests/integration/test_nixl.py`` measures
+    an idle provider's CPU and fails when this stops working."""
+    import nixl._api as api
+    from nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    real = api.nixlBind.nixlAgentConfig
+
+    class _Config(real):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            real.__setattr__(self, key, PROGRESS_POLL_US if key == "pthrDelay" else value)
+
+    conf = nixl_agent_config(enable_prog_thread=progress, backends=[],
+                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with _make_lock:
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            agent = nixl_agent(name, conf)
+        finally:
+            api.nixlBind.nixlAgentConfig = real
+    if "UCX" not in agent.plugin_list:
+        raise InvalidParameter("transfer_engine: 'nixl' found no UCX backend in the nixl package")
+    backend = {"engine_config": engine_config()} if engine_config() else {}
+    try:
+        agent.create_backend("UCX", backend | dict(params or {}))
+    except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+        ucx = " ".join(f"UCX_{k}={v}" for k, v in sorted(ucx_settings().items()) if k != "LOG_FILE")
+        raise InvalidParameter(f"transfer_engine: 'nixl': UCX refused its settings ({ucx}): {e}; note that "
+                               "UCX_TCP_RX_SEG_SIZE may not be smaller than UCX_TCP_TX_SEG_SIZE") from e
+    return agent
