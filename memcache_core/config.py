@@ -126,6 +126,9 @@ class MetaConfig:
     """Connections the control plane keeps open at once; more are refused."""
     idle_timeout_seconds: float = 600
     """A control-plane connection silent this long is closed (a client reconnects on its next call)."""
+    poll_spin_us: int = 200
+    """After serving requests the control plane polls for more this long before it sleeps: a request
+    arriving meanwhile does not pay the wake-up of an idle core (0: sleep at once)."""
     placement_policy: str = "local_first"
     """Where new objects go: local_first (the writer's own segment, then as spread; a writer without a
     segment gets spread), spread (most free ratio first, the better of two random picks), or random.
@@ -173,6 +176,7 @@ class MetaConfig:
         _check_range("max_connections", self.max_connections, 16, 1 << 20)
         tls.check(self)
         _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
+        _check_int("poll_spin_us", self.poll_spin_us, 0, 100_000)
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 100, 86_400_000)
         _check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
         self._check_kv_events()
@@ -237,6 +241,8 @@ class LocalConfig:
     """Free-form label of this LocalService, shown in /get_all_segments."""
     heartbeat_interval_ms: int = 1000
     """How often this LocalService tells the MetaService it is alive."""
+    rpc_spin_us: int = 50
+    """A control-plane call polls for its reply this long before it sleeps (0: sleep at once)."""
     host_id: str = ""
     """Identity of this host for choosing shared memory over TCP; empty = derived from the machine."""
     checksum: bool = True
@@ -325,6 +331,7 @@ class LocalConfig:
         _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
         _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
         _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
+        _check_int("rpc_spin_us", self.rpc_spin_us, 0, 100_000)
         _check_range("metrics_port", self.metrics_port, 0, 65535)
         _check_str("metrics_host", self.metrics_host)
         if self.metrics_port and not self.metrics_host:

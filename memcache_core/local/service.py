@@ -56,7 +56,8 @@ class LocalService(Writes, Reads):
         self.secret = load_secret(config.auth_secret_path) if config.auth_enable else None
         self._tls_client = tls.client_context(config)
         self.rpc = RpcClient(config.meta_service_url, config.client_timeout_seconds,
-                             config.client_retry_milliseconds, self.secret, tls=self._tls_client)
+                             config.client_retry_milliseconds, self.secret, tls=self._tls_client,
+                             spin_s=config.rpc_spin_us / 1e6)
         self.session = Session(0, 0, 10.0, 120.0, None)
         self.segment: Mapping | None = None
         self._segment_template: p.SegmentInfo | None = None   # our segment, before an id is issued

@@ -53,9 +53,14 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
                 config.metrics_url)
     interval = min(config.evict_check_interval_seconds, config.heartbeat_timeout_ms / 4000.0, 1.0)
     next_house = time.monotonic() + interval
+    spin_s, spin_until = config.poll_spin_us / 1e6, 0.0   # poll on after a request instead of sleeping
     try:
         while not stop.is_set():
-            server.poll(max(0.0, min(next_house - time.monotonic(), 0.2)))
+            now = time.monotonic()
+            if server.poll(0.0 if now < spin_until else max(0.0, min(next_house - now, 0.2))):
+                spin_until = time.monotonic() + spin_s
+            elif now < spin_until:
+                os.sched_yield()   # a busy host's other work goes first; an idle one comes straight back
             if time.monotonic() >= next_house:
                 with core.lock:
                     core.housekeeping(time.monotonic())

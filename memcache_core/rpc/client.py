@@ -91,8 +91,10 @@ class _Conn:
 
 class RpcClient:
     def __init__(self, url: str, timeout_s: float, retry_ms: int = 0, secret: bytes | None = None,
-                 max_connections: int = MAX_CLIENT_CONNECTIONS, tls: ssl.SSLContext | None = None) -> None:
+                 max_connections: int = MAX_CLIENT_CONNECTIONS, tls: ssl.SSLContext | None = None,
+                 spin_s: float = 0.0) -> None:
         self.tls = tls
+        self.spin_s = spin_s   # poll for a reply this long before sleeping in recv (``rpc_spin_us``)
         self.endpoints = MetaEndpoints(url, timeout_s)
         self.max_term = 0   # highest HA leader term seen in a reply
         self.timeout_s = timeout_s
@@ -234,6 +236,7 @@ class RpcClient:
         ok = False
         try:
             c.send(FRAME_HEAD.pack(len(payload), rid) + payload, deadline)
+            spin_until = time.perf_counter() + self.spin_s   # a reply usually comes within tens of us
             while True:
                 frame = take_frame(c.buf)
                 if frame is not None:
@@ -250,9 +253,12 @@ class RpcClient:
                 if (self._down and not probe) or time.monotonic() > deadline:
                     raise TimeoutError(f"no answer within {timeout_s:g}s")
                 try:
-                    chunk = c.sock.recv(1 << 16)
-                except (TimeoutError, BlockingIOError):   # a slice passed (TLS: Python's timeout)
-                    continue
+                    if not c.tls and time.perf_counter() < spin_until:
+                        chunk = c.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                    else:
+                        chunk = c.sock.recv(1 << 16)
+                except (TimeoutError, BlockingIOError):   # a slice passed (TLS: Python's timeout), or
+                    continue                              # nothing yet while polling (``spin_s``)
                 if not chunk:
                     raise ConnectionResetError("MetaService closed the connection")
                 c.buf += chunk

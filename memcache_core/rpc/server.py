@@ -72,13 +72,15 @@ class FrameServer:
         self._next_sweep = time.monotonic() + 1.0
         self.refused = 0
 
-    def poll(self, timeout_s: float) -> None:
+    def poll(self, timeout_s: float) -> int:
+        """Serve what is ready within ``timeout_s``; the number of ready sockets."""
         now = time.monotonic()
         if self._paused_until and now >= self._paused_until:
             self._paused_until = 0.0
             for s in self.listeners:
                 self.sel.register(s, selectors.EVENT_READ, None)
-        for key, events in self.sel.select(timeout_s):
+        ready = self.sel.select(timeout_s)
+        for key, events in ready:
             sock: socket.socket = key.fileobj  # type: ignore[assignment]
             if key.data is None:
                 self._accept(sock)
@@ -94,6 +96,7 @@ class FrameServer:
                 self._flush(sock, peer)
         if now >= self._next_sweep:
             self._sweep(now)
+        return len(ready)
 
     def _accept(self, lsock: socket.socket) -> None:
         try:

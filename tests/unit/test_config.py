@@ -47,7 +47,8 @@ def test_defaults_match_memcache_hybrid():
 
 @pytest.mark.parametrize("key,value", [("evict_threshold_high", 150), ("evict_threshold_low", 95),
                                        ("metrics_url", "tcp://x:1"), ("lease_ttl_ms", 0), ("log_level", "loud"),
-                                       ("ha_enable", "yes"), ("drain_timeout_ms", 0), ("drain_timeout_ms", "1s")])
+                                       ("ha_enable", "yes"), ("drain_timeout_ms", 0), ("drain_timeout_ms", "1s"),
+                                       ("poll_spin_us", -1), ("poll_spin_us", 200_000)])
 def test_invalid_meta_values_name_the_key(key, value):
     with pytest.raises(ConfigError, match=key):
         apply_dict(MetaConfig(), {key: value})
@@ -55,7 +56,8 @@ def test_invalid_meta_values_name_the_key(key, value):
 
 @pytest.mark.parametrize("key,value", [("protocol", "udp"), ("world_size", 0), ("hbm_size", "1GB"),
                                        ("client_timeout_seconds", -1), ("hcom_url", "7000"),
-                                       ("drain_timeout_ms", -1), ("drain_timeout_ms", 1.5)])
+                                       ("drain_timeout_ms", -1), ("drain_timeout_ms", 1.5),
+                                       ("rpc_spin_us", -1), ("rpc_spin_us", 0.5)])
 def test_invalid_local_values_name_the_key(key, value):
     cfg = LocalConfig(protocol="host_shm")
     with pytest.raises(ConfigError, match=key):
