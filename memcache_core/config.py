@@ -243,6 +243,10 @@ class LocalConfig:
     """How often this LocalService tells the MetaService it is alive."""
     rpc_spin_us: int = 50
     """A control-plane call polls for its reply this long before it sleeps (0: sleep at once)."""
+    location_hints: int = 16384
+    """How many keys' objects (size, generation, locations) this client remembers from its lookups, so
+    that a get of such a key copies while its ``Lookup`` is on the way; the copy counts only where the
+    reply names the same object at the same place (docs/design.md). 0: off."""
     host_id: str = ""
     """Identity of this host for choosing shared memory over TCP; empty = derived from the machine."""
     checksum: bool = True
@@ -332,6 +336,7 @@ class LocalConfig:
         _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
         _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
         _check_int("rpc_spin_us", self.rpc_spin_us, 0, 100_000)
+        _check_int("location_hints", self.location_hints, 0, 1 << 24)
         _check_range("metrics_port", self.metrics_port, 0, 65535)
         _check_str("metrics_host", self.metrics_host)
         if self.metrics_port and not self.metrics_host:

@@ -42,6 +42,10 @@ class LocalMetrics:
                                      "saw (a new epoch) and re-joined after.", registry=self.registry)
         self.rejoins = Counter("memcache_local_rejoins", "Re-joins (after a MetaService restart or being "
                                "declared dead).", registry=self.registry)
+        self.early_reads = Counter("memcache_local_early_reads", "Objects copied from a remembered place "
+                                   "while their Lookup was on the way (location_hints), by outcome: used "
+                                   "(the reply named that object there), discarded (read again, or a miss).",
+                                   ["outcome"], registry=self.registry)
 
     def transfer(self, path: str, reading: bool, nbytes: int, seconds: float, failed: int) -> None:
         d = "read" if reading else "write"

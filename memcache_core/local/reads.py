@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, cast
 
@@ -22,10 +22,13 @@ from ..memory import Mapping
 from ..rpc import expect
 from ..transfer import CopyOp
 from . import tier
+from .hints import LocationHints
 from .membership import Membership, Pieces
 from .writes import _valid_key
 
 if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
+    from .metrics import LocalMetrics
     from .service import LocalService
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,8 @@ class Reads(Membership):
 
     integrity_failures: int
     _sample: random.Random
+    hints: LocationHints
+    metrics: LocalMetrics
 
     def lookup_sizes(self, keys: Sequence[str]) -> list[p.Found | None]:
         return expect(self.rpc.call(p.Lookup(list(keys), lease=False), idempotent=True), p.LookupReply).results
@@ -54,10 +59,13 @@ class Reads(Membership):
         found: list[p.Found | None] = [None] * len(keys)
         valid = [i for i in range(len(keys)) if _valid_key(keys[i], results, i)]
         t0 = time.monotonic()
-        lease_ttl_s = self._lookup(keys, valid, results, found)
+        early = self._early_reads(keys, pieces, valid, exact) if pieces is not None else None
+        lease_ttl_s = self._lookup(keys, valid, results, found, early)
         if lease_ttl_s is None or pieces is None:
             return results, found
         todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
+        if early is not None and early.ran:
+            todo = self._settle_early(early, found, todo)
         corrupt = self._read_with_fallback(keys, pieces, found, todo, results)
         if time.monotonic() - t0 > lease_ttl_s * LEASE_SAFETY:
             self._confirm(keys, found, results)
@@ -65,19 +73,58 @@ class Reads(Membership):
             self._report_corrupt(corrupt)
         return results, found
 
+    def _early_reads(self, keys: Sequence[str], pieces: Sequence[Pieces], valid: list[int],
+                     exact: bool) -> _Early | None:
+        """Copies of the objects this client remembers for these keys (``hints.py``), from their
+        nearest replica in a segment known here, to run while the ``Lookup`` is on the way."""
+        if not valid or self.engine is None or not self.hints.worth_trying():
+            return None
+        ops = []
+        for i, f in zip(valid, self.hints.get(keys[i] for i in valid), strict=True):
+            if f is None or not _fits(keys[i], pieces[i], f, exact, None, i):
+                continue
+            loc = self._replica_order(f.locations)[0]
+            seg = self._segments.get(loc.segment_id)
+            if seg is not None:
+                ops.append((i, self._copy_op(keys[i], pieces[i], f, seg, loc.offset)))
+        return _Early(ops) if ops else None
+
+    def _settle_early(self, early: _Early, found: list[p.Found | None],
+                      todo: list[int]) -> list[int]:
+        """The keys of ``todo`` still to read: an early copy counts where it succeeded and the reply
+        names the object it read (same generation, size and checksum, at the place it read from,
+        a segment still known as the one it read). Every other early copy is thrown away."""
+        done = set()
+        for i, op in early.ops:
+            f = found[i]
+            if (op.error is None and f is not None and f.generation == op.generation
+                    and f.size == op.nbytes and f.checksum == op.checksum
+                    and self._segments.get(op.segment.segment_id) == op.segment
+                    and any(loc.segment_id == op.segment.segment_id and loc.offset == op.offset
+                            for loc in f.locations)):
+                done.add(i)
+        self.hints.outcome(len(done), len(early.ops) - len(done))
+        self.metrics.early_reads.labels("used").inc(len(done))
+        self.metrics.early_reads.labels("discarded").inc(len(early.ops) - len(done))
+        return [i for i in todo if i not in done] if done else todo
+
     def _lookup(self, keys: Sequence[str], valid: list[int], results: list[MemCacheError | None],
-                found: list[p.Found | None]) -> float | None:
+                found: list[p.Found | None], early: _Early | None) -> float | None:
         """Lease the objects of the ``valid`` keys into ``found``; the lease in seconds, None when no
-        lookup was made or it failed (every valid key then carries the error)."""
+        lookup was made or it failed (every valid key then carries the error). The ``early`` copies
+        run once the request is sent, before its reply is read."""
         if not valid:
             return None
+        wanted = [keys[i] for i in valid]
         try:
-            reply = expect(self.rpc.call(p.Lookup([keys[i] for i in valid], lease=True), idempotent=True),
+            reply = expect(self.rpc.call(p.Lookup(wanted, lease=True), idempotent=True,
+                                         meanwhile=early.run(self.engine) if early is not None else None),
                            p.LookupReply)
         except MemCacheError as e:
             for i in valid:
                 results[i] = e
             return None
+        self.hints.seen(wanted, reply.results)
         for i, f in zip(valid, reply.results, strict=True):
             found[i] = f
             if f is None:
@@ -110,7 +157,6 @@ class Reads(Membership):
         unknown peer, bytes failing their checksum) is followed by the next. Returns the corrupt
         replicas as (key, generation, segment id)."""
         assert self.engine is not None
-        ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
         corrupt: list[tuple[str, int, int]] = []
         attempt = {i: list(found[i].locations) for i in todo}  # type: ignore[union-attr]
         self._know_segments([loc for locs in attempt.values() if len(locs) > 1 for loc in locs])
@@ -121,9 +167,7 @@ class Reads(Membership):
                 f, seg = found[i], self._next_replica(attempt[i], results, i)
                 if seg is None or f is None:
                     continue
-                verify = ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
-                ops.append(CopyOp(seg[0], seg[1], _clip(pieces[i], f.size), f.size, keys[i], f.generation,
-                                  f.checksum, hash=verify))
+                ops.append(self._copy_op(keys[i], pieces[i], f, seg[0], seg[1]))
                 owners.append(i)
             self.engine.read(ops)
             todo = []
@@ -138,6 +182,13 @@ class Reads(Membership):
                                 op.segment.segment_id, op.error)
                     todo.append(i)
         return corrupt
+
+    def _copy_op(self, key: str, pieces: Pieces, f: p.Found, seg: p.SegmentInfo, offset: int) -> CopyOp:
+        """The read of object ``f``'s replica at ``offset`` in ``seg`` into ``pieces``; verified
+        against its checksum when the checksum sampling says so."""
+        ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
+        verify = ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
+        return CopyOp(seg, offset, _clip(pieces, f.size), f.size, key, f.generation, f.checksum, hash=verify)
 
     def _know_segments(self, locs: list[p.Location]) -> None:
         """Fetch the segment table once when replicas lie in segments not known here (to rank them)."""
@@ -191,6 +242,21 @@ class Reads(Membership):
                 results[i] = errors.LeaseExpired(f"{keys[i]!r} changed while a slow read held an expired lease")
 
 
+class _Early:
+    """Early copies (``hints.py``): (key index, op) pairs, and whether they ran."""
+
+    def __init__(self, ops: list[tuple[int, CopyOp]]) -> None:
+        self.ops = ops
+        self.ran = False
+
+    def run(self, engine: TransferEngine | None) -> Callable[[], None]:
+        def copy() -> None:
+            assert engine is not None
+            engine.read([op for _, op in self.ops])
+            self.ran = True
+        return copy
+
+
 def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: str) -> int:
     """How near a replica is: 0 in our own segment, 1 on this host, 2 elsewhere, 3 not known here."""
     if seg is None:
@@ -201,12 +267,15 @@ def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: st
 
 
 
-def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool, results: list[MemCacheError | None],
-          i: int) -> bool:
+def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool,
+          results: list[MemCacheError | None] | None, i: int) -> bool:
+    """Whether the pieces hold object ``f`` (exactly, or at least); where not, an error in
+    ``results[i]`` (unless ``results`` is None)."""
     assert f is not None
     want = sum(map(itemgetter(1), pieces))
     if (want != f.size) if exact else (want < f.size):
-        results[i] = InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
+        if results is not None:
+            results[i] = InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
         return False
     return True
 

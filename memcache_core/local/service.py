@@ -31,6 +31,7 @@ from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
 from . import tier
 from .drain import Drainer
+from .hints import LocationHints
 from .membership import Pieces as Pieces
 from .membership import Session
 from .metrics import LocalMetrics, MetricsServer
@@ -72,6 +73,7 @@ class LocalService(Writes, Reads):
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.integrity_failures = 0
+        self.hints = LocationHints(config.location_hints)
         self._partial_warned = 0.0   # when a partial placement may be logged again
         self.drainer = Drainer(self)
         self.metrics = LocalMetrics()
@@ -206,15 +208,18 @@ class LocalService(Writes, Reads):
     def remove(self, keys: Sequence[str]) -> list[int]:
         for k in keys:
             check_key(k)
+        self.hints.forget(keys)
         return expect(self.rpc.call(p.Remove(list(keys))), p.Codes).codes
 
     def remove_prefix(self, prefix: str) -> int:
         if not isinstance(prefix, str) or not prefix:
             raise InvalidParameter("remove_by_prefix: the prefix must be a non-empty string")
         check_key(prefix)
+        self.hints.forget()
         return expect(self.rpc.call(p.RemovePrefix(prefix)), p.Codes).codes[0]
 
     def remove_all(self) -> int:
+        self.hints.forget()
         return expect(self.rpc.call(p.RemoveAll()), p.Codes).codes[0]
 
     # ---- tiers: memcache_hybrid's evict / prefetch ------------------------------------------------------

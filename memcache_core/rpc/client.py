@@ -10,6 +10,7 @@ import ssl
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
@@ -133,15 +134,19 @@ class RpcClient:
             self._down_at = 0.0
 
     def call(self, req: p.Request, *, timeout_s: float | None = None, probe: bool = False,
-             idempotent: bool = False) -> p.Reply:
+             idempotent: bool = False, meanwhile: Callable[[], None] | None = None) -> p.Reply:
         """Send one request and return its reply; errors come back as MemCacheError subclasses.
 
         ``probe`` calls (heartbeats, joins) go out even while the MetaService is marked down.
+        ``meanwhile`` runs once, on this thread, right after the request is first sent, before the
+        reply is read (its time does not count against the call's timeout); not at all where the
+        request could not be sent.
         """
         t = self.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
+        once = _Once(meanwhile) if meanwhile is not None else None
         try:
-            return self._call_moving(req, t, probe)
+            return self._call_moving(req, t, probe, once)
         except MetaServiceUnavailable as e:
             if not idempotent or not self.retry_ms:
                 raise
@@ -150,22 +155,22 @@ class RpcClient:
         while time.monotonic() + backoff.cap_s <= deadline:
             time.sleep(backoff.next())
             try:
-                return self._call_moving(req, t, probe)
+                return self._call_moving(req, t, probe, once)
             except MetaServiceUnavailable as e:
                 err = e
         raise err
 
-    def _call_moving(self, req: p.Request, timeout_s: float, probe: bool) -> p.Reply:
+    def _call_moving(self, req: p.Request, timeout_s: float, probe: bool, once: _Once | None) -> p.Reply:
         """One exchange; where it reached no MetaService or a standby (so nothing was executed),
         the next endpoint at once, each at most once."""
         for left in range(self.endpoints.count - 1, -1, -1):
             try:
                 try:
-                    return self._call_once(req, timeout_s, probe)
+                    return self._call_once(req, timeout_s, probe, once)
                 except _StaleConnection:
                     # this thread's connection was to a MetaService that has since restarted: the request
                     # never reached a live service, so sending it once more on a new connection is safe
-                    return self._call_once(req, timeout_s, probe)
+                    return self._call_once(req, timeout_s, probe, once)
             except (NotLeader, _Unreached, _StaleConnection):
                 if left == 0:
                     raise
@@ -222,7 +227,7 @@ class RpcClient:
         if c is not None:
             c.close()
 
-    def _call_once(self, req: p.Request, timeout_s: float, probe: bool) -> p.Reply:
+    def _call_once(self, req: p.Request, timeout_s: float, probe: bool, once: _Once | None = None) -> p.Reply:
         if self._down and not probe:
             if time.monotonic() - self._down_at < RETRY_DOWN_S:
                 raise MetaServiceUnavailable(f"MetaService at {self.url} is unreachable")
@@ -236,6 +241,8 @@ class RpcClient:
         ok = False
         try:
             c.send(FRAME_HEAD.pack(len(payload), rid) + payload, deadline)
+            if once is not None:
+                deadline += once.run()
             spin_until = time.perf_counter() + self.spin_s   # a reply usually comes within tens of us
             while True:
                 frame = take_frame(c.buf)
@@ -295,6 +302,26 @@ class RpcClient:
             self._cond.notify_all()
         for c in idle:
             c.close()
+
+
+class _Once:
+    """Work to overlap with a call's round trip: run at most once over the call's attempts."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self._work: Callable[[], None] | None = work
+
+    def run(self) -> float:
+        """Run the work if it has not run yet; the seconds it took. An error of the work is logged, not
+        raised: it must not pass for a failure of the exchange."""
+        work, self._work = self._work, None
+        if work is None:
+            return 0.0
+        t = time.monotonic()
+        try:
+            work()
+        except Exception:
+            logger.exception("work overlapped with a control-plane call failed")
+        return time.monotonic() - t
 
 
 class _StaleConnection(MetaServiceUnavailable):
