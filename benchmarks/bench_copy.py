@@ -80,12 +80,12 @@ class Worker:
         call = svc.rpc.call
         self.rpc_s = 0.0
 
-        def timed_call(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
+        def timed_call(*a: Any, **k: Any) -> Any:   # less a copy run while the reply was on the way
+            t, copied = time.perf_counter(), self.copy_s
             try:
                 return call(*a, **k)
             finally:
-                self.rpc_s += time.perf_counter() - t
+                self.rpc_s += time.perf_counter() - t - (self.copy_s - copied)
         svc.rpc.call = timed_call
 
     def hello(self) -> dict[str, Any]:
@@ -165,7 +165,7 @@ def Proc(spec: dict[str, Any]) -> StoreProc:  # noqa: N802 - reads as the class 
 def _row(label: str, rs: list[dict[str, Any]], nbytes: int) -> str:
     t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
     ratios = sorted(r["memcpy_s"] / r["s"] for r in rs)
-    line = (f"{label:41} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
+    line = (f"{label:51} {nbytes / t / 1e9:6.2f} GB/s  memcpy {nbytes / mc / 1e9:6.2f} GB/s  "
             f"x{statistics.median(ratios):.2f} (x{ratios[0]:.2f}-x{ratios[-1]:.2f})  {t * 1e3:7.2f} ms")
     if "copy_s" in rs[0]:
         line += (f"  copy x{statistics.median(r['memcpy_s'] / r['copy_s'] for r in rs):.2f} "
@@ -181,23 +181,26 @@ def gets(spec: dict[str, Any], args: argparse.Namespace) -> None:
     try:
         for loop in args.loops:
             for n in args.threads:
-                keys: dict[str, Any] = {"shm_copy_threads": n}
-                if loop != "default":   # default: leave the key out (older code that has no such key)
-                    keys["shm_copy_loop"] = loop
-                readers.append(((n, loop), Proc({**spec, "segment": 0, "keys": keys})))
+                for hints in args.hints:
+                    keys: dict[str, Any] = {"shm_copy_threads": n}
+                    if loop != "default":   # default: leave the keys out (older code that has no such key)
+                        keys["shm_copy_loop"] = loop
+                    if hints == "off":
+                        keys["location_hints"] = 0
+                    readers.append(((n, loop, hints), Proc({**spec, "segment": 0, "keys": keys})))
         for layout in args.layouts:
             for batch in args.batches:
                 prefix = f"{layout}/b{batch}"
                 writer.call("put", layout=layout, batch=batch, prefix=prefix)
-                rows: dict[tuple[int, str], list[dict[str, Any]]] = {n: [] for n, _ in readers}
+                rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {n: [] for n, _ in readers}
                 for rep in range(args.reps + 1):
                     order = readers[rep % len(readers):] + readers[:rep % len(readers)]
                     for n, r in order:
                         res = r.call("get", layout=layout, batch=batch, prefix=prefix)
                         if rep:   # the first repetition maps the writer's pages: not counted
                             rows[n].append(res)
-                for (n, loop), rs in rows.items():
-                    label = f"get {layout:10} batch {batch:2} threads {n} {loop:6}"
+                for (n, loop, hints), rs in rows.items():
+                    label = f"get {layout:10} batch {batch:2} threads {n} {loop:6} hints {hints:3}"
                     print(_row(label, rs, batch * OBJ_BYTES), flush=True)
     finally:
         for _, r in readers:
@@ -262,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="shm_copy_threads values of the readers (default 1,2)")
     ap.add_argument("--loops", default="native,python",
                     help="shm_copy_loop values of the readers (default native,python; 'default': not set)")
+    ap.add_argument("--hints", default="on",
+                    help="location_hints of the readers: on (the default 16,384), off (0), or on,off")
     ap.add_argument("--batches", default="1,8", help="objects per get (default 1,8)")
     ap.add_argument("--layouts", default="contiguous,layered")
     ap.add_argument("--reps", type=int, default=9, help="timed repetitions per figure (default 9)")
@@ -275,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(x) for x in args.batches.split(",")]
     args.layouts = args.layouts.split(",")
     args.loops = args.loops.split(",")
+    args.hints = args.hints.split(",")
     from memcache_core.testing import running_meta_service
     print(f"{os.cpu_count()} CPUs; medians of {args.reps} repetitions; xR = median of (memcpy time / op time), "
           f"(min-max); checksums {args.checksum}", flush=True)

@@ -15,6 +15,7 @@ initiator maps the same ``/dev/shm`` file to check; UCX never uses that mapping)
     python benchmarks/bench_nixl_raw.py --env UCX_TCP_TX_SEG_SIZE=8k --env UCX_TCP_RX_SEG_SIZE=8k
     python benchmarks/bench_nixl_raw.py --mode initialize --initiator-progress on --wait sleep
     python benchmarks/bench_nixl_raw.py --socket                # plain TCP on loopback, no UCX
+    python benchmarks/bench_nixl_raw.py --socket --streams 2    # the same over 2 parallel streams
     python benchmarks/bench_nixl_raw.py --bounce                # one descriptor per object + memmove
 
 UCX is pinned to ``UCX_TLS=tcp UCX_NET_DEVICES=lo`` unless the environment (or ``--env``) says
@@ -199,37 +200,58 @@ class Initiator:
                 raise RuntimeError(f"bytes differ at local {lp - base:#x}+{n}")
 
 
-def _sender(port: int, nbytes: int, reps: int) -> None:
+def _sender(port: int, nbytes: int, reps: int, streams: int) -> None:
     import socket
+    import threading
     src = page_aligned(nbytes, np.random.default_rng(SEED).bytes(nbytes))
-    with socket.create_connection(("127.0.0.1", port)) as c:
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+
+    def send(k: int) -> None:
+        share = memoryview(src)[k * nbytes // streams:(k + 1) * nbytes // streams]
         for _ in range(reps):
-            c.recv(1)
-            c.sendall(memoryview(src))
+            conns[k].recv(1)
+            conns[k].sendall(share)
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in conns:
+        c.close()
 
 
 def run_socket(args: argparse.Namespace) -> None:
-    """What TCP on loopback itself gives here: one Python socket stream of the same bytes from a second
-    process into a private buffer (kernel copies only, no UCX), beside the same memcpy."""
+    """What TCP on loopback itself gives here: ``--streams`` Python socket streams (one thread each on
+    both ends; the socket calls release the GIL) carrying the same bytes from a second process into a
+    private buffer (kernel copies only, no UCX), beside the same memcpy."""
     import socket
-    nbytes = max(args.batches) * OBJ_BYTES
+    from concurrent.futures import ThreadPoolExecutor
+    nbytes, n = max(args.batches) * OBJ_BYTES, args.streams
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
-        srv.listen(1)
-        proc = mp.get_context("spawn").Process(target=_sender, args=(srv.getsockname()[1], nbytes, args.reps + 1))
+        srv.listen(n)
+        proc = mp.get_context("spawn").Process(target=_sender, args=(srv.getsockname()[1], nbytes, args.reps + 1, n))
         proc.start()
-        conn, _ = srv.accept()
+        conns = [srv.accept()[0] for _ in range(n)]
+    conns.sort(key=lambda c: c.getpeername()[1])   # the sender's k-th connection has the k-th port
     dst, src = page_aligned(nbytes, bytes(nbytes)), page_aligned(nbytes, bytes(nbytes))
+
+    def receive(k: int) -> None:
+        lo, hi = k * nbytes // n, (k + 1) * nbytes // n
+        conns[k].send(b"x")
+        got = lo
+        while got < hi:
+            got += conns[k].recv_into(memoryview(dst)[got:hi], hi - got)
     runs = []
-    with conn:
+    with ThreadPoolExecutor(n) as pool:
         for _ in range(args.reps + 1):
-            t, got = time.perf_counter(), 0
-            conn.send(b"x")
-            while got < nbytes:
-                got += conn.recv_into(memoryview(dst)[got:], nbytes - got)
+            t = time.perf_counter()
+            list(pool.map(receive, range(n)))
             runs.append((time.perf_counter() - t, 0.0, memcpy_s(src, dst, nbytes), 1, 0.0, 0.0))
+    for c in conns:
+        c.close()
     proc.join(30)
-    _report("TCP", "socket", max(args.batches), runs[1:])
+    _report("TCP", f"socket x{n}", max(args.batches), runs[1:])
 
 
 def run(args: argparse.Namespace) -> None:
@@ -297,6 +319,7 @@ def main() -> None:
     ap.add_argument("--bounce", action="store_true",
                     help="move each object whole between a registered bounce buffer and the region, and scatter "
                          "(gather) its pieces with memmove (timed with the transfer)")
+    ap.add_argument("--streams", type=int, default=1, help="with --socket: parallel TCP streams (default 1)")
     ap.add_argument("--socket", action="store_true",
                     help="instead of NIXL, one plain TCP socket stream of the largest batch's bytes (loopback's own rate)")
     ap.add_argument("--no-defaults", action="store_true", help="leave out the transport's UCX tcp defaults")
