@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,21 @@ from bench_store_common import (
 )
 
 # ---- engine adapters (run inside the worker processes) ----------------------------------------------
+
+class Layers(list[list[tuple[int, int]]]):
+    """A batch's pieces, (pointer, size) per piece per object, with the pointer and size lists the
+    stores' calls take built once, before any clock starts (they are the caller's work)."""
+
+    def __init__(self, pieces: Iterable[list[tuple[int, int]]]) -> None:
+        super().__init__(pieces)
+        self.lists = ([[p for p, _ in ps] for ps in self], [[s for _, s in ps] for ps in self])
+
+
+def _lists(pieces: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
+    if isinstance(pieces, Layers):
+        return pieces.lists
+    return [[p for p, _ in ps] for ps in pieces], [[s for _, s in ps] for ps in pieces]
+
 
 class CoreClient:
     """memcache_core's DistributedObjectStore."""
@@ -64,12 +79,10 @@ class CoreClient:
         if peer is not None or replicas != 1:
             rc = self._rc(replicas)
             rc.preferredLocalServiceIDs = [peer] if peer is not None else []
-        return self.store.batch_put_from_layers(keys, [[p for p, _ in ps] for ps in pieces],
-                                                [[s for _, s in ps] for ps in pieces], replicateConfig=rc)
+        return self.store.batch_put_from_layers(keys, *_lists(pieces), replicateConfig=rc)
 
     def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
-        return self.store.batch_get_into_layers(keys, [[p for p, _ in ps] for ps in pieces],
-                                                [[s for _, s in ps] for ps in pieces])
+        return self.store.batch_get_into_layers(keys, *_lists(pieces))
 
     def put1(self, key: str, ptr: int, size: int) -> int:
         return self.store.put_from(key, ptr, size)
@@ -124,17 +137,17 @@ class MooncakeClient:
 
     def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
         cfg = self._config(peer, replicas)
+        ptrs, sizes = _lists(pieces)
         if all(len(ps) == 1 for ps in pieces):
-            return self.store.batch_put_from(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces], cfg)
-        return self.store.batch_put_from_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
-                                                       [[s for _, s in ps] for ps in pieces], cfg)
+            return self.store.batch_put_from(keys, [p[0] for p in ptrs], [s[0] for s in sizes], cfg)
+        return self.store.batch_put_from_multi_buffers(keys, ptrs, sizes, cfg)
 
     def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
+        ptrs, sizes = _lists(pieces)
         if all(len(ps) == 1 for ps in pieces):
-            got = self.store.batch_get_into(keys, [ps[0][0] for ps in pieces], [ps[0][1] for ps in pieces])
+            got = self.store.batch_get_into(keys, [p[0] for p in ptrs], [s[0] for s in sizes])
         else:
-            got = self.store.batch_get_into_multi_buffers(keys, [[p for p, _ in ps] for ps in pieces],
-                                                          [[s for _, s in ps] for ps in pieces])
+            got = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes)
         return [0 if g == sum(s for _, s in ps) else (g if g < 0 else -1) for g, ps in zip(got, pieces, strict=True)]
 
     def put1(self, key: str, ptr: int, size: int) -> int:
@@ -192,16 +205,17 @@ class Worker:
     def close(self) -> None:
         self.client.close()
 
-    def _batch(self, layout: str, batch: int, prefix: str) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    def _batch(self, layout: str, batch: int, prefix: str) -> tuple[list[str], Layers]:
         keys = [f"{prefix}/{k}" for k in range(batch)]
-        return keys, [pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch)]
+        return keys, Layers(pieces_of(layout, self.data.ctypes.data, batch, k) for k in range(batch))
 
     def put(self, layout: str, batch: int, rep: int, prefix: str, peer: Any) -> dict[str, Any]:
         ctypes.memmove(self.data.ctypes.data, self.expected.ctypes.data, batch * OBJ_BYTES)  # drop old stamps
         stamp(self.data, layout, batch, rep, tag=1 if peer is None else 2)
         keys, pieces = self._batch(layout, batch, prefix)
         for attempt in range(3):
-            f, t, before = minor_faults(), time.perf_counter(), self.client.paths()
+            before = self.client.paths()
+            f, t = minor_faults(), time.perf_counter()
             codes = self.client.put(keys, pieces, peer)
             dt, f = time.perf_counter() - t, minor_faults() - f
             if attempt < 2 and all(c in (0, *OUT_OF_SPACE) for c in codes) and any(c != 0 for c in codes):
@@ -219,7 +233,8 @@ class Worker:
 
     def get(self, layout: str, batch: int, rep: int, prefix: str) -> dict[str, Any]:
         keys, pieces = self._batch(layout, batch, prefix)
-        f, t, before = minor_faults(), time.perf_counter(), self.client.paths()
+        before = self.client.paths()
+        f, t = minor_faults(), time.perf_counter()
         codes = self.client.get(keys, pieces)
         dt, f = time.perf_counter() - t, minor_faults() - f
         paths = _moved(before, self.client.paths(), "read")
