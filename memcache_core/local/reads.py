@@ -64,9 +64,10 @@ class Reads(Membership):
         if lease_ttl_s is None or pieces is None:
             return results, found
         todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
+        suspect: set[int] = set()
         if early is not None and early.ran:
-            todo = self._settle_early(early, found, todo)
-        corrupt = self._read_with_fallback(keys, pieces, found, todo, results)
+            todo, suspect = self._settle_early(early, found, todo)
+        corrupt = self._read_with_fallback(keys, pieces, found, todo, results, suspect)
         if time.monotonic() - t0 > lease_ttl_s * LEASE_SAFETY:
             self._confirm(keys, found, results)
         if corrupt:
@@ -90,23 +91,28 @@ class Reads(Membership):
         return _Early(ops) if ops else None
 
     def _settle_early(self, early: _Early, found: list[p.Found | None],
-                      todo: list[int]) -> list[int]:
-        """The keys of ``todo`` still to read: an early copy counts where it succeeded and the reply
-        names the object it read (same generation, size and checksum, at the place it read from,
-        a segment still known as the one it read). Every other early copy is thrown away."""
-        done = set()
+                      todo: list[int]) -> tuple[list[int], set[int]]:
+        """The keys of ``todo`` still to read, and those among them whose read must be verified: an
+        early copy counts where it succeeded and the reply names the object it read (same generation,
+        size and checksum, at the place it read from, a segment still known as the one it read).
+        Every other early copy is thrown away; one of that very object that failed its checksum
+        makes the key's next read verified, whatever ``checksum_verify_ratio`` samples."""
+        done, suspect = set(), set()
         for i, op in early.ops:
             f = found[i]
-            if (op.error is None and f is not None and f.generation == op.generation
+            if (f is not None and f.generation == op.generation
                     and f.size == op.nbytes and f.checksum == op.checksum
                     and self._segments.get(op.segment.segment_id) == op.segment
                     and any(loc.segment_id == op.segment.segment_id and loc.offset == op.offset
                             for loc in f.locations)):
-                done.add(i)
+                if op.error is None:
+                    done.add(i)
+                elif isinstance(op.error, errors.ChecksumMismatch):
+                    suspect.add(i)
         self.hints.outcome(len(done), len(early.ops) - len(done))
         self.metrics.early_reads.labels("used").inc(len(done))
         self.metrics.early_reads.labels("discarded").inc(len(early.ops) - len(done))
-        return [i for i in todo if i not in done] if done else todo
+        return ([i for i in todo if i not in done] if done else todo), suspect
 
     def _lookup(self, keys: Sequence[str], valid: list[int], results: list[MemCacheError | None],
                 found: list[p.Found | None], early: _Early | None) -> float | None:
@@ -132,7 +138,8 @@ class Reads(Membership):
         return reply.lease_ttl_ms / 1000.0
 
     def _read_with_fallback(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
-                            todo: list[int], results: list[MemCacheError | None]) -> list[tuple[str, int, int]]:
+                            todo: list[int], results: list[MemCacheError | None],
+                            verify: set[int]) -> list[tuple[str, int, int]]:
         """Disk-only objects from their provider, the others from their DRAM replicas, then the disk
         record where every DRAM copy failed. Returns the corrupt replicas (``_read``)."""
         svc = cast("LocalService", self)
@@ -141,7 +148,7 @@ class Reads(Membership):
         if on_disk:   # evicted to a provider's disk tier: that provider serves the bytes (local/tier.py)
             tier.read_disk(svc, list(keys), list(pieces), found, on_disk, results, verify_disk)
             todo = [i for i in todo if found[i].locations]  # type: ignore[union-attr]
-        corrupt = self._read(keys, pieces, found, todo, results)
+        corrupt = self._read(keys, pieces, found, todo, results, verify)
         fallback = [i for i in todo if results[i] is not None and found[i].disk]  # type: ignore[union-attr]
         if fallback:   # every DRAM copy failed: the provider's disk record is one more replica
             tier.read_disk(svc, list(keys), list(pieces), found, fallback, results, verify_disk)
@@ -152,10 +159,10 @@ class Reads(Membership):
         return corrupt
 
     def _read(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
-              todo: list[int], results: list[MemCacheError | None]) -> list[tuple[str, int, int]]:
+              todo: list[int], results: list[MemCacheError | None], verify: set[int]) -> list[tuple[str, int, int]]:
         """Read each key from its replicas in turn, nearest first; a replica that fails (a dead or
-        unknown peer, bytes failing their checksum) is followed by the next. Returns the corrupt
-        replicas as (key, generation, segment id)."""
+        unknown peer, bytes failing their checksum) is followed by the next. The keys in ``verify``
+        are verified whatever the sampling. Returns the corrupt replicas as (key, generation, segment id)."""
         assert self.engine is not None
         corrupt: list[tuple[str, int, int]] = []
         attempt = {i: list(found[i].locations) for i in todo}  # type: ignore[union-attr]
@@ -167,7 +174,7 @@ class Reads(Membership):
                 f, seg = found[i], self._next_replica(attempt[i], results, i)
                 if seg is None or f is None:
                     continue
-                ops.append(self._copy_op(keys[i], pieces[i], f, seg[0], seg[1]))
+                ops.append(self._copy_op(keys[i], pieces[i], f, seg[0], seg[1], i in verify))
                 owners.append(i)
             self.engine.read(ops)
             todo = []
@@ -183,11 +190,13 @@ class Reads(Membership):
                     todo.append(i)
         return corrupt
 
-    def _copy_op(self, key: str, pieces: Pieces, f: p.Found, seg: p.SegmentInfo, offset: int) -> CopyOp:
+    def _copy_op(self, key: str, pieces: Pieces, f: p.Found, seg: p.SegmentInfo, offset: int,
+                 force_verify: bool = False) -> CopyOp:
         """The read of object ``f``'s replica at ``offset`` in ``seg`` into ``pieces``; verified
-        against its checksum when the checksum sampling says so."""
+        against its checksum when the checksum sampling says so (or ``force_verify``)."""
         ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
-        verify = ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
+        verify = (ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
+                  or (force_verify and self.config.checksum))
         return CopyOp(seg, offset, _clip(pieces, f.size), f.size, key, f.generation, f.checksum, hash=verify)
 
     def _know_segments(self, locs: list[p.Location]) -> None:

@@ -18,9 +18,10 @@ import pytest
 
 from memcache_core import DistributedObjectStore, LocalConfig, errors
 from memcache_core import protocol as p
+from memcache_core.layout import payload_offset
 from memcache_core.local.hints import PROBE_EVERY
 from memcache_core.rpc import expect
-from memcache_core.testing import MetaServiceProcess, running_meta_service, started
+from memcache_core.testing import MetaServiceProcess, mapped_segment, running_meta_service, started, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -193,3 +194,35 @@ def test_keys_put_again_before_every_get_stop_the_early_copies(pool):
         assert writer.store.remove_batch(keys) == [0, 0]
     assert reader.early()["used"] == 0
     assert 2 <= reader.early()["discarded"] <= 2 * (3 + gets // PROBE_EVERY)
+
+
+class Draws:
+    """The reader's checksum sampler, drawing the given numbers in turn (then never verifying)."""
+
+    def __init__(self, *draws: float) -> None:
+        self.draws = list(draws)
+
+    def random(self) -> float:
+        return self.draws.pop(0) if self.draws else 1.0
+
+
+def test_an_early_copy_that_fails_its_checksum_makes_the_read_after_it_verified(pool):
+    """Checksums are sampled (ratio 0.5): the early copy draws a verification and finds the bytes
+    corrupt; the reply confirms it read that very object. The read after it would draw no
+    verification, and would return the corrupt bytes as a hit: it is verified anyway, the object is
+    reported corrupt, and the get is a miss."""
+    ms, start = pool
+    writer, reader = start(True), start(False, checksum_verify_ratio=0.5)
+    assert writer.put(["k"], [value("k")]) == [0]
+    svc = reader.store._service()
+    svc._sample = Draws(1.0)                      # the first get (no early copy) is not verified
+    assert reader.get(["k"]) == ([0], [value("k")])
+    sid, offset, _ = where(ms, "k")
+    with mapped_segment(ms.segment(sid).shm_path) as m:
+        m[payload_offset(offset) + 1234] ^= 0xFF
+    svc._sample = Draws(0.0, 1.0)                 # the early copy verified, the read after it not
+    codes, _ = reader.get(["k"])
+    assert codes == [errors.CHECKSUM_MISMATCH]
+    assert svc.integrity_failures == 1
+    assert reader.early() == {"used": 0, "discarded": 1}
+    wait_for(lambda: reader.get(["k"])[0] == [errors.OBJECT_NOT_EXISTS], 5.0, "the corrupt object dropped")
