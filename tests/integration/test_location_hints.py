@@ -1,7 +1,8 @@
 """Early copies from remembered places (``local/hints.py``): a get of keys this client looked up before
 copies them while its ``Lookup`` is on the way, and keeps the copy only where the reply names the
-same object at the same place. Real MetaService process, real shared-memory segments; a writer that
-holds the segment and a reader that holds none, as an engine reading a provider's objects.
+same object at the same place. Real MetaService process, real segments; a writer that holds the
+segment and a reader that holds none, as an engine reading a provider's objects, on ``host_shm``
+(the reader maps the segment) and ``host_tcp`` (it reads through the writer's data server).
 
 Each test reads the ``memcache_local_early_reads`` counter, so it proves which way the get went: an
 early copy used, or one thrown away.
@@ -32,10 +33,10 @@ LEASE_MS = 300
 class Client:
     """A store in this process with one registered buffer of ``slots`` objects."""
 
-    def __init__(self, ms: MetaServiceProcess, holds_segment: bool, slots: int = 4, dram_size: int = 8 << 20,
-                 **cfg: Any) -> None:
+    def __init__(self, ms: MetaServiceProcess, protocol: str, holds_segment: bool, slots: int = 4,
+                 dram_size: int = 8 << 20, **cfg: Any) -> None:
         conf = LocalConfig(meta_service_url=ms.meta_service_url, config_store_url=ms.config_store_url,
-                           protocol="host_shm", dram_size=dram_size, hcom_url="tcp://127.0.0.1:0",
+                           protocol=protocol, dram_size=dram_size, hcom_url="tcp://127.0.0.1:0",
                            client_timeout_seconds=2, log_level="warning", **cfg)
         self.store = DistributedObjectStore()
         assert self.store.setup(conf) == 0 and self.store.init(0, init_bm=holds_segment) == 0
@@ -78,10 +79,11 @@ def where(ms: MetaServiceProcess, key: str) -> tuple[int, int, int]:
     return f.locations[0].segment_id, f.locations[0].offset, f.generation
 
 
-@pytest.fixture
-def pool() -> Iterator[tuple[MetaServiceProcess, Any]]:
+@pytest.fixture(params=["host_shm", "host_tcp"])
+def pool(request: pytest.FixtureRequest) -> Iterator[tuple[MetaServiceProcess, Any]]:
+    """The reader copies early out of shared memory, or through the writer's data server."""
     with running_meta_service(lease_ttl_ms=LEASE_MS, heartbeat_timeout_ms=1500) as ms:
-        with started(lambda holds, **cfg: Client(ms, holds, **cfg), Client.close) as start:
+        with started(lambda holds, **cfg: Client(ms, request.param, holds, **cfg), Client.close) as start:
             yield ms, start
 
 
