@@ -108,6 +108,8 @@ class ObjectTable(Space):
                 cur = new_obj(r.key, r.size, r.generation, [loc], r.checksum)
                 self.objects[r.key] = cur
                 self._next_gen = max(self._next_gen, r.generation + 1)
+                if self.listener is not None:   # in the pool again: KV events say so, as for a commit
+                    self.listener(True, cur)
             else:
                 cur.locations = [*cur.locations, loc]
             cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported

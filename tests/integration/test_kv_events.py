@@ -96,3 +96,41 @@ def test_kv_events_config_is_validated():
         MetaConfig(kv_events_block_size=0)
     with pytest.raises(ConfigError, match="kv_events_queue_size"):
         MetaConfig(kv_events_queue_size=0)
+
+
+def test_objects_recovered_after_a_restart_are_published_again():
+    """A restarted MetaService learns the pool's objects from the LocalServices that re-join: each
+    one recovered is a BlockStored again, so a router that follows the events (and saw the pool go
+    quiet) learns they are there."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with running_meta_service(kv_events_enable=True, kv_events_endpoint=endpoint, kv_events_model_name="m1",
+                              kv_events_block_size=32, heartbeat_timeout_ms=1500) as meta:
+        sub = Events(endpoint)
+        s = DistributedObjectStore()
+        assert s.setup(meta.local_config(dram_size="8MB", heartbeat_interval_ms=500)) == 0 and s.init(0, True) == 0
+        try:
+            n = [0]
+
+            def joined() -> bool:
+                assert s.put(f"probe-{n[0]}", b"p") == 0
+                n[0] += 1
+                sub.poll()
+                return bool(sub.stored)
+            wait_for(joined, 10, "the subscriber to see a first BlockStored")
+            keys = [f"ns@kept-{i}" for i in range(5)]
+            for k in keys:
+                assert s.put(k, b"k" * 5000) == 0
+
+            def published(want: list[str]) -> bool:
+                sub.poll()
+                return all(k in sub.stored for k in want)
+            wait_for(lambda: published(keys), 10, "BlockStored of the first puts")
+            meta.stop()
+            sub.stored.clear()
+            meta.start()                                # same endpoints: the subscriber reconnects by itself
+            wait_for(lambda: published(keys), 20, "BlockStored of the recovered objects")
+            assert sorted(k for k in sub.stored if k.startswith("ns@")) == keys
+            assert s.get("ns@kept-3") == b"k" * 5000
+        finally:
+            s.close()
+            sub.close()
