@@ -108,10 +108,10 @@ class ObjectTable(Space):
                 cur = new_obj(r.key, r.size, r.generation, [loc], r.checksum)
                 self.objects[r.key] = cur
                 self._next_gen = max(self._next_gen, r.generation + 1)
-                if self.listener is not None:   # in the pool again: KV events say so, as for a commit
-                    self.listener(True, cur)
             else:
                 cur.locations = [*cur.locations, loc]
+            if self.listener is not None:   # in the pool again: KV events say so, as for a commit
+                self.listener(True, cur)
             cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported
             self._mark(cur)   # a holder declared dead that re-joins gives the object its replica back
             seg.lru[cur.key] = cur
