@@ -13,6 +13,7 @@ import contextlib
 import json
 import mmap
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -120,9 +121,39 @@ def terminate(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a server to bind later: chosen outside the kernel's ephemeral
+    range, so that no outgoing connection (which takes its local port from that range) can take it
+    in between (the ``Address already in use`` of an occasional test run), and never handed out
+    twice by this process."""
+    lo, hi = _ephemeral_range()
+    span = range(10_000, lo) if lo > 11_000 else range(hi + 1, 65_536) if hi < 64_000 else range(0)
+    for _ in range(200 if span else 0):
+        port = _PORT_RNG.choice(span)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:   # no room outside the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+_PORT_RNG = random.SystemRandom()   # not the seeded ``random``: two processes must not draw alike
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32_768, 60_999
 
 
 class MetaServiceProcess:
