@@ -36,12 +36,14 @@ class Layers(list[list[tuple[int, int]]]):
 
     def __init__(self, pieces: Iterable[list[tuple[int, int]]]) -> None:
         super().__init__(pieces)
-        self.lists = ([[p for p, _ in ps] for ps in self], [[s for _, s in ps] for ps in self])
+        self.lists = _split(self)
 
 
 def _lists(pieces: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
-    if isinstance(pieces, Layers):
-        return pieces.lists
+    return pieces.lists if isinstance(pieces, Layers) else _split(pieces)
+
+
+def _split(pieces: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
     return [[p for p, _ in ps] for ps in pieces], [[s for _, s in ps] for ps in pieces]
 
 

@@ -109,9 +109,10 @@ class Reads(Membership):
                     done.add(i)
                 elif isinstance(op.error, errors.ChecksumMismatch):
                     suspect.add(i)
-        self.hints.outcome(len(done), len(early.ops) - len(done))
+        discarded = len(early.ops) - len(done)
+        self.hints.outcome(len(done), discarded)
         self.metrics.early_reads.labels("used").inc(len(done))
-        self.metrics.early_reads.labels("discarded").inc(len(early.ops) - len(done))
+        self.metrics.early_reads.labels("discarded").inc(discarded)
         return ([i for i in todo if i not in done] if done else todo), suspect
 
     def _lookup(self, keys: Sequence[str], valid: list[int], results: list[MemCacheError | None],
