@@ -143,14 +143,18 @@ def test_meta_service_down_is_a_miss(seeded: Pool, engines, baseline, tmp_path: 
         return stop.exists()
 
     wait_for(asked_to_stop, 400, "the instance's first request", interval_s=0.2)
+    keys = len(seeded.keys())
     seeded.meta.stop()
     stopped.write_text("ok")
     t0 = time.monotonic()
     try:
         res = e.result()
+        elapsed = time.monotonic() - t0
     finally:
-        seeded.meta.start()
-    assert time.monotonic() - t0 < 120, "a dead MetaService must not stall the engine"
+        # The tests after this one write to the pool; the first did so inside the re-joined
+        # segment's grace and every save was refused (nothing else in this pool has room).
+        seeded.restart_meta(keys)
+    assert elapsed < 120, "a dead MetaService must not stall the engine"
     p1, p4 = res["steps"][0][0], res["steps"][3][0]
     assert p1["num_cached_tokens"] == full_hit(P1)
     assert_same_output(p1, baseline["P1"], "P1 before the MetaService died")

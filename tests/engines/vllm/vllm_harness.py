@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from memcache_core.testing import start_local_service
+from memcache_core.testing import start_local_service, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -97,6 +97,15 @@ class Pool:
 
     def keys(self) -> list[str]:
         return list(self.meta.http("/get_all_keys").get("keys", []))
+
+    def restart_meta(self, keys: int) -> None:
+        """Start the stopped MetaService again and wait until the pool is as it was: the provider
+        re-joined and reported its ``keys`` objects, and its segment takes new objects again (a
+        re-joined segment waits out one lease TTL first: reads leased before the restart may run)."""
+        self.meta.start()
+        wait_for(lambda: len(self.keys()) >= keys, 30, "the provider to re-join with its objects", interval_s=0.2)
+        wait_for(lambda: all(s["accepts_new_objects"] for s in self.meta.http("/get_all_segments")["segments"]),
+                 30, "the re-joined segment to take new objects again", interval_s=0.2)
 
     def kv_transfer_config(self, **extra: Any) -> dict[str, Any]:
         connector_extra = {"meta_service_url": self.meta.meta_service_url,
