@@ -136,6 +136,10 @@ class MetaConfig:
     drain_timeout_ms: int = 60000
     """Longest a drain started with ``POST /drain/<segment_id>`` may take (a drain a leaving
     LocalService starts is bounded by its own ``drain_timeout_ms``)."""
+    repair_enable: bool = True
+    """Re-replication: an object with fewer replicas than its put asked for (a holder died, a copy was
+    corrupt, the put found too few segments with room) is copied again by a surviving holder to a
+    segment with room below the high-water mark, hosts without a replica first (docs/design.md)."""
     stats_sample_interval_seconds: float = 5
     """How often the counters are sampled for the status page's chart (the last 120 samples are kept)."""
 
@@ -178,6 +182,7 @@ class MetaConfig:
         _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
         _check_int("poll_spin_us", self.poll_spin_us, 0, 100_000)
         _check_int("drain_timeout_ms", self.drain_timeout_ms, 100, 86_400_000)
+        _check_bool("repair_enable", self.repair_enable)
         _check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
         self._check_kv_events()
 

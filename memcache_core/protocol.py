@@ -163,9 +163,9 @@ class DrainNext(msgspec.Struct, tag=True):
     timeout_ms: int = 0
 
 
-class DrainDone(msgspec.Struct, tag=True):
-    """The copies of ``DrainNext``'s moves: ``ok`` per move, the payload checksum the owner computed
-    while copying, and the new generations the moves were planned with."""
+class _Copied(msgspec.Struct):
+    """Copies a member made of its objects: ``ok`` per move, the payload checksum it computed while
+    copying, and the new generations the moves were planned with."""
 
     client_id: int
     token: bytes
@@ -173,6 +173,22 @@ class DrainDone(msgspec.Struct, tag=True):
     generations: list[int]
     checksums: list[int]
     ok: list[bool]
+
+
+class DrainDone(_Copied, tag=True):
+    """The copies of ``DrainNext``'s moves."""
+
+
+class RepairNext(msgspec.Struct, tag=True):
+    """A holder of under-replicated objects asks for the copies it should make of them (answered by
+    ``DrainBatch``: each move's ``new_generation`` is the object's own, as the copy is a replica)."""
+
+    client_id: int
+    token: bytes
+
+
+class RepairDone(_Copied, tag=True):
+    """The copies of ``RepairNext``'s moves."""
 
 
 class DiskSync(msgspec.Struct, tag=True):
@@ -227,11 +243,11 @@ class ConfigGet(msgspec.Struct, tag=True):
 
 
 MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt", "DrainNext", "DrainDone",
-                   "DiskSync", "Promote", "Promoted")
+                   "RepairNext", "RepairDone", "DiskSync", "Promote", "Promoted")
 
 Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
            | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
-           | DiskSync | Promote | Promoted | Demote)
+           | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote)
 
 
 # ---- replies ----------------------------------------------------------------------------------
@@ -266,6 +282,7 @@ class HeartbeatReply(_Reply):
     known: bool
     journal: list[JournalEntry] = []
     drain: bool = False            # the member's segment is being drained: it should copy its objects out
+    repair: bool = False           # copies of objects in the member's segment are wanted elsewhere (RepairNext)
     disk_tiers: int = 0            # segments of the pool with a disk tier (none: no disk-held object to promote)
 
 

@@ -1,4 +1,5 @@
-"""The owner's side of a drain: copy this member's objects to the targets the MetaService planned.
+"""The owner's side of a drain, and of re-replication: copy this member's objects to the targets the
+MetaService planned (a drain moves them; a repair adds a replica, ``meta/repair.py``).
 
 The owner pushes: the bytes are in its own segment, so each move is an ordinary write (``CopyOp``)
 from its memory to the target's reserved space, through shared memory or the target's TCP data
@@ -6,7 +7,9 @@ server, with the payload checksum computed while copying and the header written 
 then reports (``DrainDone``); the MetaService commits each copy whose checksum is the committed one
 and releases the source. Nothing here changes what readers see until that commit.
 
-A drain runs on a thread of its own when the MetaService asks (an admin drain, seen on a heartbeat)
+Repairs run on a thread of their own while the heartbeat says there are copies to make (``RepairNext``
+until it hands out none), with the same copy and report (``RepairDone``). A drain runs on a thread
+of its own when the MetaService asks (an admin drain, seen on a heartbeat)
 and in ``close()`` before the member leaves (``LocalConfig.drain_timeout_ms``). Both are bounded:
 the owner stops at its deadline, which it tightens to the MetaService's; copies use their own
 transfer engine whose peer timeout is a quarter of the drain's time (a peer that stalls mid-copy
@@ -42,6 +45,7 @@ class Drainer:
         self.svc = svc
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._repair: threading.Thread | None = None   # re-replication copies (``on_repair``)
         self._cancel = threading.Event()         # set by close(): no new drain thread, the running one stops
         self._asked_in: Session | None = None    # the session in which the MetaService last asked
         self.moved = 0
@@ -63,15 +67,45 @@ class Drainer:
                                             name="memcache-drain", daemon=True)
             self._thread.start()
 
+    def on_repair(self, asked: bool) -> None:
+        """The MetaService wants copies of objects in our segment made elsewhere (re-replication):
+        make them on a thread of our own, until it has none left to ask for."""
+        if not asked:
+            return
+        with self._lock:
+            if self._cancel.is_set() or (self._repair is not None and self._repair.is_alive()):
+                return
+            self._repair = threading.Thread(target=self.repair, args=(self._cancel,), name="memcache-repair",
+                                            daemon=True)
+            self._repair.start()
+
+    def repair(self, cancel: threading.Event) -> None:
+        """Copy what ``RepairNext`` hands out until it hands out nothing (or the member closes)."""
+        engine = self._engine(self.svc.config.client_timeout_seconds)
+        try:
+            while not cancel.is_set():
+                try:
+                    batch = expect(self.svc._member_call(lambda s: p.RepairNext(s.client_id, s.token)),
+                                   p.DrainBatch)
+                except MemCacheError as e:   # the MetaService is down or restarting: the next heartbeat asks again
+                    logger.debug("repair: %s", e)
+                    return
+                if not batch.moves:
+                    return
+                self._copy(engine, batch.moves, time.monotonic(), p.RepairDone)
+        finally:
+            engine.close()
+
     def stop(self, timeout_s: float) -> bool:
-        """Stop the drain thread (at its next batch); False if it is still copying after ``timeout_s``."""
+        """Stop the drain and repair threads (at their next batch); False if one is still copying after
+        ``timeout_s``."""
         self._cancel.set()
         with self._lock:
-            t = self._thread
-        if t is None:
-            return True
-        t.join(timeout_s)
-        return not t.is_alive()
+            threads = [t for t in (self._thread, self._repair) if t is not None]
+        deadline = time.monotonic() + timeout_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
     def run(self, timeout_s: float, own_bound: bool, cancel: threading.Event | None = None) -> None:
         """Drain until the MetaService says it is over, ``timeout_s`` passes, or ``cancel`` is set.
@@ -99,7 +133,7 @@ class Drainer:
                 deadline = min(deadline, theirs) if own_bound else theirs
                 learnt = True
                 if batch.moves:
-                    self._copy(engine, batch.moves, time.monotonic())
+                    self._copy(engine, batch.moves, time.monotonic(), p.DrainDone)
                 else:
                     time.sleep(IDLE_WAIT_S)
         finally:
@@ -115,27 +149,30 @@ class Drainer:
         return TransferEngine(cfg.protocol, svc.host_id, svc.segment, peer_timeout, 1, threads, svc.secret,
                               svc._tls_client)
 
-    def _copy(self, engine: TransferEngine, moves: list[p.DrainMove], planned: float) -> None:
+    def _copy(self, engine: TransferEngine, moves: list[p.DrainMove], planned: float,
+              report: type[p.DrainDone] | type[p.RepairDone]) -> None:
+        what = "drain" if report is p.DrainDone else "repair"
         ops = [self._op(m) for m in moves]
         if time.monotonic() - planned >= self.svc.session.pending_timeout_s / 2:
             for op in ops:   # as a put: too late to start, the MetaService may give the space away
-                op.error = op.error or TransferFailed("drain copy started later than half the pending timeout")
+                op.error = op.error or TransferFailed(f"{what} copy started later than half the pending timeout")
         engine.write([op for op in ops if op.error is None])
         for m, op in zip(moves, ops, strict=True):
             if op.error is not None:
-                logger.warning("drain: copy of %r to segment %d failed: %s", m.key, m.target.segment_id, op.error)
+                logger.warning("%s: copy of %r to segment %d failed: %s", what, m.key, m.target.segment_id, op.error)
             elif m.checksum and op.checksum != m.checksum:
-                logger.error("drain: %r at offset %d of this segment fails its checksum; not moved", m.key,
+                logger.error("%s: %r at offset %d of this segment fails its checksum; not copied", what, m.key,
                              m.source_offset)
         try:
-            codes = expect(self.svc._member_call(lambda s: p.DrainDone(
+            codes = expect(self.svc._member_call(lambda s: report(
                 s.client_id, s.token, [m.key for m in moves], [m.new_generation for m in moves],
                 [op.checksum for op in ops], [op.error is None for op in ops])), p.Codes).codes
         except MemCacheError as e:   # not reported: the MetaService gives the space back itself
-            logger.warning("drain: report of %d copies not delivered: %s", len(moves), e)
+            logger.warning("%s: report of %d copies not delivered: %s", what, len(moves), e)
             return
-        self.moved += sum(c == 0 for c in codes)
-        self.failed += sum(c != 0 for c in codes)
+        if report is p.DrainDone:
+            self.moved += sum(c == 0 for c in codes)
+            self.failed += sum(c != 0 for c in codes)
 
     def _op(self, m: p.DrainMove) -> CopyOp:
         """The write of one move: from our segment's payload to the target's reserved space."""

@@ -110,6 +110,7 @@ class Membership:
                     continue
                 self._apply_journal(r.journal)
                 self.drainer.on_heartbeat(r.drain)
+                self.drainer.on_repair(r.repair)
                 self.pool_disk_tiers = r.disk_tiers
             except MetaServiceUnavailable:
                 continue

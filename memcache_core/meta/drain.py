@@ -11,7 +11,8 @@ Invariants:
 * A draining segment takes no new object from the moment the drain starts (``alloc_after`` = inf).
 * A move reserves its target space (allocated, not in the table): until the owner reports, the object
   is readable at its source only. Targets: segments that take new objects, hold no replica of the
-  object and stay under the high-water mark (no eviction), most free ratio first.
+  object and stay under the high-water mark (no eviction); hosts holding no replica first, then
+  the most free ratio (``placement.copy_target``).
 * A move commits only if the object is still the one planned (same generation, the same source and
   target segments, the target's owner still heartbeating) and the bytes the owner copied have the committed checksum. Then the target
   replaces the source among the object's locations, with a new generation and the carried checksum,
@@ -36,8 +37,8 @@ from .. import errors
 from .. import protocol as p
 from ..layout import footprint
 from . import validate
-from .allocator import aligned
 from .objects import new_obj
+from .placement import copy_target
 from .table import Obj, ObjectTable, Segment
 
 MAX_ATTEMPTS = 3                 # copies of one object that may fail before it is dropped
@@ -186,7 +187,8 @@ class Drains:
         for key in keys:
             obj = d.segment.lru[key]
             src = next(loc for loc in obj.locations if loc.segment_id == d.segment_id)
-            placed = self._place(d, obj, now) if d.attempts[key] < MAX_ATTEMPTS else False
+            placed = (copy_target(self.table, obj, d.avoid, self.answering, now, replacing=d.segment_id)
+                      if d.attempts[key] < MAX_ATTEMPTS else False)
             if not isinstance(placed, tuple):
                 if placed is False and (not wait or d.attempts[key] >= MAX_ATTEMPTS):
                     self._drop(d, obj, src, now)
@@ -198,24 +200,6 @@ class Drains:
             out.append(p.DrainMove(key, obj.size, src.offset, obj.generation, obj.checksum, m.new_generation,
                                    p.Location(target.info.segment_id, off)))
         return out
-
-    def _place(self, d: Drain, obj: Obj, now: float) -> tuple[Segment, int] | bool:
-        """Space in the segment with the most free ratio that has room and holds no replica; else True
-        when only segments whose owners are silent right now have room (wait for them), False if none."""
-        need = aligned(footprint(obj.size))
-        holders = {loc.segment_id for loc in obj.locations} | d.avoid
-        segs = [s for sid, s in self.table.segments.items() if sid not in holders and s.alloc_after <= now
-                and s.allocator.size and s.allocator.used + need <= self.table.high * s.allocator.size]
-        segs.sort(key=lambda s: s.allocator.free / s.allocator.size, reverse=True)
-        silent = False
-        for s in segs:
-            if not self.answering(s.info.segment_id, now):   # a loaded host's heartbeat, or a dead owner
-                silent = True
-                continue
-            off = s.allocator.alloc(need)
-            if off is not None:
-                return s, off
-        return silent
 
     def _room_may_come(self, now: float) -> bool:
         """Could a target appear soon? Right after a MetaService start (members still re-joining), or
@@ -236,7 +220,8 @@ class Drains:
         src = p.Location(d.segment_id, m.source_offset)
         tid = m.target.info.segment_id
         live = t.segments.get(d.segment_id) is d.segment and t.segments.get(tid) is m.target
-        same = obj is not None and obj.committed and obj.generation == m.generation and src in obj.locations
+        same = (obj is not None and obj.committed and obj.generation == m.generation and src in obj.locations
+                and all(loc.segment_id != tid for loc in obj.locations))   # (a repair may have put a copy there)
         silent = not self.answering(tid, now)   # the target's owner may be dead: the copy would die with it
         if not ok or silent or not live or not same:
             self._release_target(m, now, quarantine=False)
@@ -280,15 +265,9 @@ class Drains:
 
     def _release_target(self, m: Move, now: float, quarantine: bool) -> None:
         seg = m.target
-        if self.table.segments.get(seg.info.segment_id) is not seg:
-            return                                   # the target left: its space went with it
-        loc = p.Location(seg.info.segment_id, m.target_offset)
-        seg.record_removed(p.ObjectReport(m.key, m.target_offset, m.size, m.new_generation, m.checksum))
-        if quarantine:                               # its writer may still be copying
-            self.table.quarantine.append((now + self.table.quarantine_s,
-                                          new_obj(m.key, m.size, m.new_generation, [loc])))
-        else:
-            seg.allocator.free_range(m.target_offset, footprint(m.size))
+        if self.table.segments.get(seg.info.segment_id) is seg:   # (a target that left took its space along)
+            self.table.release_reserved(seg, m.key, m.size, m.new_generation, m.checksum, m.target_offset,
+                                        quarantine, now)
 
     def _drop(self, d: Drain, obj: Obj, src: p.Location, now: float) -> None:
         if len(obj.locations) == 1:

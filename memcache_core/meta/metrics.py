@@ -161,9 +161,19 @@ DRAIN_COUNTERS = (   # (metric name, Drains.stats() field, help)
 )
 
 
+REPAIR_COUNTERS = (   # (metric name, Repairs.stats() field, help)
+    ("repaired_objects_total", "repaired_objects", "Replicas re-created for under-replicated objects."),
+    ("repaired_bytes_total", "repaired_bytes", "Payload bytes of the re-created replicas."),
+    ("repair_failed_copies_total", "repair_failed_copies",
+     "Re-replication copies that failed or were not made in time (the object is tried again later)."),
+)
+
+
 def _drains(s: Snapshot) -> Iterator[Metric]:
     yield _gauge("draining_segments", "Segments being drained.", s.drains.get("draining_segments", 0))
-    for name, field, help_ in DRAIN_COUNTERS:
+    yield _gauge("repairs_in_flight", "Re-replication copies planned and not yet reported.",
+                 s.drains.get("repairs_in_flight", 0))
+    for name, field, help_ in (*DRAIN_COUNTERS, *REPAIR_COUNTERS):
         yield CounterMetricFamily(f"memcache_{name}", help_, value=s.drains.get(field, 0))
 
 

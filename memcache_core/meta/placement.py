@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from .table import Segment
+from ..layout import footprint
+from .allocator import aligned
+from .table import Obj, ObjectTable, Segment
 
 
 def free_ratio(seg: Segment) -> float:
@@ -60,3 +62,39 @@ def order(policy: str, segments: Mapping[int, Segment], own: int | None, rng: ra
     if policy == "local_first" and own is not None and own in segments:
         return itertools.chain((own,), spread(segments, rng, skip=own))
     return spread(segments, rng)
+
+
+def copy_takers(table: ObjectTable, now: float) -> list[Segment]:
+    """The segments that may take a copy now (they take new objects), the most free ratio first."""
+    segs = [s for s in table.segments.values() if s.alloc_after <= now and s.allocator.size]
+    segs.sort(key=free_ratio, reverse=True)
+    return segs
+
+
+def copy_target(table: ObjectTable, obj: Obj, avoid: set[int], answering: Callable[[int, float], bool],
+                now: float, replacing: int | None = None,
+                takers: list[Segment] | None = None) -> tuple[Segment, int] | bool:
+    """Space for one more copy of a committed object (a drain's move, a repair's new replica), never
+    by eviction: in one of the ``takers`` (default: ``copy_takers``) that holds no replica of it, is
+    not in ``avoid``, stays under the high-water mark and whose owner answers; hosts holding no
+    replica first (``replacing``: the replica the copy replaces, whose host does not count). Returns
+    (segment, offset); else True when only segments whose owners are silent right now have room
+    (wait for them), False when none has."""
+    need = aligned(footprint(obj.size))
+    holders = {loc.segment_id for loc in obj.locations}
+    hosts = {table.segments[s].info.host_id for s in holders if s in table.segments and s != replacing}
+    first: list[Segment] = []
+    then: list[Segment] = []
+    for s in copy_takers(table, now) if takers is None else takers:
+        sid = s.info.segment_id
+        if sid not in holders and sid not in avoid and s.allocator.used + need <= table.high * s.allocator.size:
+            (then if s.info.host_id in hosts else first).append(s)
+    silent = False
+    for s in (*first, *then):
+        if not answering(s.info.segment_id, now):   # a loaded host's heartbeat, or a dead owner
+            silent = True
+            continue
+        off = s.allocator.alloc(need)
+        if off is not None:
+            return s, off
+    return silent

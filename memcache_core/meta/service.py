@@ -28,6 +28,7 @@ from .drain import Drains
 from .events import EventPublisher
 from .metrics import Metrics
 from .objects import PENDING_LEASE
+from .repair import Repairs
 from .server import _answer as _answer
 from .server import serve as serve
 from .table import Obj, ObjectTable
@@ -76,6 +77,8 @@ class MetaServiceCore:
         settle_s = config.heartbeat_timeout_ms / 1000.0   # how long members may take to re-join a new table
         self.drains = Drains(lambda: self.table, config.drain_timeout_ms / 1000.0,
                              config.pending_timeout_ms / 1000.0, self._answering, settle_s, time.monotonic() + settle_s)
+        self.repairs = Repairs(lambda: self.table, config.pending_timeout_ms / 1000.0, self._answering,
+                               self.drains.draining, settle_s, time.monotonic() + settle_s, config.repair_enable)
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
         self.member_events: collections.Counter[str] = collections.Counter()
         self.history = stats.History(config.stats_sample_interval_seconds)
@@ -144,7 +147,8 @@ class MetaServiceCore:
                 return self._config_put(k, v)
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
-            case p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone():
+            case (p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone()
+                  | p.RepairNext() | p.RepairDone()):
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
             case p.DiskSync() | p.Promote() | p.Promoted():
                 return self._disk_request(req, self._member(req.client_id, req.token, now), now)
@@ -185,6 +189,8 @@ class MetaServiceCore:
                 return p.Ok()
             case p.DrainNext() | p.DrainDone():
                 return self.drains.handle(req, member.segment_id, now)
+            case p.RepairNext() | p.RepairDone():
+                return self.repairs.handle(req, member.segment_id, now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
 
     def _disk_request(self, req: p.Request, member: Member, now: float) -> p.Reply:
@@ -283,7 +289,7 @@ class MetaServiceCore:
         if m.segment_id is not None:
             journal = self.table.segments[m.segment_id].journal_since(ack)
         return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id),
-                                disk_tiers=len(self.table.disk_tiers))
+                                repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers))
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""
@@ -301,6 +307,7 @@ class MetaServiceCore:
             return
         if m.segment_id is not None:
             self.drains.segment_left(m.segment_id, time.monotonic())
+            self.repairs.segment_left(m.segment_id, time.monotonic())
         self.member_events["leaves" if why == "left" else "deaths" if "dead" in why else "rejoins"] += 1
         lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
         self.table.reclaim(time.monotonic(), {cid})
@@ -314,4 +321,5 @@ class MetaServiceCore:
         disk.housekeeping(self.table, now)
         self.table.evict_all(now)
         self.drains.housekeeping(now)
+        self.repairs.housekeeping(now)
         self.history.record(self, now)

@@ -92,7 +92,7 @@ class Snapshot(msgspec.Struct):
     objects: int
     pending_objects: int
     under_replicated: int
-    drains: dict[str, int]                 # meta/drain.py Drains.stats()
+    drains: dict[str, int]                 # Drains.stats() (meta/drain.py) and Repairs.stats() (meta/repair.py)
     counters: dict[str, int]
     outcomes: dict[str, dict[str, int]]    # op -> outcome -> count
     events: dict[str, int]                 # member joins/leaves/deaths, recoveries
@@ -135,7 +135,7 @@ def take(core: MetaServiceCore) -> Snapshot:
     term = core.ha.term if core.ha is not None and leading else 0
     return Snapshot(time.time(), round(now - core.started, 3), core.epoch, "leader" if leading else "standby",
                     term, members, segments, len(t.objects) - t.pending, t.pending, t.under_replicated,
-                    core.drains.stats(),
+                    {**core.drains.stats(), **core.repairs.stats()},
                     {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, events,
                     requests, list(core.history.samples), _disk_tiers(core))
 

@@ -11,8 +11,9 @@ Invariants (docs/design.md explains each):
   (WRITE_IN_PROGRESS), never that its put succeeded.
 * Space holds the object's header and payload (``layout.footprint``); sizes here are payload sizes.
 * Replicas of an object are on distinct segments, on distinct hosts when the pool has them; an object
-  keeps living while one replica is left. ``under_replicated`` counts committed objects holding fewer
-  replicas than their put asked for (placed partially, or a replica's segment died or was corrupt).
+  keeps living while one replica is left. ``under`` holds the committed objects with fewer replicas
+  than their put asked for (placed partially, or a replica's segment died or was corrupt); re-replication
+  (``repair.py``) copies them again.
 Time is passed in (``now``, monotonic seconds) so the logic is testable without sleeping.
 
 The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``, a segment's LRU list in ``lru.py``
@@ -22,6 +23,7 @@ evicting and freeing space in ``space.py`` (a mixin of ``ObjectTable``).
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -70,7 +72,8 @@ class ObjectTable(Space):
         self.quarantine: list[tuple[float, Obj]] = []   # reclaimed from stalled writers: freed later
         self.counters = Counters()
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
-        self.under_replicated = 0       # committed objects with fewer replicas than asked for
+        # committed objects with fewer replicas than asked for, in the order re-replication visits them
+        self.under: collections.OrderedDict[str, Obj] = collections.OrderedDict()
         self.listener: Callable[[bool, Obj], None] | None = None   # (stored?, object): KV events
         self._next_gen = first_generation
         self.disk_tiers: dict[int, Any] = {}          # segment id -> meta.disk.DiskTier
@@ -346,15 +349,22 @@ class ObjectTable(Space):
 
     # ---- internals -----------------------------------------------------------------------------------
 
+    @property
+    def under_replicated(self) -> int:
+        return len(self.under)
+
     def _mark(self, obj: Obj) -> None:
-        """Keep ``under_replicated`` in step with this object's replica count."""
+        """Keep ``under`` in step with this object's replica count."""
         if obj.more is None:   # one replica asked for, not marked: nothing to change
             return
         under = (obj.committed and 0 < len(obj.locations) < obj.replicas  # disk-only objects are not "under"
                  and self.objects.get(obj.key) is obj)
         if under != obj.under:
             obj.under = under
-            self.under_replicated += 1 if under else -1
+            if under:
+                self.under[obj.key] = obj
+            elif self.under.get(obj.key) is obj:
+                del self.under[obj.key]
 
     def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None:
         """Take the object out of the table; free its space now, or when its lease ends."""
@@ -402,3 +412,24 @@ class ObjectTable(Space):
     def drop(self, obj: Obj, now: float) -> None:
         """Take a committed object out of the pool (a drain could not place it anywhere)."""
         self._unlink(obj, now)
+
+    def release_reserved(self, seg: Segment, key: str, size: int, generation: int, checksum: int, offset: int,
+                         quarantine: bool, now: float) -> None:
+        """Give back space reserved for a copy that will not be added (its owner is told to forget a
+        header written there); after ``quarantine_s`` when the copy may still be writing into it."""
+        loc = Location(seg.info.segment_id, offset)
+        seg.record_removed(ObjectReport(key, offset, size, generation, checksum))
+        if quarantine:
+            self.quarantine.append((now + self.quarantine_s, new_obj(key, size, generation, [loc])))
+        else:
+            seg.allocator.free_range(offset, footprint(size))
+
+    # ---- for repairs (meta/repair.py) ----------------------------------------------------------------
+
+    def add_replica(self, obj: Obj, loc: Location) -> None:
+        """A committed object's new copy, made and checked, becomes one of its replicas."""
+        obj.locations = [*obj.locations, loc]
+        self.segments[loc.segment_id].lru[obj.key] = obj
+        self._mark(obj)
+        if self.listener is not None:   # KV events: the new replica is stored
+            self.listener(True, obj)

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from memcache_core import DistributedObjectStore, LocalConfig
+from memcache_core import DistributedObjectStore, LocalConfig, ReplicateConfig
 from memcache_core.config import apply_dict
 
 HEAD = struct.Struct("<QQQQ")      # key hash, writer, sequence, size
@@ -49,6 +49,7 @@ def fill(key: str, writer: int, seq: int, n: int) -> np.ndarray:
 class Worker:
     def __init__(self, cfg: dict, out: str) -> None:
         init_bm = cfg.pop("init_bm", True)
+        self.replicas = ReplicateConfig(cfg.pop("replicas", 1))
         self.store = DistributedObjectStore()
         assert self.store.setup(apply_dict(LocalConfig(), cfg)) == 0
         rc = self.store.init(0, init_bm)
@@ -88,7 +89,7 @@ class Worker:
             self.buf[off + HEAD.size:off + n] = fill(k, self.writer, self.seq, n - HEAD.size)
             self.puts_log.write(f"{k} {self.writer} {self.seq}\n")
         self.puts_log.flush()
-        for c in self.store.batch_put_from_layers(keys, ptrs, sizes):
+        for c in self.store.batch_put_from_layers(keys, ptrs, sizes, replicateConfig=self.replicas):
             self.stats["put_ok" if c == 0 else "put_failed"] += 1
 
     def get(self) -> None:

@@ -1,7 +1,8 @@
 """The invariant checker: many processes, random traffic, faults injected; zero wrong bytes.
 
 Segment holders and pure clients, over ``host_shm`` and ``host_tcp``, do random batched puts, gets,
-exists and removes of 600 keys under eviction pressure (the keys' payloads are ~1.8x the pool). Mid-run
+exists and removes of 600 keys under eviction pressure (the keys' payloads are ~1.8x the pool); the
+TCP writers put two replicas, so objects that lose one are copied again (re-replication). Mid-run
 a holder is killed with SIGKILL (and replaced) and the MetaService is killed and restarted. Every
 successful get is checked byte for byte by its reader (``chaos_worker.py``), and the test checks that
 each payload read was put under that key by some writer. The only passing result is zero wrong bytes.
@@ -99,15 +100,19 @@ def check(fleet: Fleet) -> tuple[int, int, list[str]]:
             sorted(res))
 
 
+def counter(metrics: str, name: str) -> int:
+    return next(int(float(line.split()[-1])) for line in metrics.splitlines() if line.startswith(name + " "))
+
+
 def test_random_traffic_with_a_member_killed_and_the_meta_service_restarted(capsys):
     with tempfile.TemporaryDirectory(prefix="memcache-chaos-") as d, \
             running_meta_service(heartbeat_timeout_ms=1500, lease_ttl_ms=2000) as ms:
         fleet = Fleet(ms, d, SECONDS)
         victim = fleet.start("holder-shm-1")
         fleet.start("holder-shm-2")
-        fleet.start("holder-tcp", protocol="host_tcp")
+        fleet.start("holder-tcp", protocol="host_tcp", replicas=2)
         fleet.start("client-shm", init_bm=False)
-        fleet.start("client-tcp", init_bm=False, protocol="host_tcp")
+        fleet.start("client-tcp", init_bm=False, protocol="host_tcp", replicas=2)
         t0 = time.monotonic()
         time.sleep(SECONDS / 3)
         victim.kill()
@@ -115,6 +120,7 @@ def test_random_traffic_with_a_member_killed_and_the_meta_service_restarted(caps
         fleet.seconds = SECONDS - (time.monotonic() - t0)
         fleet.start("holder-shm-replacement")
         time.sleep(max(0.0, t0 + 2 * SECONDS / 3 - time.monotonic()))
+        repaired = counter(ms.http("/metrics"), "memcache_repaired_objects_total")   # (a restart resets it)
         ms.kill()
         ms.start()
         fleet.wait()
@@ -122,12 +128,13 @@ def test_random_traffic_with_a_member_killed_and_the_meta_service_restarted(caps
         metrics = ms.http("/metrics")
     with capsys.disabled():
         print(f"\ninvariant checker: {verified} verified reads, {misses} misses, 0 wrong bytes "
-              f"({len(finished)} workers finished, {SECONDS:g} s, one member killed, MetaService restarted)")
+              f"({len(finished)} workers finished, {SECONDS:g} s, one member killed, MetaService restarted, "
+              f"{repaired} replicas made again before the restart)")
     assert "holder-shm-1" not in finished and len(finished) == 5
     assert verified > 1000 and misses > 0      # traffic really ran, and eviction/removal really happened
     assert "memcache_integrity_failures_total 0.0" in metrics
-    evictions = next(int(float(line.split()[-1])) for line in metrics.splitlines()
-                     if line.startswith("memcache_evictions_total"))
+    assert repaired > 0, "no replica was made again: re-replication did not run under this traffic"
+    evictions = counter(metrics, "memcache_evictions_total")
     assert evictions > 0, "no eviction happened after the restart: the run had no eviction pressure"
 
 

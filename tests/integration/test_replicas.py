@@ -62,10 +62,11 @@ def test_kill9_of_one_of_two_holders_leaves_every_object_readable(meta, stores):
     assert all(c == -3007 for c in got["codes"]) and got["mismatches"] == []
 
 
-def test_a_corrupt_replica_is_read_around_and_dropped_alone():
+def test_a_corrupt_replica_is_read_around_dropped_alone_and_made_again():
     """Scenario: replicaNum 2; the bytes of the replica the reader tries first are damaged in shared
     memory. The read still succeeds byte-exact from the other replica; the MetaService drops only
-    the damaged copy (the object now has one location, counted under-replicated)."""
+    the damaged copy, then has the good replica's holder copy it again (re-replication), and the
+    object reads byte-exact from either replica."""
     with running_meta_service(lease_ttl_ms=2000, heartbeat_timeout_ms=3000) as ms:
         holders = [_store(ms, True, dram_size="8MB") for _ in range(2)]
         client = _store(ms, False)
@@ -77,14 +78,50 @@ def test_a_corrupt_replica_is_read_around_and_dropped_alone():
             with mapped_segment(ms.segment(locs[0]["segment"]).shm_path) as m:
                 m[locs[0]["offset"] + HEADER_BYTES + 1000] ^= 0xFF
             assert client.get("K") == data
-            assert segments_of(ms, "K") == [locs[1]["segment"]]
-            assert gauge(ms, "objects_under_replicated") == 1
+            now = ms.http("/query_key?key=K")["locations"]
+            assert locs[1] in now and locs[0] not in now, "only the damaged copy is dropped"
             assert gauge(ms, "integrity_failures_total") == 1
+            wait_for(lambda: len(segments_of(ms, "K")) == 2, 15, "the second replica to be made again")
+            assert gauge(ms, "objects_under_replicated") == 0 and gauge(ms, "repaired_objects_total") == 1
             assert client.get("K") == data
+            with mapped_segment(ms.segment(locs[1]["segment"]).shm_path) as m:   # now read the new copy
+                m[locs[1]["offset"] + HEADER_BYTES + 1000] ^= 0xFF
+            # the only good bytes left are the new copy's (2: the reader tried the damaged one first)
+            assert client.get("K") == data
+            assert gauge(ms, "integrity_failures_total") in (1, 2)
         finally:
             client.close()
             for h in holders:
                 h.close()
+
+
+def test_replicas_lost_with_a_killed_holder_are_made_again_and_survive_a_second_death(meta, stores):
+    """Scenario: replicaNum 2 on three providers (host_tcp: copies go through the data servers) and
+    a pure client. The provider holding most replicas is killed with -9: the survivors copy each
+    object that lost a replica to the other survivor (re-replication) until none is under-replicated
+    and every object has its two replicas on live segments. A second provider is then killed: every
+    object is still read byte-exact, from the copies the repair made."""
+    provs = [stores(protocol="host_tcp", dram_size="64MB") for _ in range(3)]
+    client = stores(protocol="host_tcp", init_bm=False)
+    keys = [f"rr-{i}" for i in range(40)]
+    assert client("put", keys=keys, layout=LAYOUT, replicas=2)["codes"] == [0] * 40
+    ids = [s("id")["id"] for s in provs]
+    held = {k: set(segments_of(meta, k)) for k in keys}
+    victim = max(ids, key=lambda i: sum(i in h for h in held.values()))
+    lost = [k for k in keys if victim in held[k]]
+    assert lost and all(len(h) == 2 for h in held.values())
+    provs[ids.index(victim)].kill()
+    live = set(ids) - {victim}
+    wait_for(lambda: gauge(meta, "repaired_objects_total") == len(lost), 30, "the lost replicas to be made again")
+    assert gauge(meta, "objects_under_replicated") == 0 and gauge(meta, "repairs_in_flight") == 0
+    assert all(set(segments_of(meta, k)) == live for k in keys)
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 40 and got["mismatches"] == []
+    second = min(live)
+    provs[ids.index(second)].kill()
+    wait_for(lambda: len(meta.http("/get_all_segments")["segments"]) == 1, 15, "the second holder declared dead")
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 40 and got["mismatches"] == [], "a repaired replica is the only one left"
 
 
 def test_every_put_path_honours_replica_num():

@@ -1,0 +1,251 @@
+"""Re-replication: objects holding fewer replicas than their put asked for get copies again.
+
+An object loses a replica when its holder dies or leaves without a drain, or when a reader finds
+that copy corrupt; a put placed on fewer segments than it asked for (the pool had too few with
+room) starts out short. While one replica lives, the MetaService plans a copy of it and the
+holder's owner makes it: it pushes the bytes from its own segment to space reserved in another
+segment, with the ordinary put machinery and the checksum computed while copying (as a drain's
+move; ``local/drain.py``), and reports (``RepairDone``). Readers see the new replica only once the
+MetaService has checked that report and added it to the object's locations.
+
+Invariants:
+
+* A copy comes from a holder whose owner answers and whose segment is not being drained (the drain
+  moves that replica; the object is repaired from where it lands). It goes to space reserved by
+  ``placement.copy_target``: a segment that takes new objects, holds no replica, stays under the
+  high-water mark (a repair never evicts), hosts without a replica first.
+* The copy carries the object's own generation and checksum in its header: it is a replica, so a
+  MetaService restarted later recovers it as one.
+* A copy is added only if the object is still the one planned (committed, same generation, the
+  source still among its locations, the target not a holder yet, the target's owner answering) and
+  its checksum is the committed one. A source that fails its checksum is a corrupt replica: it is
+  dropped as a reader's report would drop it. Otherwise the reserved space is given back
+  (quarantined when the copy may still be running: the holder left, or never reported in time).
+* One copy per object at a time; at most ``IN_FLIGHT_OBJECTS`` objects and ``IN_FLIGHT_BYTES``
+  bytes in flight in the pool (repairs yield to the engines' own traffic). An object whose copy
+  failed rests ``REST_S`` before it is planned again.
+* Nothing is planned while members may still be re-joining a MetaService that just started: the
+  replicas they report would be copied twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+from .. import errors
+from .. import protocol as p
+from . import validate
+from .placement import copy_takers, copy_target
+from .table import ObjectTable, Segment
+
+IN_FLIGHT_OBJECTS = 1024        # copies planned and not reported yet, in the whole pool
+IN_FLIGHT_BYTES = 256 << 20     # ... and their payload bytes
+SCAN = 1024                     # under-replicated objects looked at per housekeeping pass
+GIVE_UP = 64                    # ... ending it after this many in a row found no room
+REST_S = 10.0                   # an object whose copy failed is not planned again before this
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Copy:
+    key: str
+    size: int
+    generation: int
+    checksum: int
+    source: Segment
+    source_offset: int
+    target: Segment
+    target_offset: int
+    deadline: float
+    handed_out: bool = False     # the holder has it (its copy may be running)
+
+    def move(self) -> p.DrainMove:
+        return p.DrainMove(self.key, self.size, self.source_offset, self.generation, self.checksum,
+                           self.generation, p.Location(self.target.info.segment_id, self.target_offset))
+
+
+@dataclasses.dataclass
+class Totals:
+    repaired_objects: int = 0
+    repaired_bytes: int = 0
+    failed_copies: int = 0
+
+
+class Repairs:
+    """Re-replication of one MetaService; called under its lock with ``now`` passed in."""
+
+    def __init__(self, table_of: Callable[[], ObjectTable], copy_timeout_s: float,
+                 answering: Callable[[int, float], bool], draining: Callable[[int], bool],
+                 settle_s: float, settle_until: float, enabled: bool = True) -> None:
+        self._table_of = table_of        # the MetaService's table, which an HA leader change replaces
+        self.table = table_of()
+        self.copy_timeout_s = copy_timeout_s
+        self.answering = answering
+        self.draining = draining
+        self.settle_s, self.settle_until = settle_s, settle_until
+        self.enabled = enabled
+        self.copies: dict[str, Copy] = {}                            # key -> its copy in flight
+        self.queued: dict[int, list[Copy]] = collections.defaultdict(list)   # source segment -> not handed out
+        self.resting: dict[str, float] = {}                          # key -> not planned before then
+        self.in_flight_bytes = 0
+        self.totals = Totals()
+
+    def _sync(self, now: float) -> None:
+        """Follow the MetaService's table: a new one (an HA leader's reset) has no copy planned."""
+        t = self._table_of()
+        if t is not self.table:
+            self.table, self.settle_until = t, now + self.settle_s
+            self.copies.clear()
+            self.queued.clear()
+            self.resting.clear()
+            self.in_flight_bytes = 0
+
+    # ---- planning --------------------------------------------------------------------------------
+
+    def plan(self, now: float) -> None:
+        """Plan copies of under-replicated objects (a housekeeping pass), within the in-flight bounds."""
+        self._sync(now)
+        t = self.table
+        if not self.enabled or not t.under or now < self.settle_until:
+            return
+        for key in [k for k, until in self.resting.items() if until <= now]:
+            del self.resting[key]
+        takers, misses = copy_takers(t, now), 0
+        for _ in range(min(SCAN, len(t.under)) if takers else 0):
+            if misses >= GIVE_UP:                    # the pool has no room for copies now
+                return
+            if len(self.copies) >= IN_FLIGHT_OBJECTS or self.in_flight_bytes >= IN_FLIGHT_BYTES:
+                return
+            key, obj = next(iter(t.under.items()))
+            t.under.move_to_end(key)                 # the next pass looks at the others first
+            if key in self.copies or key in self.resting:
+                continue
+            sources = [t.segments[loc.segment_id] for loc in obj.locations
+                       if self.answering(loc.segment_id, now) and not self.draining(loc.segment_id)]
+            if not sources:
+                continue
+            placed = copy_target(t, obj, set(), self.answering, now, takers=takers)
+            if not isinstance(placed, tuple):
+                misses += 1
+                continue                             # no room now: looked at again on a later pass
+            misses = 0
+            src = sources[0]
+            src_off = next(loc.offset for loc in obj.locations if loc.segment_id == src.info.segment_id)
+            c = Copy(key, obj.size, obj.generation, obj.checksum, src, src_off, *placed, now + self.copy_timeout_s)
+            self.copies[key] = c
+            self.queued[src.info.segment_id].append(c)
+            self.in_flight_bytes += c.size
+
+    def wanted(self, segment_id: int | None) -> bool:
+        """Has the owner of this segment copies to make (told on its heartbeat)?"""
+        return segment_id is not None and bool(self.queued.get(segment_id))
+
+    def next_batch(self, segment_id: int, now: float) -> p.DrainBatch:
+        """The holder asks: hand out its queued copies (an empty batch: nothing to do now)."""
+        self._sync(now)
+        batch = self.queued.pop(segment_id, [])
+        for c in batch:
+            c.handed_out = True
+            c.deadline = now + self.copy_timeout_s
+        return p.DrainBatch([c.move() for c in batch], done=not batch)
+
+    # ---- reports ---------------------------------------------------------------------------------
+
+    def report(self, segment_id: int, req: p.RepairDone, now: float) -> list[int]:
+        self._sync(now)
+        out = []
+        for key, gen, checksum, ok in zip(req.keys, req.generations, req.checksums, req.ok, strict=True):
+            c = self.copies.get(key)
+            if c is None or not c.handed_out or c.source.info.segment_id != segment_id or c.generation != gen:
+                out.append(errors.STATE_MISMATCH)    # not a copy asked of this member (a restart, a replay)
+                continue
+            self._forget(c)
+            out.append(self._finish(c, ok, checksum, now))
+        return out
+
+    def _finish(self, c: Copy, ok: bool, checksum: int, now: float) -> int:
+        t = self.table
+        obj = t.objects.get(c.key)
+        tid, sid = c.target.info.segment_id, c.source.info.segment_id
+        live = t.segments.get(tid) is c.target and t.segments.get(sid) is c.source
+        holders = {loc.segment_id for loc in obj.locations} if obj is not None else set()
+        same = (obj is not None and obj.committed and obj.generation == c.generation
+                and p.Location(sid, c.source_offset) in obj.locations and tid not in holders)
+        if not ok or not live or not same or not self.answering(tid, now):
+            self._release_target(c, now)
+            if not ok or not self.answering(tid, now):
+                self.totals.failed_copies += 1
+                self.resting[c.key] = now + REST_S
+            return errors.ERROR if not ok else errors.STATE_MISMATCH
+        assert obj is not None
+        if c.checksum and checksum != c.checksum:   # the holder's bytes are not the committed ones
+            self._release_target(c, now)
+            t.corrupt(c.key, c.generation, now, sid)
+            return errors.CHECKSUM_MISMATCH
+        t.add_replica(obj, p.Location(tid, c.target_offset))
+        self.totals.repaired_objects += 1
+        self.totals.repaired_bytes += c.size
+        return errors.SUCCESS
+
+    # ---- ends ------------------------------------------------------------------------------------
+
+    def _forget(self, c: Copy) -> None:
+        if self.copies.get(c.key) is c:
+            del self.copies[c.key]
+            self.in_flight_bytes -= c.size
+
+    def _unqueue(self, c: Copy) -> None:
+        sid = c.source.info.segment_id
+        q = self.queued[sid]
+        q.remove(c)
+        if not q:
+            del self.queued[sid]
+
+    def _release_target(self, c: Copy, now: float, quarantine: bool = False) -> None:
+        """Give the reserved space back (after a while when the copy may still be writing into it)."""
+        seg = c.target
+        if self.table.segments.get(seg.info.segment_id) is seg:   # (a target that left took its space along)
+            self.table.release_reserved(seg, c.key, c.size, c.generation, c.checksum, c.target_offset,
+                                        quarantine, now)
+
+    def segment_left(self, segment_id: int, now: float) -> None:
+        """A segment leaves the pool (before the table drops it): copies from or to it end."""
+        self._sync(now)
+        self.queued.pop(segment_id, None)
+        for c in [c for c in self.copies.values()
+                  if segment_id in (c.source.info.segment_id, c.target.info.segment_id)]:
+            self._forget(c)
+            if not c.handed_out and c.source.info.segment_id != segment_id:
+                self._unqueue(c)
+            self._release_target(c, now, quarantine=c.handed_out)
+
+    def housekeeping(self, now: float) -> None:
+        """Give back the space of copies nobody made in time, then plan more."""
+        self._sync(now)
+        for c in [c for c in self.copies.values() if c.deadline <= now]:
+            self._forget(c)
+            if not c.handed_out:
+                self._unqueue(c)
+            self._release_target(c, now, quarantine=c.handed_out)
+            self.totals.failed_copies += 1
+            self.resting[c.key] = now + REST_S
+        self.plan(now)
+
+    # ---- requests and views ------------------------------------------------------------------------
+
+    def handle(self, req: p.RepairNext | p.RepairDone, segment_id: int | None, now: float) -> p.Reply:
+        """``RepairNext`` / ``RepairDone`` of a member, about copies from its own segment only."""
+        if segment_id is None:
+            return p.Error(errors.INVALID_PARAM, "repair: this member holds no segment")
+        if isinstance(req, p.RepairNext):
+            return self.next_batch(segment_id, now)
+        validate.batch(req.keys, req.generations, req.checksums, req.ok)
+        validate.generations(req.generations)
+        validate.checksums(req.checksums)
+        return p.Codes(self.report(segment_id, req, now))
+
+    def stats(self) -> dict[str, int]:
+        t = self.totals
+        return {"repairs_in_flight": len(self.copies), "repaired_objects": t.repaired_objects,
+                "repaired_bytes": t.repaired_bytes, "repair_failed_copies": t.failed_copies}
