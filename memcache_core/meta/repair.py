@@ -25,7 +25,9 @@ Invariants:
   bytes in flight in the pool (repairs yield to the engines' own traffic). An object whose copy
   failed rests ``REST_S`` before it is planned again.
 * Nothing is planned while members may still be re-joining a MetaService that just started: the
-  replicas they report would be copied twice.
+  replicas they report would be copied twice. After that, a member declared dead that re-joins
+  with a copy of an object repaired meanwhile has that copy refused as surplus (its space is free
+  again, its owner told to forget it): the object keeps the replica count its put asked for.
 """
 
 from __future__ import annotations
@@ -101,13 +103,18 @@ class Repairs:
             self.resting.clear()
             self.in_flight_bytes = 0
 
+    def settling(self, now: float) -> bool:
+        """May members still be re-joining a table that is being rebuilt (a start, a new HA leader)?"""
+        self._sync(now)
+        return now < self.settle_until
+
     # ---- planning --------------------------------------------------------------------------------
 
     def plan(self, now: float) -> None:
         """Plan copies of under-replicated objects (a housekeeping pass), within the in-flight bounds."""
         self._sync(now)
         t = self.table
-        if not self.enabled or not t.under or now < self.settle_until:
+        if not self.enabled or not t.under or self.settling(now):
             return
         for key in [k for k, until in self.resting.items() if until <= now]:
             del self.resting[key]

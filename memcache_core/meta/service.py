@@ -262,7 +262,8 @@ class MetaServiceCore:
             # still be copying out of the reported objects' neighbourhood: no new object goes into a
             # re-joined segment until such a lease would have ended.
             grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects else 0.0
-            refused = self.table.add_segment(info, req.objects, alloc_after=grace)
+            refused = self.table.add_segment(info, req.objects, alloc_after=grace,
+                                             recovering=self.repairs.settling(now))
             seg = self.table.segments[seg_id]
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)

@@ -84,16 +84,21 @@ class ObjectTable(Space):
     # ---- segments -------------------------------------------------------------------------------
 
     def add_segment(self, info: SegmentInfo, reports: Iterable[ObjectReport] = (),
-                    alloc_after: float = 0.0) -> list[ObjectReport]:
-        """Add a segment (with the objects its owner reports after a MetaService restart).
+                    alloc_after: float = 0.0, recovering: bool = True) -> list[ObjectReport]:
+        """Add a segment (with the objects its owner reports after a MetaService restart, or after it
+        was declared dead and re-joins).
 
-        Returns the reports that were refused (the key now means another object).
+        ``recovering``: the table is being rebuilt from the members' reports (a MetaService start):
+        every replica reported counts. Otherwise a copy of an object that already holds as many
+        replicas as asked for (re-replication replaced it meanwhile) is surplus and refused.
+        Returns the reports that were refused (the key now means another object, or surplus).
         """
         accepted: list[tuple[ObjectReport, Obj | None]] = []
         refused: list[ObjectReport] = []
         for r in reports:
             cur = self.objects.get(r.key)
-            if cur is None or (cur.committed and cur.generation == r.generation and cur.size == r.size):
+            if cur is None or (cur.committed and cur.generation == r.generation and cur.size == r.size
+                               and (recovering or len(cur.locations) < cur.replicas)):
                 accepted.append((r, cur))
             else:
                 refused.append(r)

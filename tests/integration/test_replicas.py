@@ -4,6 +4,7 @@ put path with replicaNum 2, and the spread policy."""
 from __future__ import annotations
 
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -122,6 +123,38 @@ def test_replicas_lost_with_a_killed_holder_are_made_again_and_survive_a_second_
     wait_for(lambda: len(meta.http("/get_all_segments")["segments"]) == 1, 15, "the second holder declared dead")
     got = client("get", keys=keys, layout=LAYOUT)
     assert got["codes"] == [0] * 40 and got["mismatches"] == [], "a repaired replica is the only one left"
+
+
+def test_a_paused_holder_declared_dead_finds_its_replicas_made_again_when_it_returns(meta, stores):
+    """Scenario: replicaNum 2 on three providers; the one holding most replicas is paused (SIGSTOP,
+    as a long stall) until the MetaService has declared it dead and its replicas were made again on
+    the others. When it resumes it re-joins and reports its old copies: each is surplus (the object
+    holds two replicas again), so it is refused and its space freed; every object keeps exactly two
+    replicas and reads byte-exact."""
+    provs = [stores(protocol="host_tcp", dram_size="64MB") for _ in range(3)]
+    client = stores(protocol="host_tcp", init_bm=False)
+    keys = [f"pz-{i}" for i in range(30)]
+    assert client("put", keys=keys, layout=LAYOUT, replicas=2)["codes"] == [0] * 30
+    ids = [s("id")["id"] for s in provs]
+    victim = max(ids, key=lambda i: sum(i in segments_of(meta, k) for k in keys))
+    lost = [k for k in keys if victim in segments_of(meta, k)]
+    proc = provs[ids.index(victim)].proc
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: gauge(meta, "repaired_objects_total") == len(lost), 30, "the lost replicas to be made again")
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+    def victim_segment() -> dict | None:
+        return next((g for g in meta.http("/get_all_segments")["segments"] if g["segment_id"] == victim), None)
+
+    wait_for(lambda: victim_segment() is not None, 15, "the paused holder to re-join")
+    seg = victim_segment()
+    assert seg is not None and seg["objects"] == 0 and seg["used_bytes"] == 0, seg
+    assert all(len(segments_of(meta, k)) == 2 and victim not in segments_of(meta, k) for k in keys)
+    assert gauge(meta, "objects_under_replicated") == 0
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 30 and got["mismatches"] == []
 
 
 def test_every_put_path_honours_replica_num():

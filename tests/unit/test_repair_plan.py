@@ -207,3 +207,26 @@ def test_in_flight_copies_are_bounded():
     finally:
         repair.IN_FLIGHT_OBJECTS = old
     assert pool.t.under_replicated == 30 - 8    # the second eight are not reported yet
+
+
+def test_a_holder_declared_dead_that_re_joins_after_the_repair_has_its_surplus_copy_refused():
+    """Scenario: replicas on 1 and 2; 2 is declared dead, the object is repaired onto 3; then 2's owner
+    re-joins (not a MetaService start) and reports its old copy: refused (its owner forgets it, the
+    space is free), the object keeps two replicas. An object not repaired takes the copy back."""
+    pool = Pool("abc")
+    pool.put("k", [1, 2])
+    pool.put("other", [1, 2])
+    old = {k: next(loc for loc in pool.t.objects[k].locations if loc.segment_id == 2) for k in ("k", "other")}
+    pool.t.drop_segment(2)
+    pool.r.resting["other"] = 100.0             # only "k" is repaired
+    pool.r.housekeeping(0.5)
+    assert pool.done(1, pool.r.next_batch(1, 0.5)) == [errors.SUCCESS]
+    assert pool.holders("k") == [1, 3] and pool.holders("other") == [1]
+    reports = [p.ObjectReport(k, old[k].offset, OBJ, pool.t.objects[k].generation, pool.t.objects[k].checksum)
+               for k in ("k", "other")]
+    refused = pool.t.add_segment(p.SegmentInfo(2, 10 * MB, "b", "/dev/shm/x2", "127.0.0.1:1"), reports,
+                                 recovering=False)
+    assert [r.key for r in refused] == ["k"]
+    assert pool.holders("k") == [1, 3] and pool.holders("other") == [1, 2]
+    assert pool.t.objects["k"].replicas == 2 and pool.t.under_replicated == 0
+    assert pool.t.segments[2].allocator.used == MB          # only "other"'s copy takes space there
