@@ -169,6 +169,7 @@ class Repairs:
                 continue
             self._forget(c)
             out.append(self._finish(c, ok, checksum, now))
+        self.plan(now)   # the holder asks again at once: have its next copies ready, not a pass later
         return out
 
     def _finish(self, c: Copy, ok: bool, checksum: int, now: float) -> int:

@@ -15,7 +15,9 @@ STEP: {"generate": [[token ids], ...], "max_tokens": N, "batch": false}
       {"scale_weights": {"match": "v_proj", "factor": F}}   -> multiplies every matching weight
                                                                 by F in the workers (a weight update)
 A STEP with "lora": [name, int id, path] generates with that LoRA adapter.
-SPEC may also carry "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank".
+SPEC may also carry "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank", and
+"engine_in_process": true (vLLM's engine core in this process, not its own: the requests of a batch
+step are then all scheduled together, from the first step on).
 OUT: {"steps": [[{"token_ids", "logprobs", "num_cached_tokens", "elapsed_s"}, ...] | null, ...],
       "metrics": {name: value}, "startup_s": float}
 
@@ -52,6 +54,10 @@ def _metrics(llm: Any) -> dict[str, float]:
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("engine_in_process"):
+        # The engine core runs in this process: a batch's requests all reach the scheduler before
+        # its first step, instead of racing that step over a socket.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = dict(
@@ -81,7 +87,14 @@ def main() -> None:
             result["steps"].append(None)
             continue
         if "reset_prefix_cache" in step:
-            result["steps"].append(llm.reset_prefix_cache(**step["reset_prefix_cache"]))
+            ok, deadline = llm.reset_prefix_cache(**step["reset_prefix_cache"]), time.monotonic() + 60
+            while not ok and spec.get("engine_in_process") and time.monotonic() < deadline:
+                # Blocks of finished requests are freed once their asynchronous saves are done, in a
+                # step: in its own process the engine core steps by itself, here nothing else does.
+                llm.llm_engine.step()
+                time.sleep(0.01)
+                ok = llm.reset_prefix_cache(**step["reset_prefix_cache"])
+            result["steps"].append(ok)
             continue
         if "scale_weights" in step:
             import functools
