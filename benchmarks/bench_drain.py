@@ -34,12 +34,14 @@ from memcache_core.testing import MetaServiceProcess, running_meta_service, wait
 MIB = 1 << 20
 
 
-def start_provider(meta: MetaServiceProcess, directory: str, i: int, protocol: str, size: int) -> subprocess.Popen:
+def start_provider(meta: MetaServiceProcess, directory: str, i: int, protocol: str, size: int,
+                   **extra: object) -> subprocess.Popen:
+    """``extra``: more LocalConfig keys."""
     path = os.path.join(directory, f"provider-{i}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
                    "protocol": protocol, "dram_size": size, "hcom_url": "tcp://127.0.0.1:0",
-                   "log_level": "warning"}, f)
+                   "log_level": "warning", **extra}, f)
     return subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", path])
 
 

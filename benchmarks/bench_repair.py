@@ -4,8 +4,9 @@
 A MetaService and, each round, three standalone providers (``memcache local-service``). A pure
 client puts ``--objects`` objects of ``--size`` bytes with replicaNum 2 on providers A and B, then A
 is killed with SIGKILL. The repair's time runs from the moment the MetaService declares A dead (every
-object counted under-replicated) to the moment none is (B copied each to C and the MetaService added
-the copies), polled every 5 ms on the admin port; the reference is a single-thread
+object counted under-replicated) to the moment none is (B learnt of the copies on its next
+heartbeat, copied each to C and the MetaService added the copies), polled every 5 ms on the admin
+port; the reference is a single-thread
 ``ctypes.memmove`` of the same objects between two warm private buffers, timed right after. B is
 then killed too and the client reads every object back from C, the copies the repair made, and
 compares them byte for byte; a mismatch or a miss aborts the run.
@@ -29,7 +30,7 @@ from bench_drain import MIB, memcpy_seconds, start_provider, verify
 from memcache_core import DistributedObjectStore, ReplicateConfig
 from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
 
-HEARTBEAT_TIMEOUT_MS = 1500
+HEARTBEAT_TIMEOUT_MS = 1500      # a dead provider is noticed quickly (its heartbeats: every 300 ms)
 
 
 def gauge(meta: MetaServiceProcess, name: str) -> float:
@@ -55,7 +56,8 @@ def one_round(meta: MetaServiceProcess, args: argparse.Namespace, data: np.ndarr
     try:
         for i in range(3):
             before = segment_ids(meta)
-            procs.append(start_provider(meta, d, 3 * r + i, args.protocol, int(total * 1.5)))
+            procs.append(start_provider(meta, d, 3 * r + i, args.protocol, int(total * 1.5),
+                                        heartbeat_interval_ms=HEARTBEAT_TIMEOUT_MS // 5))
             ids.append(joined(meta, before))
         client = DistributedObjectStore()
         assert client.setup(meta.local_config(protocol=args.protocol, client_timeout_seconds=30)) == 0
