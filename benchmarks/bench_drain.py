@@ -91,16 +91,26 @@ def one_round(meta: MetaServiceProcess, args: argparse.Namespace, data: np.ndarr
     return float(state["elapsed_s"])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str | None) -> argparse.Namespace:
+    """The options bench_drain and bench_repair share."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--protocol", default="host_shm", choices=["host_shm", "host_tcp"])
     ap.add_argument("--objects", type=int, default=64)
     ap.add_argument("--size", type=int, default=4 * MIB, help="bytes per object")
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    total = args.objects * args.size
+    return ap.parse_args()
+
+
+def buffers(total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The objects' bytes (random), and two private buffers for the memcpy reference."""
     data = np.random.default_rng(7).integers(0, 256, total, dtype=np.uint8)
-    scratch_src, scratch_dst = data.copy(), np.zeros_like(data)
+    return data, data.copy(), np.zeros_like(data)
+
+
+def main() -> int:
+    args = arguments(__doc__)
+    total = args.objects * args.size
+    data, scratch_src, scratch_dst = buffers(total)
     with running_meta_service(lease_ttl_ms=500) as meta, tempfile.TemporaryDirectory() as d:
         provs = [start_provider(meta, d, i, args.protocol, int(total * 1.5)) for i in range(2)]
         try:
@@ -116,13 +126,19 @@ def main() -> int:
             for prov in provs:
                 prov.terminate()
                 prov.wait(30)
-    print("rounds (drain ms / memcpy ms): "
-          + "  ".join(f"{a * 1000:.0f}/{b * 1000:.1f}" for a, b in zip(drains, copies, strict=True)))
-    d_s, m_s = statistics.median(drains), statistics.median(copies)
-    print(f"drain {args.protocol} {args.objects} x {args.size / MIB:g} MiB ({total / 1e9:.3f} GB), "
-          f"median of {args.rounds}: {total / d_s / 1e9:.2f} GB/s ({d_s * 1000:.1f} ms)  "
-          f"memcpy {total / m_s / 1e9:.2f} GB/s ({m_s * 1000:.1f} ms)  x{m_s / d_s:.2f}")
+    report("drain", args, drains, copies)
     return 0
+
+
+def report(what: str, args: argparse.Namespace, times: list[float], copies: list[float]) -> None:
+    """Each round's time beside its memcpy, then the medians as throughput and their ratio."""
+    total = args.objects * args.size
+    print(f"rounds ({what} ms / memcpy ms): "
+          + "  ".join(f"{a * 1000:.0f}/{b * 1000:.1f}" for a, b in zip(times, copies, strict=True)))
+    t_s, m_s = statistics.median(times), statistics.median(copies)
+    print(f"{what} {args.protocol} {args.objects} x {args.size / MIB:g} MiB ({total / 1e9:.3f} GB), "
+          f"median of {args.rounds}: {total / t_s / 1e9:.2f} GB/s ({t_s * 1000:.1f} ms)  "
+          f"memcpy {total / m_s / 1e9:.2f} GB/s ({m_s * 1000:.1f} ms)  x{m_s / t_s:.2f}")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 import tempfile
 import time
 
 import numpy as np
-from bench_drain import MIB, memcpy_seconds, start_provider, verify
+from bench_drain import arguments, buffers, memcpy_seconds, report, start_provider, verify
 
 from memcache_core import DistributedObjectStore, ReplicateConfig
 from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
@@ -93,27 +92,16 @@ def one_round(meta: MetaServiceProcess, args: argparse.Namespace, data: np.ndarr
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--protocol", default="host_shm", choices=["host_shm", "host_tcp"])
-    ap.add_argument("--objects", type=int, default=64)
-    ap.add_argument("--size", type=int, default=4 * MIB, help="bytes per object")
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = arguments(__doc__)
     total = args.objects * args.size
-    data = np.random.default_rng(7).integers(0, 256, total, dtype=np.uint8)
-    scratch_src, scratch_dst = data.copy(), np.zeros_like(data)
+    data, scratch_src, scratch_dst = buffers(total)
     with running_meta_service(lease_ttl_ms=500, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS) as meta, \
             tempfile.TemporaryDirectory() as d:
         repairs, copies = [], []
         for r in range(args.rounds):
             repairs.append(one_round(meta, args, data, d, r))
             copies.append(memcpy_seconds(scratch_src, scratch_dst, args.objects, args.size))
-    print("rounds (repair ms / memcpy ms): "
-          + "  ".join(f"{a * 1000:.0f}/{b * 1000:.1f}" for a, b in zip(repairs, copies, strict=True)))
-    r_s, m_s = statistics.median(repairs), statistics.median(copies)
-    print(f"repair {args.protocol} {args.objects} x {args.size / MIB:g} MiB ({total / 1e9:.3f} GB), "
-          f"median of {args.rounds}: {total / r_s / 1e9:.2f} GB/s ({r_s * 1000:.1f} ms)  "
-          f"memcpy {total / m_s / 1e9:.2f} GB/s ({m_s * 1000:.1f} ms)  x{m_s / r_s:.2f}")
+    report("repair", args, repairs, copies)
     return 0
 
 
