@@ -17,8 +17,9 @@ Invariants:
 * The copy carries the object's own generation and checksum in its header: it is a replica, so a
   MetaService restarted later recovers it as one.
 * A copy is added only if the object is still the one planned (committed, same generation, the
-  source still among its locations, the target not a holder yet, the target's owner answering) and
-  its checksum is the committed one. A source that fails its checksum is a corrupt replica: it is
+  source still among its locations, the target not a holder yet, the target's owner answering), still
+  short of replicas (a holder declared dead may have re-joined with its copy meanwhile) and its
+  checksum is the committed one. A source that fails its checksum is a corrupt replica: it is
   dropped as a reader's report would drop it. Otherwise the reserved space is given back
   (quarantined when the copy may still be running: the holder left, or never reported in time).
 * One copy per object at a time; at most ``IN_FLIGHT_OBJECTS`` objects and ``IN_FLIGHT_BYTES``
@@ -179,7 +180,8 @@ class Repairs:
         live = t.segments.get(tid) is c.target and t.segments.get(sid) is c.source
         holders = {loc.segment_id for loc in obj.locations} if obj is not None else set()
         same = (obj is not None and obj.committed and obj.generation == c.generation
-                and p.Location(sid, c.source_offset) in obj.locations and tid not in holders)
+                and p.Location(sid, c.source_offset) in obj.locations and tid not in holders
+                and len(obj.locations) < obj.replicas)   # (a holder that came back may have made it whole)
         if not ok or not live or not same or not self.answering(tid, now):
             self._release_target(c, now)
             if not ok or not self.answering(tid, now):

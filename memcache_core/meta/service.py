@@ -312,7 +312,8 @@ class MetaServiceCore:
         self.member_events["leaves" if why == "left" else "deaths" if "dead" in why else "rejoins"] += 1
         lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
         self.table.reclaim(time.monotonic(), {cid})
-        self.repairs.plan(time.monotonic())   # the survivors learn it on their next heartbeat
+        if why != "re-joined":                # (a re-joining member reports its objects next)
+            self.repairs.plan(time.monotonic())   # the survivors learn it on their next heartbeat
         logger.info("client %d %s; %d objects left the pool with its segment", cid, why, lost)
 
     def housekeeping(self, now: float) -> None:

@@ -230,3 +230,21 @@ def test_a_holder_declared_dead_that_re_joins_after_the_repair_has_its_surplus_c
     assert pool.holders("k") == [1, 3] and pool.holders("other") == [1, 2]
     assert pool.t.objects["k"].replicas == 2 and pool.t.under_replicated == 0
     assert pool.t.segments[2].allocator.used == MB          # only "other"'s copy takes space there
+
+
+def test_a_copy_no_longer_needed_when_reported_is_not_added():
+    """Scenario: 2's holder is declared dead and a copy of k is under way when it re-joins with its
+    own copy (k is whole again): the finished copy is not added (no third replica), its space comes
+    back."""
+    pool = Pool("abc")
+    pool.put("k", [1, 2])
+    old = next(loc for loc in pool.t.objects["k"].locations if loc.segment_id == 2)
+    pool.t.drop_segment(2)
+    pool.r.housekeeping(0.5)
+    b = pool.r.next_batch(1, 0.5)
+    o = pool.t.objects["k"]
+    pool.t.add_segment(p.SegmentInfo(2, 10 * MB, "b", "/dev/shm/x2", "127.0.0.1:1"),
+                       [p.ObjectReport("k", old.offset, OBJ, o.generation, o.checksum)], recovering=False)
+    assert pool.holders("k") == [1, 2]
+    assert pool.done(1, b) == [errors.STATE_MISMATCH]
+    assert pool.holders("k") == [1, 2] and pool.t.segments[3].allocator.used == 0
