@@ -264,10 +264,8 @@ class Drains:
             seg.allocator.free_range(loc.offset, footprint(obj.size))
 
     def _release_target(self, m: Move, now: float, quarantine: bool) -> None:
-        seg = m.target
-        if self.table.segments.get(seg.info.segment_id) is seg:   # (a target that left took its space along)
-            self.table.release_reserved(seg, m.key, m.size, m.new_generation, m.checksum, m.target_offset,
-                                        quarantine, now)
+        self.table.release_reserved(m.target, m.key, m.size, m.new_generation, m.checksum, m.target_offset,
+                                    quarantine, now)
 
     def _drop(self, d: Drain, obj: Obj, src: p.Location, now: float) -> None:
         if len(obj.locations) == 1:

@@ -4,7 +4,7 @@ LRU list and journal of removed objects (``Segment``), and the table's ``Counter
 A million objects fill a table, so every byte counts (benchmarks/bench_meta_memory.py): an object is
 four pointers and two LRU links (64 bytes) and one int that packs its size, generation, checksum and
 first location (64 bytes), where separate int objects, a location list and a ``Location`` took ~300.
-What few objects have (more replicas, a disk record, an under-replicated mark) is in ``Extra``."""
+What few objects have (more replicas, a disk record) is in ``Extra``."""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ class Extra(msgspec.Struct, gc=False):
     """What few objects have; an object whose extras are all defaults holds none (``Obj.more`` None)."""
 
     replicas: int = 1                  # replicas the put asked for
-    under: bool = False                # committed with fewer locations than ``replicas`` (counted)
     rest: tuple[Location, ...] = ()    # locations after the first
     links: tuple[Links, ...] = ()      # LRU links in the segments of ``rest``, one per location there
     disk: tuple[int, int] | None = None     # (segment id of the provider holding a disk record, its generation)
@@ -57,7 +56,7 @@ class Extra(msgspec.Struct, gc=False):
             self.links = tuple(Links() for _ in self.rest)
 
     def idle(self) -> bool:
-        return (self.replicas == 1 and not self.under and not self.rest and not self.links
+        return (self.replicas == 1 and not self.rest and not self.links
                 and self.disk is None and self.disk_offered == 0.0)
 
 
@@ -138,15 +137,6 @@ class Obj(msgspec.Struct, eq=False, gc=False):
     @replicas.setter
     def replicas(self, n: int) -> None:
         self._extra().replicas = n
-        self._tidy()
-
-    @property
-    def under(self) -> bool:
-        return self.more is not None and self.more.under
-
-    @under.setter
-    def under(self, v: bool) -> None:
-        self._extra().under = v
         self._tidy()
 
     @property

@@ -182,9 +182,10 @@ class Repairs:
         same = (obj is not None and obj.committed and obj.generation == c.generation
                 and p.Location(sid, c.source_offset) in obj.locations and tid not in holders
                 and len(obj.locations) < obj.replicas)   # (a holder that came back may have made it whole)
-        if not ok or not live or not same or not self.answering(tid, now):
+        silent = not self.answering(tid, now)   # the target's owner may be dead: the copy would die with it
+        if not ok or silent or not live or not same:
             self._release_target(c, now)
-            if not ok or not self.answering(tid, now):
+            if not ok or silent:
                 self.totals.failed_copies += 1
                 self.resting[c.key] = now + REST_S
             return errors.ERROR if not ok else errors.STATE_MISMATCH
@@ -214,10 +215,8 @@ class Repairs:
 
     def _release_target(self, c: Copy, now: float, quarantine: bool = False) -> None:
         """Give the reserved space back (after a while when the copy may still be writing into it)."""
-        seg = c.target
-        if self.table.segments.get(seg.info.segment_id) is seg:   # (a target that left took its space along)
-            self.table.release_reserved(seg, c.key, c.size, c.generation, c.checksum, c.target_offset,
-                                        quarantine, now)
+        self.table.release_reserved(c.target, c.key, c.size, c.generation, c.checksum, c.target_offset,
+                                    quarantine, now)
 
     def segment_left(self, segment_id: int, now: float) -> None:
         """A segment leaves the pool (before the table drops it): copies from or to it end."""

@@ -364,12 +364,10 @@ class ObjectTable(Space):
             return
         under = (obj.committed and 0 < len(obj.locations) < obj.replicas  # disk-only objects are not "under"
                  and self.objects.get(obj.key) is obj)
-        if under != obj.under:
-            obj.under = under
-            if under:
-                self.under[obj.key] = obj
-            elif self.under.get(obj.key) is obj:
-                del self.under[obj.key]
+        if under:
+            self.under.setdefault(obj.key, obj)   # (already there: keeps its place in the visiting order)
+        elif self.under.get(obj.key) is obj:
+            del self.under[obj.key]
 
     def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None:
         """Take the object out of the table; free its space now, or when its lease ends."""
@@ -421,7 +419,10 @@ class ObjectTable(Space):
     def release_reserved(self, seg: Segment, key: str, size: int, generation: int, checksum: int, offset: int,
                          quarantine: bool, now: float) -> None:
         """Give back space reserved for a copy that will not be added (its owner is told to forget a
-        header written there); after ``quarantine_s`` when the copy may still be writing into it."""
+        header written there); after ``quarantine_s`` when the copy may still be writing into it. A
+        segment that left the pool took its space along: nothing to do."""
+        if self.segments.get(seg.info.segment_id) is not seg:
+            return
         loc = Location(seg.info.segment_id, offset)
         seg.record_removed(ObjectReport(key, offset, size, generation, checksum))
         if quarantine:
