@@ -18,7 +18,6 @@ compares them byte for byte; a mismatch or a miss aborts the run.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import tempfile
 import time
@@ -30,12 +29,6 @@ from memcache_core import DistributedObjectStore, ReplicateConfig
 from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
 
 HEARTBEAT_TIMEOUT_MS = 1500      # a dead provider is noticed quickly (its heartbeats: every 300 ms)
-
-
-def gauge(meta: MetaServiceProcess, name: str) -> float:
-    m = re.search(rf"^memcache_{name} (\S+)$", meta.http("/metrics"), re.M)
-    assert m is not None, name
-    return float(m.group(1))
 
 
 def segment_ids(meta: MetaServiceProcess) -> set[int]:
@@ -69,13 +62,13 @@ def one_round(meta: MetaServiceProcess, args: argparse.Namespace, data: np.ndarr
                                           [args.size] * args.objects, replicateConfig=two)
             if codes != [0] * args.objects:
                 raise SystemExit(f"put failed: {sorted(set(codes))}")
-            repaired = gauge(meta, "repaired_objects_total")
+            repaired = meta.metric("repaired_objects_total")
             procs[0].kill()
             wait_for(lambda: ids[0] not in segment_ids(meta), 30, "A to be declared dead", interval_s=0.005)
             t0 = time.perf_counter()
-            wait_for(lambda: gauge(meta, "objects_under_replicated") == 0, 120, "the repair", interval_s=0.005)
+            wait_for(lambda: meta.metric("objects_under_replicated") == 0, 120, "the repair", interval_s=0.005)
             seconds = time.perf_counter() - t0
-            if gauge(meta, "repaired_objects_total") - repaired != args.objects:
+            if meta.metric("repaired_objects_total") - repaired != args.objects:
                 raise SystemExit("the repair did not copy every object exactly once")
             procs[1].kill()
             wait_for(lambda: ids[1] not in segment_ids(meta), 30, "B to be declared dead")

@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -227,6 +228,12 @@ class MetaServiceProcess:
         with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
             body = r.read()
         return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled series of ``/metrics`` (``memcache_`` + ``name``)."""
+        m = re.search(rf"^memcache_{name} (\S+)$", self.http("/metrics"), re.M)
+        assert m is not None, f"memcache_{name} not in /metrics"
+        return float(m.group(1))
 
     def rpc(self, timeout_s: float = 10.0) -> RpcClient:
         """A control-plane client with the pool's secret (the caller closes it)."""

@@ -3,7 +3,6 @@ put path with replicaNum 2, and the spread policy."""
 
 from __future__ import annotations
 
-import re
 import signal
 
 import numpy as np
@@ -16,12 +15,6 @@ from memcache_core.testing import mapped_segment, running_meta_service, wait_for
 pytestmark = pytest.mark.integration
 
 LAYOUT = [64 << 10, 16 << 10]
-
-
-def gauge(ms, name: str) -> float:
-    m = re.search(rf"^memcache_{name} (\S+)$", ms.http("/metrics"), re.M)
-    assert m, f"memcache_{name} not in /metrics"
-    return float(m.group(1))
 
 
 def segments_of(ms, key: str) -> list[int]:
@@ -47,18 +40,18 @@ def test_kill9_of_one_of_two_holders_leaves_every_object_readable(meta, stores):
     assert client("put", keys=keys, layout=LAYOUT, replicas=2)["codes"] == [0] * 40
     ids = {a("id")["id"], b("id")["id"]}
     assert all(set(segments_of(meta, k)) == ids for k in keys)
-    assert gauge(meta, "objects_under_replicated") == 0
+    assert meta.metric("objects_under_replicated") == 0
     a.kill()
     got = client("get", keys=keys, layout=LAYOUT)
     assert got["codes"] == [0] * 40 and got["mismatches"] == []
-    wait_for(lambda: gauge(meta, "objects_under_replicated") == 40, 15, "the dead holder's replicas to leave")
+    wait_for(lambda: meta.metric("objects_under_replicated") == 40, 15, "the dead holder's replicas to leave")
     assert len(meta.http("/get_all_segments")["segments"]) == 1
     got = client("get", keys=keys, layout=LAYOUT)
     assert got["codes"] == [0] * 40 and got["mismatches"] == []
     # negative control: with both holders gone the objects are misses, never wrong bytes
     b.kill()
     wait_for(lambda: client("exist", keys=keys)["codes"] == [0] * 40, 15, "the last holder's objects to leave")
-    assert gauge(meta, "objects_under_replicated") == 0
+    assert meta.metric("objects_under_replicated") == 0
     got = client("get", keys=keys, layout=LAYOUT)
     assert all(c == -3007 for c in got["codes"]) and got["mismatches"] == []
 
@@ -81,15 +74,15 @@ def test_a_corrupt_replica_is_read_around_dropped_alone_and_made_again():
             assert client.get("K") == data
             now = ms.http("/query_key?key=K")["locations"]
             assert locs[1] in now and locs[0] not in now, "only the damaged copy is dropped"
-            assert gauge(ms, "integrity_failures_total") == 1
+            assert ms.metric("integrity_failures_total") == 1
             wait_for(lambda: len(segments_of(ms, "K")) == 2, 15, "the second replica to be made again")
-            assert gauge(ms, "objects_under_replicated") == 0 and gauge(ms, "repaired_objects_total") == 1
+            assert ms.metric("objects_under_replicated") == 0 and ms.metric("repaired_objects_total") == 1
             assert client.get("K") == data
             with mapped_segment(ms.segment(locs[1]["segment"]).shm_path) as m:   # now read the new copy
                 m[locs[1]["offset"] + HEADER_BYTES + 1000] ^= 0xFF
             # the only good bytes left are the new copy's (2: the reader tried the damaged one first)
             assert client.get("K") == data
-            assert gauge(ms, "integrity_failures_total") in (1, 2)
+            assert ms.metric("integrity_failures_total") in (1, 2)
         finally:
             client.close()
             for h in holders:
@@ -113,8 +106,8 @@ def test_replicas_lost_with_a_killed_holder_are_made_again_and_survive_a_second_
     assert lost and all(len(h) == 2 for h in held.values())
     provs[ids.index(victim)].kill()
     live = set(ids) - {victim}
-    wait_for(lambda: gauge(meta, "repaired_objects_total") == len(lost), 30, "the lost replicas to be made again")
-    assert gauge(meta, "objects_under_replicated") == 0 and gauge(meta, "repairs_in_flight") == 0
+    wait_for(lambda: meta.metric("repaired_objects_total") == len(lost), 30, "the lost replicas to be made again")
+    assert meta.metric("objects_under_replicated") == 0 and meta.metric("repairs_in_flight") == 0
     assert all(set(segments_of(meta, k)) == live for k in keys)
     got = client("get", keys=keys, layout=LAYOUT)
     assert got["codes"] == [0] * 40 and got["mismatches"] == []
@@ -141,7 +134,7 @@ def test_a_paused_holder_declared_dead_finds_its_replicas_made_again_when_it_ret
     proc = provs[ids.index(victim)].proc
     proc.send_signal(signal.SIGSTOP)
     try:
-        wait_for(lambda: gauge(meta, "repaired_objects_total") == len(lost), 30, "the lost replicas to be made again")
+        wait_for(lambda: meta.metric("repaired_objects_total") == len(lost), 30, "the lost replicas to be made again")
     finally:
         proc.send_signal(signal.SIGCONT)
 
@@ -152,7 +145,7 @@ def test_a_paused_holder_declared_dead_finds_its_replicas_made_again_when_it_ret
     seg = victim_segment()
     assert seg is not None and seg["objects"] == 0 and seg["used_bytes"] == 0, seg
     assert all(len(segments_of(meta, k)) == 2 and victim not in segments_of(meta, k) for k in keys)
-    assert gauge(meta, "objects_under_replicated") == 0
+    assert meta.metric("objects_under_replicated") == 0
     got = client("get", keys=keys, layout=LAYOUT)
     assert got["codes"] == [0] * 30 and got["mismatches"] == []
 
@@ -184,10 +177,10 @@ def test_every_put_path_honours_replica_num():
             for k in keys:
                 assert len(set(s.get_key_info(k).loc_list())) == 2, k
             assert s.get("pfl") == bytes(buf[:64]) + bytes(buf[1024:1088])
-            assert gauge(ms, "objects_under_replicated") == 0
+            assert ms.metric("objects_under_replicated") == 0
             assert s.put("four", b"y" * 100, ReplicateConfig(4)) == 0
             assert len(s.get_key_info("four").loc_list()) == 2
-            assert gauge(ms, "objects_under_replicated") == 1
+            assert ms.metric("objects_under_replicated") == 1
             bad = ReplicateConfig()
             bad.replicaNum = 9
             assert s.put("nine", b"z", bad) == -3000
@@ -244,9 +237,9 @@ def test_reads_prefer_a_same_host_replica_and_fall_back_to_the_other_host():
                     (loc,) = [x for x in ms.http(f"/query_key?key={k}")["locations"] if x["segment"] == b_id]
                     b_seg[loc["offset"] + HEADER_BYTES + 7] ^= 0xFF
             assert readers["hostA"].get_batch(list(data)) == list(data.values())
-            assert gauge(ms, "integrity_failures_total") == 0
+            assert ms.metric("integrity_failures_total") == 0
             assert readers["hostB"].get_batch(list(data)) == list(data.values())
-            assert gauge(ms, "integrity_failures_total") == 10
+            assert ms.metric("integrity_failures_total") == 10
             assert all(segments_of(ms, k) == [on_a.get_local_service_id()] for k in data)
         finally:
             for s in (*readers.values(), on_a, on_b):
@@ -280,7 +273,7 @@ def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(meta, sto
         try:
             wait_for(lambda: rounds[0] >= 3, 30, "reads before the kill")
             a.kill()
-            wait_for(lambda: gauge(meta, "objects_under_replicated") == len(data), 15, "the holder declared dead")
+            wait_for(lambda: meta.metric("objects_under_replicated") == len(data), 15, "the holder declared dead")
             after = rounds[0]
             wait_for(lambda: rounds[0] >= after + 3, 30, "reads after it")
         finally:
