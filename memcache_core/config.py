@@ -4,15 +4,17 @@
 that integrations fill with ``setattr`` (as SGLang's stock backend does), so they are validated
 again by ``validate()`` when a service starts; an invalid value raises ``ConfigError`` naming the key.
 
-Precedence, written down once: values set explicitly on the object > values from the JSON file >
-the file named by the environment (``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``) > defaults.
-Environment variables are read in this module only. The parsers of single values live in ``values.py``
+Precedence, written down once: values set explicitly on the object > values from the JSON file (the one
+given, else the one named by ``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``) > environment
+overrides ``MEMCACHE_<KEY>`` (e.g. ``MEMCACHE_HCOM_ADVERTISE_URL``; applied to configs read from a file
+or from the environment) > defaults. Environment variables are read in this module only. The parsers of single values live in ``values.py``
 and are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import logging
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 META_CONFIG_ENV = "MMC_META_CONFIG_PATH"
 LOCAL_CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
+ENV_PREFIX = "MEMCACHE_"            # MEMCACHE_<KEY in capitals> overrides a key's default (env_overrides)
+STRICT_ENV = "MEMCACHE_CONFIG_STRICT"  # true: an unknown key in a config file is an error, not a warning
 
 HOST_PROTOCOLS = ("host_shm", "host_tcp")
 PLACEMENT_POLICIES = ("local_first", "spread", "random")
@@ -416,8 +420,9 @@ def _check_disk(cfg: LocalConfig) -> None:
 C = TypeVar("C", MetaConfig, LocalConfig)
 
 
-def apply_dict(cfg: C, values: dict[str, Any], source: str = "config") -> C:
-    """Set known fields from ``values``; warn about unknown keys (never fatal); then validate.
+def apply_dict(cfg: C, values: dict[str, Any], source: str = "config", strict: bool | None = None) -> C:
+    """Set known fields from ``values``; then validate. An unknown key is named with the nearest known
+    one: a warning, or with ``strict`` (default: ``$MEMCACHE_CONFIG_STRICT``) a ConfigError.
 
     All or nothing: the values are validated on a copy, and ``cfg`` changes only if they pass."""
     if not isinstance(values, dict):
@@ -425,7 +430,11 @@ def apply_dict(cfg: C, values: dict[str, Any], source: str = "config") -> C:
     names = {f.name for f in dataclasses.fields(cfg)}
     unknown = sorted(k for k in values if k not in names)
     if unknown:
-        logger.warning("%s: ignoring unknown %s keys: %s", source, type(cfg).__name__, ", ".join(unknown))
+        what = "; ".join(_unknown_key(k, names) for k in unknown)
+        if strict if strict is not None else strict_from_env():
+            raise ConfigError(f"{source}: unknown {type(cfg).__name__} keys: {what} (strict mode: "
+                              f"{STRICT_ENV} is set; fix or remove them)")
+        logger.warning("%s: ignoring unknown %s keys: %s", source, type(cfg).__name__, what)
     trial = dataclasses.replace(cfg, **{k: v for k, v in values.items() if k in names})
     trial.validate()
     for f in dataclasses.fields(cfg):
@@ -433,8 +442,44 @@ def apply_dict(cfg: C, values: dict[str, Any], source: str = "config") -> C:
     return cfg
 
 
-def load_file(cls: type[C], path: str) -> C:
-    """Build a config from a JSON file; a missing file or bad JSON raises ConfigError."""
+def _unknown_key(key: Any, names: set[str]) -> str:
+    near = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+    return f"{key!r} (did you mean {near[0]!r}?)" if near else f"{key!r} (no such key; docs/configuration.md lists them)"
+
+
+def strict_from_env() -> bool:
+    """``$MEMCACHE_CONFIG_STRICT``: refuse unknown config keys (default false)."""
+    return parse_bool(STRICT_ENV, os.environ.get(STRICT_ENV, "false"))
+
+
+def env_overrides(cls: type[C]) -> dict[str, Any]:
+    """The keys of ``cls`` set in the environment as ``MEMCACHE_<KEY>`` (``MEMCACHE_DRAM_SIZE=32GB``),
+    converted to the key's type; a value that does not convert is a ConfigError naming the variable."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        var = ENV_PREFIX + f.name.upper()
+        raw = os.environ.get(var)
+        if raw is None:
+            continue
+        kind = str(f.type)
+        if kind == "bool":
+            out[f.name] = parse_bool(var, raw)
+        elif kind in ("int", "float"):
+            try:
+                out[f.name] = int(raw, 0) if kind == "int" else float(raw)
+            except ValueError:
+                raise ConfigError(f"{var}: expected {'an integer' if kind == 'int' else 'a number'} "
+                                  f"for {f.name}, got {raw!r}") from None
+        elif "str" in kind:   # str, and sizes (int | str): "32GB" or "1073741824"
+            out[f.name] = raw
+        else:
+            raise ConfigError(f"{var}: {f.name} cannot be set from the environment; set it in the config file")
+    return out
+
+
+def load_file(cls: type[C], path: str, strict: bool | None = None) -> C:
+    """Build a config from a JSON file over the environment's overrides; a missing file or bad JSON
+    raises ConfigError."""
     try:
         with open(path, encoding="utf-8") as f:
             values = json.load(f)
@@ -442,17 +487,18 @@ def load_file(cls: type[C], path: str) -> C:
         raise ConfigError(f"config_path: cannot read {path}: {e.strerror}") from e
     except json.JSONDecodeError as e:
         raise ConfigError(f"config_path: {path} is not valid JSON: {e}") from e
-    return apply_dict(cls(), values, source=path)
+    base = apply_dict(cls(), env_overrides(cls), source="environment")
+    return apply_dict(base, values, source=path, strict=strict)
 
 
 def meta_config_from_env() -> MetaConfig:
     path = os.environ.get(META_CONFIG_ENV)
-    return load_file(MetaConfig, path) if path else MetaConfig()
+    return load_file(MetaConfig, path) if path else apply_dict(MetaConfig(), env_overrides(MetaConfig), "environment")
 
 
 def local_config_from_env() -> LocalConfig:
     path = os.environ.get(LOCAL_CONFIG_ENV)
-    return load_file(LocalConfig, path) if path else LocalConfig()
+    return load_file(LocalConfig, path) if path else apply_dict(LocalConfig(), env_overrides(LocalConfig), "environment")
 
 
 def env_host_id() -> str:
