@@ -15,7 +15,9 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import sys
 import tempfile
 import time
 
@@ -94,11 +96,25 @@ def wait_on_disk(ms, keys: list[str]) -> None:
         time.sleep(0.1)
 
 
+def memcache_command() -> str:
+    """The ``memcache`` command of the environment running this demo: its full path, for it may not be
+    on PATH (the demo runs from a virtual environment that is not activated)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "memcache")
+    return beside if os.path.exists(beside) else shutil.which("memcache") or f"{sys.executable} -m memcache_core.cli"
+
+
+def where_the_command_is() -> str:
+    cmd = memcache_command()
+    activate = os.path.join(os.path.dirname(sys.executable), "activate")
+    return (f"the memcache command: {cmd}"
+            + (f"\n  (or put it on PATH: source {activate})" if os.path.exists(activate) else ""))
+
+
 def hold(ms, seconds: float) -> None:
+    cmd = memcache_command()
     print(f"\nstatus page: {ms.metrics_url}/status (user: any, password: the admin token below)\n"
-          f"  admin token: python -c 'from memcache_core.auth import admin_token, load_secret; "
-          f"print(admin_token(load_secret(\"\")))'\n"
-          f"  in the terminal: memcache status --url {ms.metrics_url} --watch\n"
+          f"  admin token: {cmd} token\n"
+          f"  in the terminal: {cmd} status --url {ms.metrics_url} --watch\n"
           f"holding the pool for {seconds:g} s (Ctrl-C ends it)")
     try:
         time.sleep(seconds)
@@ -180,6 +196,7 @@ def main() -> None:
         for r in ranks:
             r("close", [])
         print("\ndemo finished: every byte read was the byte written.")
+    print(where_the_command_is())
 
 
 if __name__ == "__main__":

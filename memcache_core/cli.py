@@ -1,5 +1,6 @@
 """The ``memcache`` command: ``memcache meta-service --config_path F``, ``memcache local-service --config_path F``;
-``memcache status [--watch]``, ``memcache keys --prefix P``, ``memcache remove --prefix P`` (cli_status.py)."""
+``memcache status [--watch | --json]``, ``memcache keys --prefix P``, ``memcache remove --prefix P``,
+``memcache drain SEGMENT``, ``memcache token`` (cli_status.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import cli_status
     cli_status.add_parsers(sub)
     args = ap.parse_args(argv)
-    if args.cmd in ("status", "keys", "remove", "drain"):
+    if args.cmd in ("status", "keys", "remove", "drain", "token"):
         return int(getattr(cli_status, args.cmd)(args))
     if args.cmd == "meta-service":
         from .meta_service import run_from_file

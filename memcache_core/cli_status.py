@@ -1,10 +1,11 @@
-"""``memcache status [--watch]``, ``memcache keys --prefix P``, ``memcache remove --prefix P``,
-``memcache drain SEGMENT``.
+"""``memcache status [--watch | --json]``, ``memcache keys --prefix P``, ``memcache remove --prefix P``,
+``memcache drain SEGMENT``, ``memcache token``.
 
 Admin clients of a MetaService's HTTP admin port (``metrics_url``). They authenticate with the
 pool's admin token, derived from the pool secret (``--secret-path``, else the default secret file)
-or given as ``--token`` / ``$MEMCACHE_ADMIN_TOKEN``. Tables are drawn with ``rich`` (the ``cli``
-extra).
+or given as ``--token`` / ``$MEMCACHE_ADMIN_TOKEN``; ``memcache token`` prints that token (for
+Prometheus and curl). Tables are drawn with ``rich`` (the ``cli`` extra) and fit 80 columns: ids are
+never cut, hosts are.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def add_parsers(sub: Any) -> None:
         sp.add_argument("--no-auth", action="store_true", help="the pool runs with auth_enable: false")
         sp.add_argument("--cacert", default="", help="CA file for an https admin URL")
         if name == "status":
+            sp.add_argument("--json", action="store_true", help="print the snapshot (/api/v1/stats) as JSON")
             sp.add_argument("--watch", action="store_true", help="redraw until interrupted")
             sp.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (--watch)")
         elif name == "drain":
@@ -48,6 +50,26 @@ def add_parsers(sub: Any) -> None:
             sp.add_argument("--no-wait", action="store_true", help="start the drain and return")
         else:
             sp.add_argument("--prefix", default="", required=name == "remove", help="key prefix")
+    sp = sub.add_parser("token", help="print the admin token (Authorization: Bearer ...) for Prometheus or curl")
+    sp.add_argument("--secret-path", default="", help="pool secret file (default: the pool's default)")
+
+
+def token(args: argparse.Namespace) -> int:
+    print(_admin_token(args.secret_path))
+    return 0
+
+
+def _admin_token(secret_path: str) -> str:
+    """The admin token of the pool whose secret is at ``secret_path`` (empty: the default file); a
+    secret that cannot be read is a one-line error naming the file and what to do."""
+    from .auth import admin_token, default_secret_path, load_secret
+    from .errors import ConfigError
+    try:
+        return admin_token(load_secret(secret_path))
+    except ConfigError as e:
+        raise SystemExit(f"memcache: {e}. Pass the pool's secret file with --secret-path (the MetaService's "
+                         f"auth_secret_path; default {default_secret_path()}), or the token with --token "
+                         f"or $MEMCACHE_ADMIN_TOKEN") from None
 
 
 class AdminClient:
@@ -55,10 +77,7 @@ class AdminClient:
         self.url = args.url.rstrip("/")
         self.headers: dict[str, str] = {}
         if not args.no_auth:
-            token = args.token
-            if not token:
-                from .auth import admin_token, load_secret
-                token = admin_token(load_secret(args.secret_path))
+            token = args.token or _admin_token(args.secret_path)
             self.headers["Authorization"] = f"Bearer {token}"
         self.ctx = ssl.create_default_context(cafile=args.cacert or None) if self.url.startswith("https") else None
 
@@ -73,51 +92,81 @@ class AdminClient:
             raise SystemExit(f"memcache: cannot reach the MetaService admin port at {self.url}: {e}") from e
 
 
-def _tables(s: Snapshot) -> Any:
-    from rich.console import Group
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], width: int, wide: bool) -> Any:
+    """A table within ``width`` columns: every column but ``host`` keeps its whole text (ids are what
+    ``memcache drain`` takes); hosts get the room left and are cut with an ellipsis."""
+    from rich import box
     from rich.table import Table
+    table = Table(title=title, box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=wide)
+    need = {c: max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)}
+    frame = 3 * len(columns) + 1                      # borders and padding, wide or not
+    room = max(6, width - frame - sum(n for c, n in need.items() if c != "host"))
+    for c in columns:
+        left = c in ("segment", "member", "host", "tier", "last heartbeat")
+        table.add_column(c, justify="left" if left else "right", no_wrap=True, overflow="ellipsis",
+                         max_width=room if c == "host" else None, min_width=None if c == "host" else need[c])
+    for r in rows:
+        table.add_row(*r)
+    return table
+
+
+def _tables(s: Snapshot, width: int) -> Any:
+    """The header, the segments and the members, for a terminal ``width`` columns wide: below 100
+    columns the usage bars and the segments' pid go, and hosts are shortened (never the ids)."""
+    from rich.console import Group
+    from rich.text import Text
     c = s.counters
     ratio = f"{100.0 * c['hits'] / c['lookups']:.1f}%" if c["lookups"] else "n/a"
     recent = [r for r in rates(s.history) if r[1] is not None]
-    head = Table.grid(padding=(0, 3))
-    head.add_row(f"role [b]{s.role}[/b]" + (f" term {s.term}" if s.term is not None else " (HA off)"),
-                 f"epoch {s.epoch}", f"uptime {s.uptime_s:.0f} s", f"members {len(s.members)}",
-                 f"objects {s.objects}", f"used {human(s.used_bytes)} / {human(s.capacity_bytes)}",
-                 f"hit ratio {ratio}" + (f" (last interval {100 * (recent[-1][1] or 0):.1f}%)" if recent else ""),
-                 f"evictions {c['evictions']}")
-    segs = Table(title="segments")
-    for col in ("segment", "host", "pid", "tier", "objects", "used", "capacity", "usage"):
-        segs.add_column(col, justify="right" if col in ("objects", "used", "capacity", "usage") else "left")
-    for g in s.segments:
-        pct = 100.0 * g.used_bytes / g.capacity_bytes if g.capacity_bytes else 0.0
-        bar = "█" * round(pct / 10) + "░" * (10 - round(pct / 10))
-        segs.add_row(str(g.segment_id), g.host_id, str(g.pid or ""), g.tier, str(g.objects),
-                     human(g.used_bytes), human(g.capacity_bytes), f"{bar} {pct:5.1f}%")
+    items = [f"role [b]{s.role}[/b]" + (f" term {s.term}" if s.term is not None else " (HA off)"),
+             f"epoch {s.epoch}", f"uptime {s.uptime_s:.0f} s", f"members {len(s.members)}", f"objects {s.objects}",
+             f"used {human(s.used_bytes)} / {human(s.capacity_bytes)}",
+             f"hit ratio {ratio}" + (f" (last interval {100 * (recent[-1][1] or 0):.1f}%)" if recent else ""),
+             f"evictions {c['evictions']}"]
+    lines: list[str] = []   # lines break between items, never inside one
+    for item in items:
+        if lines and len(Text.from_markup(lines[-1] + "   " + item)) <= width:
+            lines[-1] += "   " + item
+        else:
+            lines.append(item)
+    head = Text.from_markup("\n".join(lines))
+    wide = width >= 100
+
+    def usage(used: int, capacity: int) -> str:
+        pct = 100.0 * used / capacity if capacity else 0.0
+        return (("█" * round(pct / 10) + "░" * (10 - round(pct / 10)) + " ") if wide else "") + f"{pct:5.1f}%"
+
+    def seg_row(segment_id: int, host: str, pid: str, tier: str, objects: int, used: int, cap: int) -> tuple[str, ...]:
+        return (str(segment_id), host, *((pid,) if wide else ()), tier, str(objects), human(used), human(cap),
+                usage(used, cap))
+    rows = [seg_row(g.segment_id, g.host_id, str(g.pid or ""), g.tier, g.objects, g.used_bytes, g.capacity_bytes)
+            for g in s.segments]
     owners = {g.segment_id: g for g in s.segments}
     for d in s.disk_tiers:   # a provider's disk tier, under its segment
         g_ = owners.get(d.segment_id)
-        pct = 100.0 * d.used_bytes / d.capacity_bytes if d.capacity_bytes else 0.0
-        bar = "█" * round(pct / 10) + "░" * (10 - round(pct / 10))
-        segs.add_row(str(d.segment_id), g_.host_id if g_ else "", str(g_.pid or "") if g_ else "", "disk",
-                     str(d.objects), human(d.used_bytes), human(d.capacity_bytes), f"{bar} {pct:5.1f}%")
-    members = Table(title="members")
-    for col in ("member", "host", "pid", "segment", "last heartbeat"):
-        members.add_column(col)
-    for m in s.members:
-        members.add_row(str(m.client_id), m.host_id, str(m.pid),
-                        str(m.segment_id) if m.segment_id is not None else "client only", f"{m.last_seen_s:.1f} s ago")
+        rows.append(seg_row(d.segment_id, g_.host_id if g_ else "", str(g_.pid or "") if g_ else "", "disk",
+                            d.objects, d.used_bytes, d.capacity_bytes))
+    segs = _table("segments", ("segment", "host") + (("pid",) if wide else ()) +
+                  ("tier", "objects", "used", "capacity", "usage"), rows, width, wide)
+    members = _table("members", ("member", "host", "pid", "segment", "last heartbeat"), [
+        (str(m.client_id), m.host_id, str(m.pid), str(m.segment_id) if m.segment_id is not None else "client only",
+         f"{m.last_seen_s:.1f} s ago") for m in s.members], width, wide)
     return Group(head, segs, members)
 
 
 def status(args: argparse.Namespace) -> int:
+    client = AdminClient(args)
+    if args.json:   # the snapshot as the MetaService sends it, for scripts (jq) and tickets
+        print(json.dumps(json.loads(client.call("/api/v1/stats")), indent=2))
+        return 0
     from rich.console import Console
     from rich.live import Live
-    client, console = AdminClient(args), Console()
+    console = Console()
 
     def snap() -> Snapshot:
         return msgspec.json.decode(client.call("/api/v1/stats"), type=Snapshot)
     if not args.watch:
-        console.print(_tables(snap()))
+        console.print(_tables(snap(), console.width))
         return 0
     # Ctrl-C / SIGTERM set a flag that the loop checks between redraws: a KeyboardInterrupt raised at
     # an arbitrary point (inside an HTTP read or the terminal library) could be lost there.
@@ -133,13 +182,13 @@ def status(args: argparse.Namespace) -> int:
         return not stopped
     if not console.is_terminal:   # a pipe or a file: one table per interval, no cursor movement
         while not stopped:
-            console.print(_tables(snap()))
+            console.print(_tables(snap(), console.width))
             console.file.flush()
             pause()
         return 0
-    with Live(_tables(snap()), console=console, auto_refresh=False) as live:
+    with Live(_tables(snap(), console.width), console=console, auto_refresh=False) as live:
         while pause():
-            live.update(_tables(snap()), refresh=True)
+            live.update(_tables(snap(), console.width), refresh=True)
     return 0
 
 

@@ -201,7 +201,8 @@ class MetaConfig:
         try:
             import zmq  # noqa: F401
         except ImportError as e:
-            raise ConfigError("kv_events_enable: needs pyzmq (pip install 'memcache-python[events]')") from e
+            raise ConfigError("kv_events_enable: needs pyzmq (the events extra: pip install pyzmq, or the wheel with "
+                              "[events]; docs/operations.md, Install)") from e
 
 
 @dataclasses.dataclass

@@ -33,7 +33,8 @@ def _etcd3gw() -> Any:
         import etcd3gw.exceptions  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as e:
         raise ConfigError("ha_enable / etcd:// meta_service_url: the etcd client is missing; "
-                          "install memcache-python[ha] (etcd3gw)") from e
+                          "install the ha extra of this package (pip install etcd3gw, or the wheel with [ha]; "
+                          "docs/operations.md, Install)") from e
     return etcd3gw
 
 

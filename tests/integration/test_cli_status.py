@@ -3,6 +3,7 @@ subprocess against a real MetaService with a LocalService holding objects."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.integration
 ENV = {**os.environ, "COLUMNS": "220"}
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, columns: int = 220) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "memcache_core.cli", *args], capture_output=True, text=True,
-                          timeout=60, env=ENV)
+                          timeout=60, env={**ENV, "COLUMNS": str(columns)})
 
 
 @pytest.fixture
@@ -47,6 +48,47 @@ def test_status_prints_members_segments_and_usage(pool):
     assert bad.returncode != 0 and "HTTP 401" in bad.stderr
     down = cli("status", "--url", "http://127.0.0.1:9")
     assert down.returncode != 0 and "cannot reach the MetaService" in down.stderr
+
+
+def test_status_at_80_columns_keeps_every_id_whole(pool):
+    """Scenario: an operator copies a segment id from `memcache status` in an 80-column terminal into
+    `memcache drain`: the ids are printed whole and no line is wider than the terminal."""
+    meta, s = pool
+    client = DistributedObjectStore()     # a pure client: a member without a segment
+    assert client.setup(meta.local_config()) == 0 and client.init(0, False) == 0
+    try:
+        out = cli("status", "--url", meta.metrics_url, columns=80)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert max(len(line) for line in lines) <= 80, out.stdout
+        sid = str(s.get_local_service_id())
+        assert sum(sid in line.split() for line in lines) == 2, out.stdout   # the segment's row and its member's
+        assert any(str(client.get_local_service_id()) in line.split() for line in lines), out.stdout
+        assert "objects 10" in out.stdout and "hit ratio" in out.stdout
+    finally:
+        client.close()
+
+
+def test_status_json_is_the_snapshot(pool):
+    meta, s = pool
+    out = cli("status", "--url", meta.metrics_url, "--json")
+    assert out.returncode == 0, out.stderr
+    snap = json.loads(out.stdout)
+    assert snap["objects"] == 10 and [g["segment_id"] for g in snap["segments"]] == [s.get_local_service_id()]
+    assert [m["client_id"] for m in snap["members"]] == [s.get_local_service_id()]
+
+
+def test_token_prints_the_admin_token_and_a_missing_secret_says_what_to_do(pool, tmp_path):
+    meta, _ = pool
+    out = cli("token")
+    assert out.returncode == 0 and out.stdout.strip() == admin_token(load_secret("")), out.stderr
+    assert cli("status", "--url", meta.metrics_url, "--token", out.stdout.strip()).returncode == 0
+    missing = str(tmp_path / "nowhere.secret")
+    for args in (("token", "--secret-path", missing), ("status", "--url", meta.metrics_url, "--secret-path", missing)):
+        bad = cli(*args)
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+        assert f"cannot read the pool secret {missing}" in bad.stderr and "--secret-path" in bad.stderr, bad.stderr
+        assert "$MEMCACHE_ADMIN_TOKEN" in bad.stderr
 
 
 def test_status_watch_redraws_until_interrupted(pool):

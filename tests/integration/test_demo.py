@@ -19,3 +19,7 @@ def test_the_demo_runs_and_every_read_is_byte_exact():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "demo finished: every byte read was the byte written." in out.stdout
     assert " 0 mismatched" in out.stdout and "mismatched" not in out.stdout.replace(" 0 mismatched", "")
+    # it says where its `memcache` command is (its environment is not activated): a path that runs
+    command = out.stdout.split("the memcache command: ", 1)[1].splitlines()[0]
+    assert os.path.isabs(command.split()[0]), command
+    assert subprocess.run([*command.split(), "--help"], capture_output=True, timeout=60).returncode == 0, command
