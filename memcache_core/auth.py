@@ -69,7 +69,9 @@ def load_secret(path: str, create: bool = False) -> bytes:
             raw = f.read(4096).strip()
     except OSError as e:
         raise ConfigError(f"auth_secret_path: cannot read the pool secret {path}: {e.strerror}") from e
-    if st.st_mode & 0o077:
+    # Readable by others, or by a group this process is not in. A group of its own is fine: Kubernetes
+    # mounts a Secret root-owned, mode 0440, with the pod's fsGroup (examples/k8s/).
+    if st.st_mode & 0o007 or (st.st_mode & 0o070 and st.st_gid not in (os.getgid(), *os.getgroups())):
         logger.warning("auth_secret_path: %s is readable by other users (mode %o); chmod 600 it", path,
                        st.st_mode & 0o777)
     if len(raw) < MIN_SECRET_BYTES:

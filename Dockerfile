@@ -1,0 +1,39 @@
+# The image that examples/k8s/ names: this repository's wheel (docs/operations.md, "Install") on a slim
+# Python, run as uid 1000 with the `memcache` command as its entrypoint.
+#
+#   docker build -t memcache-python:0.1.0 .                             # MetaService and providers
+#   docker build --target vllm -t memcache-python-vllm:0.1.0 .          # vLLM with the connector
+#
+# The first stage builds the wheel where a C compiler is (the native copy loop); the others install only
+# that wheel: no compiler, no source tree, no pip cache. Not built in this project's CI (no container
+# runtime there): hadolint and tests/unit/test_deploy_files.py check this file.
+
+FROM python:3.11-bookworm AS wheel
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY memcache_core ./memcache_core
+COPY integrations ./integrations
+RUN pip install --no-cache-dir build==1.2.2 \
+    && python -m build --wheel --outdir /dist .
+
+# vLLM's own image with the wheel and its vllm connector; pick the vLLM 0.32 tag you run.
+FROM vllm/vllm-openai:v0.32.0 AS vllm
+COPY --from=wheel /dist/ /tmp/dist/
+RUN pip install --no-cache-dir --no-deps /tmp/dist/memcache_python-0.1.0-*.whl \
+    && pip install --no-cache-dir "msgspec>=0.18" "xxhash>=3.4" \
+    && rm -rf /tmp/dist \
+    && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin memcache
+ENV PYTHONUNBUFFERED=1
+USER 1000:1000
+
+# The pool's image (the default target): MetaService, providers, the memcache command.
+FROM python:3.11-slim-bookworm AS pool
+COPY --from=wheel /dist/ /tmp/dist/
+RUN pip install --no-cache-dir "$(ls /tmp/dist/memcache_python-0.1.0-*.whl)[cli,ha]" \
+    && rm -rf /tmp/dist \
+    && useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin memcache
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+USER 1000:1000
+EXPOSE 5000 6000 7000 8000 9000
+ENTRYPOINT ["memcache"]
+CMD ["--help"]
