@@ -118,7 +118,12 @@ def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        hello = recv_exact(sock, len(MAGIC) + NONCE)
+        try:
+            hello = recv_exact(sock, len(MAGIC) + NONCE)
+        except TimeoutError as e:
+            raise AuthFailed(f"no authentication challenge from the server within {timeout_s:g}s: it runs with "
+                             f"auth_enable: false? Set auth_enable (and auth_secret_path) alike on the MetaService "
+                             f"and every member (docs/security.md)") from e
         if hello[:len(MAGIC)] != MAGIC:
             raise AuthFailed("the server does not speak the authenticated protocol (auth_enable differs?)")
         nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(NONCE)

@@ -26,7 +26,7 @@ def _local_service(path: str) -> int:
             config.segment_prefault = "on"   # a provider's segment is the pool: fault it in at start
         svc = LocalService(config)
         svc.start(0, with_segment=True)
-    except MemCacheError as e:
+    except (MemCacheError, OSError) as e:   # one line naming the setting, never a traceback
         configure_logging("info")
         logger.error("LocalService cannot start: %s", e)
         return 1

@@ -10,6 +10,8 @@ integer codes at its boundary; nothing above it sees an exception.
 
 from __future__ import annotations
 
+import errno
+
 SUCCESS = 0
 ERROR = -1
 INVALID_PARAM = -3000
@@ -142,6 +144,25 @@ class ConfigError(MemCacheError, ValueError):
 
 class UnsupportedProtocol(ConfigError):
     """An Ascend-only protocol was asked for on a host without MemFabric."""
+
+
+class CannotListen(ConfigError):
+    """A server cannot listen where its setting says; the message names the setting and what to do."""
+
+    code = SERVICE_NOT_STARTED
+
+
+def cannot_listen(key: str, host: str, port: int, e: OSError) -> CannotListen:
+    """The error for a failed bind of ``host:port``, chosen by the setting ``key``."""
+    if e.errno == errno.EADDRINUSE:
+        why = f"the port is in use by another process (stop it, or choose a free port in {key})"
+    elif e.errno == errno.EADDRNOTAVAIL:
+        why = f"{host} is not an address of this host (set {key} to one of its addresses, or 0.0.0.0)"
+    elif e.errno == errno.EACCES:
+        why = f"ports below 1024 need privileges (choose a port above 1024 in {key})"
+    else:
+        why = f"{e.strerror or e}"
+    return CannotListen(f"{key}: cannot listen on {host}:{port}: {why}")
 
 
 _BY_CODE: dict[int, type[MemCacheError]] = {

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memcache_core.config import parse_bool
+from memcache_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +78,22 @@ class BackendConfig:
         merged: dict[str, Any] = {}
         path = os.environ.get(CONFIG_PATH_ENV)
         if path:
+            # A file named but unusable stops the backend: starting on the defaults instead (protocol
+            # host_rdma, which then fails far from the cause) would hide the operator's settings.
+            fix = (f"fix the file, or unset {CONFIG_PATH_ENV} and give the settings in "
+                   f"--hicache-storage-backend-extra-config")
             try:
                 with open(path, encoding="utf-8") as f:
                     data = json.load(f)
-                if not isinstance(data, dict):
-                    raise ValueError("not a JSON object")
-                merged.update(data)
-                logger.info("MemCache backend config loaded from %s", path)
-            except (OSError, ValueError) as exc:
-                logger.warning("cannot load MemCache backend config from %s: %s", path, exc)
+            except OSError as exc:
+                raise ConfigError(f"{CONFIG_PATH_ENV}: cannot read {path}: {exc.strerror}; {fix}") from exc
+            except ValueError as exc:
+                raise ConfigError(f"{CONFIG_PATH_ENV}: {path} is not valid JSON ({exc}); {fix}") from exc
+            if not isinstance(data, dict):
+                raise ConfigError(f"{CONFIG_PATH_ENV}: {path} holds a JSON {type(data).__name__}, not an object "
+                                  f"of settings; {fix}")
+            merged.update(data)
+            logger.info("MemCache backend config loaded from %s", path)
         merged.update(extra_config or {})
         ctrl = {k: v for k, v in merged.items() if k in CONTROL_KEYS}
         local = {k: v for k, v in merged.items() if k not in CONTROL_KEYS and k not in SGLANG_KEYS}

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..auth import admin_authorized
+from ..errors import cannot_listen
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,10 @@ class _DiskCollector(Collector):
 class MetricsServer:
     def __init__(self, metrics: LocalMetrics, host: str, port: int, token: str | None) -> None:
         handler = type("Handler", (_Handler,), {"metrics": metrics, "token": token})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as e:
+            raise cannot_listen("metrics_port", host, port, e) from e
         self.httpd.daemon_threads = True
         self.addr = f"{host}:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="local-metrics", daemon=True)

@@ -16,6 +16,7 @@ import secrets
 import time
 
 from ..config import shm_dir
+from ..errors import ConfigError
 from ..memory import Mapping
 
 logger = logging.getLogger(__name__)
@@ -27,8 +28,14 @@ STALE_AFTER_S = 5.0
 def create_segment(size: int) -> Mapping:
     """A new segment file, named by this pid and a random token (ids are issued later, at Join)."""
     cleanup_stale_segments()
-    path = os.path.join(shm_dir(), f"memcache-{os.getpid()}-{secrets.token_hex(8)}")
-    return Mapping(path, size, create=True)
+    directory = shm_dir()
+    path = os.path.join(directory, f"memcache-{os.getpid()}-{secrets.token_hex(8)}")
+    try:
+        return Mapping(path, size, create=True)
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        raise ConfigError(f"MEMCACHE_SHM_DIR: cannot create the segment file in {directory}: {e.strerror}; "
+                          f"point MEMCACHE_SHM_DIR at an existing tmpfs directory this user can write "
+                          f"(default /dev/shm; in a container, mount one there)") from e
 
 
 def cleanup_stale_segments() -> int:

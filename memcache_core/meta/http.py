@@ -33,6 +33,7 @@ import msgspec
 from .. import protocol as p
 from ..auth import admin_authorized, admin_token
 from ..config import parse_url
+from ..errors import cannot_listen
 from . import metrics, stats, status_page
 
 if TYPE_CHECKING:
@@ -74,7 +75,10 @@ class AdminServer:
         self.core = core
         token = admin_token(secret) if secret is not None else None
         handler = type("Handler", (_Handler,), {"core": core, "token": token})
-        self.httpd = _BoundedServer((host, port), handler)
+        try:
+            self.httpd = _BoundedServer((host, port), handler)
+        except OSError as e:
+            raise cannot_listen("metrics_url", host, port, e) from e
         if tls is not None:
             self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
         self.httpd.daemon_threads = True

@@ -40,7 +40,8 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     server = FrameServer([parse_url(config.meta_service_url, "meta_service_url", ("tcp",)),
                           parse_url(config.config_store_url, "config_store_url", ("tcp",))],
                          handler, secret, config.max_connections,
-                         config.idle_timeout_seconds, tls.server_context(config))
+                         config.idle_timeout_seconds, tls.server_context(config),
+                         keys=("meta_service_url", "config_store_url"))
     admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
     if threading.current_thread() is threading.main_thread():   # before /health answers: a SIGTERM
         for sig in (signal.SIGTERM, signal.SIGINT):               # right after it must stop cleanly

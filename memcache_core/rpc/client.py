@@ -16,7 +16,7 @@ from typing import TypeVar
 import msgspec
 
 from .. import protocol as p
-from ..auth import AuthFailed, client_handshake
+from ..auth import MAGIC, AuthFailed, client_handshake
 from ..endpoints import MetaEndpoints
 from ..errors import NOT_LEADER, MemCacheError, MetaServiceUnavailable, NotLeader, error_from_code
 from .framing import FRAME_HEAD, take_frame
@@ -45,6 +45,10 @@ class Backoff:
         return min(self.cap_s, self.base_s * (1 << min(self.attempt, 20)))
 
 
+AUTH_ASKED = ("it asks for the pool's authentication, but auth_enable is false here: set auth_enable: true "
+              "and auth_secret_path to the pool secret here too (docs/security.md)")
+
+
 class _Conn:
     def __init__(self, url: str, addr: tuple[str, int], timeout_s: float, secret: bytes | None,
                  tls: ssl.SSLContext | None = None) -> None:
@@ -58,6 +62,7 @@ class _Conn:
         except BaseException:
             self.sock.close()
             raise
+        self.authenticated = secret is not None
         self.tls = tls is not None
         if self.tls:
             self.sock.settimeout(_SLICE_S)
@@ -245,6 +250,8 @@ class RpcClient:
                 deadline += once.run()
             spin_until = time.perf_counter() + self.spin_s   # a reply usually comes within tens of us
             while True:
+                if not c.authenticated and c.buf[:len(MAGIC)] == MAGIC:   # else: "frame of 826360653 bytes"
+                    raise ValueError(AUTH_ASKED)
                 frame = take_frame(c.buf)
                 if frame is not None:
                     got_id, body = frame

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..auth import ServerHandshake
+from ..errors import cannot_listen
 from .framing import FRAME_HEAD, is_addr_in_use, take_frame
 
 __all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLY", "PREAUTH_TIMEOUT_S", "FrameServer", "is_addr_in_use"]
@@ -49,7 +50,8 @@ class FrameServer:
 
     def __init__(self, binds: list[tuple[str, int]], handler: Callable[[bytes], bytes],
                  secret: bytes | None = None, max_connections: int = 4096, idle_timeout_s: float = 600.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, keys: tuple[str, ...] = ()) -> None:
+        """``keys`` name the settings of ``binds`` (for the error when one cannot be listened on)."""
         self.handler = handler
         self.tls = tls
         self.secret = secret
@@ -57,10 +59,15 @@ class FrameServer:
         self.idle_timeout_s = idle_timeout_s
         self.sel = selectors.DefaultSelector()
         self.listeners: list[socket.socket] = []
-        for host, port in binds:
+        for i, (host, port) in enumerate(binds):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                for opened in (s, *self.listeners):
+                    opened.close()
+                raise cannot_listen(keys[i] if i < len(keys) else "port", host, port, e) from e
             s.listen(1024)
             s.setblocking(False)
             self.sel.register(s, selectors.EVENT_READ, None)

@@ -63,9 +63,21 @@ def test_config_merge_env_file_then_extra_config(tmp_path: Path, monkeypatch: py
     assert (local.dram_size, local.protocol) == ("1GB", "host_shm")
 
 
-def test_config_unreadable_file_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(CONFIG_PATH_ENV, str(tmp_path / "missing.json"))
-    assert BackendConfig.from_sources({"dram_size": "2GB"}).local_fields == {"dram_size": "2GB"}
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read"), ("{protocol: host_shm", "is not valid JSON"), ("[1, 2]", "holds a JSON list, not an object"),
+])
+def test_config_file_that_cannot_be_used_stops_the_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           content: str | None, message: str) -> None:
+    """Scenario: the file named by SGLANG_HICACHE_MEMCACHE_CONFIG_PATH is missing or not a JSON object:
+    the backend refuses to start, naming the variable, the file and the remedy, instead of starting on
+    the defaults (protocol host_rdma)."""
+    path = tmp_path / "memcache.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv(CONFIG_PATH_ENV, str(path))
+    with pytest.raises(ConfigError, match=f"{CONFIG_PATH_ENV}: .*{message}") as e:
+        BackendConfig.from_sources({"dram_size": "2GB"})
+    assert str(path) in str(e.value) and "--hicache-storage-backend-extra-config" in str(e.value)
 
 
 def test_control_keys(monkeypatch: pytest.MonkeyPatch) -> None:
