@@ -4,9 +4,12 @@
 #   docker build -t memcache-python:0.1.0 .                             # MetaService and providers
 #   docker build --target vllm -t memcache-python-vllm:0.1.0 .          # vLLM with the connector
 #
-# The first stage builds the wheel where a C compiler is (the native copy loop); the others install only
-# that wheel: no compiler, no source tree, no pip cache. Not built in this project's CI (no container
-# runtime there): hadolint and tests/unit/test_deploy_files.py check this file.
+# The first stage builds the sdist and the wheel where a C compiler is (the native copy loop); the pool
+# image installs only that wheel: no compiler, no source tree, no pip cache. vLLM's image runs another
+# Python than the wheel's (a wheel with the loop is tagged for one), so it installs the sdist, which
+# builds the loop where that image has a compiler and falls back to the Python loop where not. Not
+# built in this project's CI (no container runtime there): hadolint and tests/unit/test_deploy_files.py
+# check this file.
 
 FROM python:3.11-bookworm AS wheel
 WORKDIR /src
@@ -14,12 +17,12 @@ COPY pyproject.toml setup.py README.md ./
 COPY memcache_core ./memcache_core
 COPY integrations ./integrations
 RUN pip install --no-cache-dir build==1.2.2 \
-    && python -m build --wheel --outdir /dist .
+    && python -m build --outdir /dist .
 
 # vLLM's own image with the wheel and its vllm connector; pick the vLLM 0.32 tag you run.
 FROM vllm/vllm-openai:v0.32.0 AS vllm
 COPY --from=wheel /dist/ /tmp/dist/
-RUN pip install --no-cache-dir --no-deps /tmp/dist/memcache_python-0.1.0-*.whl \
+RUN pip install --no-cache-dir --no-deps /tmp/dist/memcache_python-0.1.0.tar.gz \
     && pip install --no-cache-dir "msgspec>=0.18" "xxhash>=3.4" \
     && rm -rf /tmp/dist \
     && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin memcache

@@ -126,8 +126,9 @@ def test_the_manifests_name_the_images_the_dockerfile_builds():
     assert stages[-1][-1] == "pool" and any(s[-1] == "vllm" for s in stages)
     users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
     assert users and all(not u.startswith(("0", "root")) for u in users)
-    # the runtime stages install the wheel built in the first stage, never the source tree
+    # the runtime stages install what the first stage built (the pool image: the wheel), never the tree
     assert dockerfile.count("COPY --from=wheel /dist/") == 2 and "pip install -e" not in dockerfile
+    assert '"$(ls /tmp/dist/memcache_python-0.1.0-*.whl)[cli,ha]"' in dockerfile
 
 
 def hadolint() -> str:
