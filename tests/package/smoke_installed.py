@@ -78,6 +78,7 @@ def main() -> int:
             print(f"4 MiB put and read back byte-exact through shared memory ({args.loop} loop) "
                   f"in {1e3 * (time.perf_counter() - t):.1f} ms")
             if args.loop == "python":   # no C loop in this wheel: asking for it names the key
+                print("shm_copy_loop 'native' without the C loop must be refused (the next line says so):")
                 refused = DistributedObjectStore()
                 assert refused.setup(config("native")) != 0 or refused.init(0, True) != 0, "shm_copy_loop native accepted"
 
