@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from memcache_core import DistributedObjectStore
-from memcache_core.testing import free_port, running_meta_service
+from memcache_core.testing import free_port, running_meta_service, start_local_service, terminate
 
 pytestmark = pytest.mark.integration
 
@@ -99,3 +99,26 @@ def test_a_missing_shm_dir_names_memcache_shm_dir(meta, tmp_path):
     err = one_line_error(memcache("local-service", "--config_path", str(path), env={"MEMCACHE_SHM_DIR": str(missing)}))
     assert (f"MEMCACHE_SHM_DIR: cannot create the segment file in {missing}: No such file or directory; point "
             "MEMCACHE_SHM_DIR at an existing tmpfs directory this user can write") in err
+
+
+def test_a_misspelt_key_in_strict_mode_stops_the_metaservice(tmp_path):
+    path = tmp_path / "meta.json"
+    path.write_text(json.dumps({"meta_service_url": f"tcp://127.0.0.1:{free_port()}", "lease_ttl_msec": 500}))
+    err = one_line_error(memcache("meta-service", "--config_path", str(path), env={"MEMCACHE_CONFIG_STRICT": "true"}))
+    assert "unknown MetaConfig keys: 'lease_ttl_msec' (did you mean 'lease_ttl_ms'?)" in err
+    assert "strict mode: MEMCACHE_CONFIG_STRICT is set; fix or remove them" in err
+
+
+def test_a_provider_takes_its_advertised_address_from_the_environment(meta, tmp_path):
+    """Scenario: the Kubernetes provider (examples/k8s/providers.yaml) gets hcom_advertise_url from
+    MEMCACHE_HCOM_ADVERTISE_URL, not from its file: the pool hands that address to peers."""
+    config = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
+              "protocol": "host_tcp", "dram_size": "64MB", "hcom_url": "tcp://0.0.0.0:0"}
+    proc, segment_id = start_local_service(
+        config, tmp_path, lambda: meta.http("/get_all_segments")["segments"],
+        env={**os.environ, "MEMCACHE_HCOM_ADVERTISE_URL": "tcp://127.0.0.1:7000", "MEMCACHE_CONFIG_STRICT": "true"})
+    try:
+        seg = next(s for s in meta.http("/get_all_segments")["segments"] if s["segment_id"] == segment_id)
+        assert seg["data_addr"] == "127.0.0.1:7000", seg
+    finally:
+        terminate(proc)
