@@ -488,8 +488,11 @@ def load_file(cls: type[C], path: str, strict: bool | None = None) -> C:
         raise ConfigError(f"config_path: cannot read {path}: {e.strerror}") from e
     except json.JSONDecodeError as e:
         raise ConfigError(f"config_path: {path} is not valid JSON: {e}") from e
-    base = apply_dict(cls(), env_overrides(cls), source="environment")
-    return apply_dict(base, values, source=path, strict=strict)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(values).__name__}")
+    # one validation of both together: a pair of keys checked as one (hcom_url with hcom_advertise_url)
+    # may come half from the environment, half from the file
+    return apply_dict(cls(), {**env_overrides(cls), **values}, source=path, strict=strict)
 
 
 def meta_config_from_env() -> MetaConfig:

@@ -64,3 +64,20 @@ def test_a_bad_environment_override_names_the_variable(tmp_path, monkeypatch, va
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=message):
         load_file(LocalConfig, str(p))
+
+
+def test_a_pair_of_keys_may_come_half_from_the_environment(tmp_path, monkeypatch):
+    """Scenario: hcom_url binds every interface (in the file), hcom_advertise_url comes from the
+    environment: they are validated together, not the file's half alone."""
+    p = tmp_path / "provider.json"
+    p.write_text(json.dumps({"protocol": "host_tcp", "hcom_url": "tcp://0.0.0.0:7000"}))
+    with pytest.raises(ConfigError, match="hcom_url: tcp://0.0.0.0:7000 binds every interface"):
+        load_file(LocalConfig, str(p))
+    monkeypatch.setenv("MEMCACHE_HCOM_ADVERTISE_URL", "tcp://10.1.2.3:7000")
+    assert load_file(LocalConfig, str(p)).hcom_advertise_url == "tcp://10.1.2.3:7000"
+    p.write_text(json.dumps({"hcom_advertise_url": "tcp://10.9.9.9:7000"}))
+    monkeypatch.setenv("MEMCACHE_HCOM_URL", "tcp://0.0.0.0:7000")
+    assert load_file(LocalConfig, str(p)).hcom_advertise_url == "tcp://10.9.9.9:7000"
+    p.write_text("[1]")
+    with pytest.raises(ConfigError, match="expected a JSON object, got list"):
+        load_file(LocalConfig, str(p))
