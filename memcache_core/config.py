@@ -7,8 +7,8 @@ again by ``validate()`` when a service starts; an invalid value raises ``ConfigE
 Precedence, written down once: values set explicitly on the object > values from the JSON file (the one
 given, else the one named by ``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``) > environment
 overrides ``MEMCACHE_<KEY>`` (e.g. ``MEMCACHE_HCOM_ADVERTISE_URL``; applied to configs read from a file
-or from the environment) > defaults. Environment variables are read in this module only. The parsers of single values live in ``values.py``
-and are re-exported here.
+or from the environment) > defaults. Environment variables are read in this module only. The parsers
+of single values live in ``values.py`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 META_CONFIG_ENV = "MMC_META_CONFIG_PATH"
 LOCAL_CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
-ENV_PREFIX = "MEMCACHE_"            # MEMCACHE_<KEY in capitals> overrides a key's default (env_overrides)
+ENV_PREFIX = "MEMCACHE_"            # MEMCACHE_<KEY in capitals>: a key the file leaves out (env_overrides)
 STRICT_ENV = "MEMCACHE_CONFIG_STRICT"  # true: an unknown key in a config file is an error, not a warning
 
 HOST_PROTOCOLS = ("host_shm", "host_tcp")
@@ -432,7 +432,8 @@ def apply_dict(cfg: C, values: dict[str, Any], source: str = "config", strict: b
     unknown = sorted(k for k in values if k not in names)
     if unknown:
         what = "; ".join(_unknown_key(k, names) for k in unknown)
-        if strict if strict is not None else strict_from_env():
+        refuse = strict if strict is not None else strict_from_env()
+        if refuse:
             raise ConfigError(f"{source}: unknown {type(cfg).__name__} keys: {what} (strict mode: "
                               f"{STRICT_ENV} is set; fix or remove them)")
         logger.warning("%s: ignoring unknown %s keys: %s", source, type(cfg).__name__, what)
