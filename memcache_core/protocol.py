@@ -229,6 +229,42 @@ class Demote(msgspec.Struct, tag=True):
     keys: list[str]
 
 
+class Info(msgspec.Struct, tag=True):
+    """``batch_get_key_info``: the objects of these keys, committed or allocated by the caller and not
+    finished yet (the GVA path's ``batch_alloc``); no lease is taken. Answered by ``InfoReply``."""
+
+    client_id: int
+    token: bytes
+    keys: list[str]
+
+
+class Lease(msgspec.Struct, tag=True):
+    """``batch_add_lease`` (``ttl_ms`` > 0) / ``batch_remove_lease`` (``ttl_ms`` 0): the caller's own
+    lease on committed objects, which a copy out of them through a GVA needs. Answered by ``Codes``."""
+
+    client_id: int
+    token: bytes
+    keys: list[str]
+    generations: list[int]
+    ttl_ms: int = 0
+
+
+class Grant(msgspec.Struct, tag=True):
+    """Before a copy through GVAs: may the caller write (``write``) or read the payload bytes
+    ``[starts[i], ends[i])`` of the object ``keys[i]`` of generation ``generations[i]`` at its replica in
+    ``segments[i]``? Writes need an allocated, unfinished object of the caller's with time left before
+    its pending deadline; reads a committed object the caller holds a lease on. Answered by ``Granted``."""
+
+    client_id: int
+    token: bytes
+    keys: list[str]
+    generations: list[int]
+    segments: list[int]
+    starts: list[int]
+    ends: list[int]
+    write: bool
+
+
 class GetSegments(msgspec.Struct, tag=True):
     segment_ids: list[int] = []
 
@@ -243,11 +279,11 @@ class ConfigGet(msgspec.Struct, tag=True):
 
 
 MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt", "DrainNext", "DrainDone",
-                   "RepairNext", "RepairDone", "DiskSync", "Promote", "Promoted")
+                   "RepairNext", "RepairDone", "DiskSync", "Promote", "Promoted", "Info", "Lease", "Grant")
 
 Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
            | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
-           | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote)
+           | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant)
 
 
 # ---- replies ----------------------------------------------------------------------------------
@@ -328,6 +364,16 @@ class LookupReply(_Reply):
     lease_ttl_ms: int = 0
 
 
+class InfoReply(_Reply):
+    results: list[Found | None]
+    pending: list[bool]            # allocated by the caller, not finished yet (its bytes are being written)
+
+
+class Granted(_Reply):
+    codes: list[int]               # per range: 0, or why the copy may not run
+    left_ms: list[int]             # per granted range: time left on the caller's lease / pending deadline
+
+
 class Codes(_Reply):
     codes: list[int]
 
@@ -354,7 +400,7 @@ class DiskWork(_Reply):
 
 
 Reply = (Error | Ok | Joined | HeartbeatReply | AllocReply | LookupReply | Codes | Flags | Segments
-         | Value | DrainBatch | DiskWork)
+         | Value | DrainBatch | DiskWork | InfoReply | Granted)
 
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

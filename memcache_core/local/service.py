@@ -5,7 +5,8 @@ Everything here raises ``MemCacheError`` or reports per-key errors; integer code
 
 The class is assembled from parts, each in its own module: ``membership.py`` (the ``Session``, joins,
 heartbeat, segment table), ``writes.py`` (put: validate -> allocate -> copy -> commit / abort) and
-``reads.py`` (get: lookup -> check sizes -> read with replica fallback -> confirm). This module keeps
+``reads.py`` (get: lookup -> check sizes -> read with replica fallback -> confirm), ``gva.py`` (the GVA
+path: alloc, ranged copies, finish, leases). This module keeps
 the lifecycle (start, close, the drain before leaving, the metrics server, NIXL), exist / remove and
 the tier calls (prefetch / evict).
 """
@@ -31,6 +32,7 @@ from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
 from . import tier
 from .drain import Drainer
+from .gva import Gva, GvaBook
 from .hints import LocationHints
 from .membership import Pieces as Pieces
 from .membership import Session
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LocalService(Writes, Reads):
+class LocalService(Writes, Reads, Gva):
     def __init__(self, config: LocalConfig) -> None:
         config.validate()
         if config.protocol in ASCEND_PROTOCOLS:
@@ -80,6 +82,7 @@ class LocalService(Writes, Reads):
         self.metrics_server: MetricsServer | None = None
         self.disk: tier.DiskTier | None = None   # the disk tier under our segment (disk_path)
         self.prefault: Prefault | None = None
+        self._gva_book: GvaBook | None = None   # GVAs handed out in the current session (gva.py)
 
     @property
     def client_id(self) -> int:

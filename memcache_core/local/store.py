@@ -27,10 +27,12 @@ T = TypeVar("T")
 
 
 class KeyInfo:
-    """What ``get_key_info`` returns, with memcache_hybrid's accessor methods."""
+    """What ``get_key_info`` returns, with memcache_hybrid's accessor methods. ``gva_list()`` holds one
+    GVA per replica in a segment (``local/gva.py``), in the order of ``loc_list()``; a copy held on a
+    disk tier only has a location and medium but no GVA."""
 
-    def __init__(self, size: int, locations: list[int], media: list[str]) -> None:
-        self._size, self._locs, self._media = size, locations, media
+    def __init__(self, size: int, locations: list[int], media: list[str], gvas: list[int] | None = None) -> None:
+        self._size, self._locs, self._media, self._gvas = size, locations, media, gvas or []
 
     def size(self) -> int:
         return self._size
@@ -42,10 +44,10 @@ class KeyInfo:
         return list(self._media)
 
     def gva_list(self) -> list[int]:
-        return []
+        return list(self._gvas)
 
     def __repr__(self) -> str:
-        return f"KeyInfo(size={self._size}, locations={self._locs})"
+        return f"KeyInfo(size={self._size}, locations={self._locs}, gvas={[hex(g) for g in self._gvas]})"
 
 
 def _code(fn: Callable[[], int]) -> int:
@@ -306,9 +308,9 @@ class DistributedObjectStore:
 
     # ---- tiers ----------------------------------------------------------------------------------------
 
-    def prefetch(self, keys: list[str], src_media: Any = None, dst_media: Any = None) -> list[int]:
+    def prefetch(self, keys: list[str], src_media: Any = None, dst_media: Any = None, flags: int = 0) -> list[int]:
         """Bring objects a provider holds on its disk tier back into DRAM ahead of reading them: a code
-        per key (0 in DRAM, -3007 not in the pool). The media arguments are accepted for
+        per key (0 in DRAM, -3007 not in the pool). The media and flags arguments are accepted for
         memcache_hybrid's signature; the tiers here are DRAM over disk."""
         return _codes(len(keys), lambda: self._service().prefetch(keys))
 
@@ -317,23 +319,91 @@ class DistributedObjectStore:
         is held on disk only, so ``prefetch`` has nothing to do)."""
         return self._svc is not None and self._svc.pool_disk_tiers > 0
 
-    def evict(self, keys: list[str], src_media: Any = None, dst_media: Any = None) -> list[int]:
+    def evict(self, keys: list[str], src_media: Any = None, dst_media: Any = None, flags: int = 0) -> list[int]:
         """Keep objects on their provider's disk tier only: a code per key (0 done, -3007 not in the
         pool, -3101 not on disk yet: its provider was asked to write it, call again later)."""
         return _codes(len(keys), lambda: self._service().evict(keys))
 
-    def batch_get_key_info(self, keys: list[str]) -> list[KeyInfo]:
+    def batch_get_key_info(self, keys: list[str], flag: int = 0) -> list[KeyInfo]:
+        """Size, replica locations, media and GVAs of each key's object: committed ones, and those this
+        store allocated with ``batch_alloc`` and has not finished. Absent keys (or a failed call): an
+        empty ``KeyInfo`` (size 0). ``flag`` is accepted for memcache_hybrid's signature."""
         try:
-            found = self._service().lookup_sizes(keys)
-        except (MemCacheError, TypeError, ValueError):
+            found = self._service().gva_info(keys)
+        except (MemCacheError, TypeError, ValueError) as e:
+            logger.debug("batch_get_key_info failed: %s", e)
             return [KeyInfo(0, [], []) for _ in keys]
         return [KeyInfo(0, [], []) if f is None else
                 KeyInfo(f.size, [loc.segment_id for loc in f.locations] + ([f.disk] if f.disk else []),
-                        ["DRAM"] * len(f.locations) + (["DISK"] if f.disk else []))
-                for f in found]
+                        ["DRAM"] * len(f.locations) + (["DISK"] if f.disk else []), gvas)
+                for f, gvas in found]
 
-    def get_key_info(self, key: str) -> KeyInfo:
-        return self.batch_get_key_info([key])[0]
+    def get_key_info(self, key: str, flag: int = 0) -> KeyInfo:
+        return self.batch_get_key_info([key], flag)[0]
+
+    # ---- the GVA path (layer-wise): alloc -> copy ranges -> finish; lease -> copy ranges -> unlease ---
+
+    def batch_alloc(self, keys: list[str], sizes: list[int], media: int = 1, leaseTtlMs: int = 0) -> list[int]:  # noqa: N803
+        """Reserve objects to be written piece by piece through their GVAs (``batch_get_key_info``,
+        ``batch_copy``); invisible to exist / get until ``batch_write_finish`` publishes them, reclaimed
+        after the MetaService's ``pending_timeout_ms`` or when this store dies. A code per key; -3006 for
+        a key that exists. ``media`` 0 (HBM) or 1 (DRAM): objects are placed in the pool's DRAM;
+        ``leaseTtlMs`` is accepted (the pending deadline is the MetaService's)."""
+        def run() -> list[int]:
+            _int_arg("media", media, 0, 1)
+            _int_arg("leaseTtlMs", leaseTtlMs, 0, 86_400_000)
+            return [_as_code(e) for e in self._service().gva_alloc(keys, sizes)]
+        return _codes(len(keys), run)
+
+    def batch_copy(self, gva_ptrs: list[int], buffer_ptrs: list[int], sizes: list[int], direct: int,
+                   flag: int = 0) -> int:
+        """Copy ``sizes[i]`` bytes between the registered buffer at ``buffer_ptrs[i]`` and the object bytes
+        at ``gva_ptrs[i]``: into an unfinished object of this store's (L2G / H2G), out of a committed one
+        it holds a lease on (G2L / G2H), or as the object's state says (AUTO). 0, or the first error;
+        nothing is copied when any range is refused."""
+        if not (len(gva_ptrs) == len(buffer_ptrs) == len(sizes)):
+            return errors.INVALID_PARAM
+        return self.batch_copy_layers(gva_ptrs, [[x] for x in buffer_ptrs], [[n] for n in sizes], direct, flag)
+
+    def batch_copy_layers(self, gva_ptrs: list[int], buffer_ptrs: list[list[int]], sizes: list[list[int]],
+                          direct: int, flag: int = 0) -> int:
+        """``batch_copy`` with a list of buffers per GVA, laid end to end from it."""
+        def run() -> int:
+            if not (len(gva_ptrs) == len(buffer_ptrs) == len(sizes)):
+                raise InvalidParameter(f"gva_ptrs ({len(gva_ptrs)}), buffer_ptrs ({len(buffer_ptrs)}) and "
+                                       f"sizes ({len(sizes)}) differ in length")
+            if direct not in _DIRECTIONS:
+                raise InvalidParameter(f"direct: {direct!r} is not L2G (0), G2L (1), G2H (2), H2G (3) or AUTO (4)")
+            pieces = [self._buffers.pieces(ps, ss) for ps, ss in zip(buffer_ptrs, sizes, strict=True)]
+            self._service().gva_copy(gva_ptrs, pieces, _DIRECTIONS[direct])
+            return errors.SUCCESS
+        return _code(run)
+
+    def batch_write_finish(self, keys: list[str], results: list[int]) -> list[int]:
+        """Publish (result 0) or abort (non-zero) objects of ``batch_alloc``; a published object is
+        readable from then on, with its checksum computed over all its bytes. A code per key."""
+        return _codes(len(keys), lambda: [_as_code(e) for e in self._service().gva_finish(keys, results)])
+
+    def batch_add_lease(self, keys: list[str], leaseTtlMs: int = 0) -> list[int]:  # noqa: N803
+        """Lease committed objects to this store for ``leaseTtlMs`` (0: the pool's ``lease_ttl_ms``):
+        copies out of them through GVAs need it, and eviction and removal wait for it. A code per key."""
+        def run() -> list[int]:
+            _int_arg("leaseTtlMs", leaseTtlMs, 0, 86_400_000)
+            return self._service().gva_lease(keys, leaseTtlMs)
+        return _codes(len(keys), run)
+
+    def batch_remove_lease(self, keys: list[str]) -> int:
+        """End this store's leases of ``batch_add_lease``: 0, or the first key's error (-3007 where it
+        held none)."""
+        return _code(lambda: next((c for c in self._service().gva_unlease(keys) if c != 0), errors.SUCCESS))
+
+
+_DIRECTIONS: dict[int, bool | None] = {L2G: True, H2G: True, G2L: False, G2H: False, AUTO: None}
+
+
+def _int_arg(name: str, v: Any, lo: int, hi: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise InvalidParameter(f"{name}: {v!r} is not an int in [{lo}, {hi}]")
 
 
 def open_store(config: LocalConfig, device_id: int = 0, init_bm: bool = True) -> DistributedObjectStore:

@@ -23,7 +23,7 @@ import msgspec
 from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig
-from . import disk, placement, stats, validate
+from . import disk, gva, placement, stats, validate
 from .drain import Drains
 from .events import EventPublisher
 from .metrics import Metrics
@@ -148,7 +148,7 @@ class MetaServiceCore:
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
             case (p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone()
-                  | p.RepairNext() | p.RepairDone()):
+                  | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant()):
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
             case p.DiskSync() | p.Promote() | p.Promoted():
                 return self._disk_request(req, self._member(req.client_id, req.token, now), now)
@@ -184,6 +184,19 @@ class MetaServiceCore:
                     logger.error("client %d read %r (generation %d) with a wrong checksum in segment %s; %s",
                                  cid, k, g, sid, "dropped that copy (the object, if it was the last)" if dropped else "it was already gone")
                 return p.Ok()
+            case p.Info(keys=keys):
+                validate.batch(keys)
+                return gva.info(t, cid, keys)
+            case p.Lease(keys=keys, generations=gens, ttl_ms=ttl_ms):
+                validate.batch(keys, gens)
+                validate.generations(gens)
+                validate.timeout_ms(ttl_ms)
+                if ttl_ms == 0:
+                    return p.Codes(gva.remove_lease(t, cid, keys))
+                return p.Codes(gva.add_lease(t, cid, keys, gens, ttl_ms / 1000.0, now))
+            case p.Grant():
+                validate.grant(req)
+                return gva.grant(t, cid, req, now)
             case p.Leave():
                 self._drop_member(cid, "left")
                 return p.Ok()
@@ -321,6 +334,7 @@ class MetaServiceCore:
         for cid in [c for c, m in self.members.items() if now - m.last_seen > dead_after]:
             self._drop_member(cid, f"missed heartbeats for {dead_after:g}s, declared dead")
         self.table.reclaim(now)
+        gva.expire(self.table, now)
         disk.housekeeping(self.table, now)
         self.table.evict_all(now)
         self.drains.housekeeping(now)

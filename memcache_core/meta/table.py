@@ -80,6 +80,7 @@ class ObjectTable(Space):
         self.disk_drops: dict[int, list[ObjectReport]] = {}   # records each tier should delete
         self.promoting: dict[tuple[str, int], tuple[int, int, float, int]] = {}   # meta/disk.py
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
+        self.held: dict[str, dict[int, tuple[int, float]]] = {}   # GVA path's leases: key -> caller -> (gen, end)
 
     # ---- segments -------------------------------------------------------------------------------
 
@@ -275,6 +276,10 @@ class ObjectTable(Space):
         c.hits += len(keys) - out.count(None)
         c.disk_hits += disk_hits
         return out
+
+    def lease(self, obj: Obj, lease_end: float) -> None:
+        """Lease a committed object until ``lease_end`` (the GVA path's ``batch_add_lease``, ``gva.py``)."""
+        self._touch(obj, lease_end)
 
     def _lease_end(self, now: float) -> float:
         if self._lease_for[0] is not now:   # the keys of one request share their lease end

@@ -129,3 +129,12 @@ def checksums(sums: list[int]) -> None:
 
 def timeout_ms(v: int) -> None:
     _int("timeout_ms", v, 0, 86_400_000)
+
+
+def grant(req: p.Grant) -> None:
+    batch(req.keys, req.generations, req.segments, req.starts, req.ends)
+    generations(req.generations)
+    for sid, lo, hi in zip(req.segments, req.starts, req.ends, strict=True):
+        _int("segment", sid, 0, MAX_U63)
+        _int("start", lo, 0, MAX_OBJECT_BYTES)
+        _int("end", hi, 0, MAX_OBJECT_BYTES)

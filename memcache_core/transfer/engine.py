@@ -55,6 +55,9 @@ class CopyOp:
     Writes: ``key``/``generation`` go into the header; ``checksum`` is computed when ``hash`` is set.
     Reads: ``checksum`` is the committed one; the bytes are verified when ``hash`` is set and it is
     non-zero.
+    A range of the payload (the GVA path's ``batch_copy``): the pieces start ``start`` bytes into it,
+    and a write of a range (``with_header`` False) leaves the header alone (it is written when the
+    object is finished, after all its bytes); such ops carry no hash.
     """
 
     segment: SegmentInfo
@@ -66,10 +69,12 @@ class CopyOp:
     checksum: int = 0
     hash: bool = False
     error: MemCacheError | None = None
+    start: int = 0
+    with_header: bool = True
 
     @property
     def payload_offset(self) -> int:
-        return payload_offset(self.offset)
+        return payload_offset(self.offset) + self.start
 
     def header(self) -> bytes:
         return pack_header(self.key, self.generation, self.nbytes, self.checksum)
@@ -197,10 +202,11 @@ class TransferEngine:
         for op in ops:
             if op.hash:
                 op.checksum = checksum_of(op.pieces)
-            ptr, n, anchor = buffer_address(op.header())
-            keep.append(anchor)
             wire.append((op.payload_offset, op.pieces))
-            wire.append((op.offset, [(ptr, n)]))      # the server writes ranges in order: header last
+            if op.with_header:
+                ptr, n, anchor = buffer_address(op.header())
+                keep.append(anchor)
+                wire.append((op.offset, [(ptr, n)]))      # the server writes ranges in order: header last
         self.tcp.write(addr, wire)
 
     def _tcp_read(self, addr: str, ops: list[CopyOp]) -> None:
@@ -214,7 +220,7 @@ class TransferEngine:
         assert self.nixl is not None
         self.nixl.write(ops[0].segment, [(op.payload_offset, op.pieces) for op in ops],
                         [functools.partial(_hash, op) for op in ops if op.hash],
-                        lambda: [(op.offset, op.header()) for op in ops])
+                        lambda: [(op.offset, op.header()) for op in ops if op.with_header])
 
     def _nixl_read(self, ops: list[CopyOp]) -> None:
         """One request per slice of about ``NIXL_SLICE_BYTES``, all in flight at once: each slice is

@@ -213,7 +213,9 @@ class NixlTransport:
                 self._wait(flights[0], _Clock(self.timeout_s, flights[0].nbytes))
             finally:
                 self._release(flights)
-            self._write_headers(seg, headers(), peer)
+            written = headers()
+            if written:   # (none: ranges of payloads, the GVA path)
+                self._write_headers(seg, written, peer)
         finally:
             self._unpin(peer)
 

@@ -49,6 +49,8 @@ def finish(op: CopyOp, reading: bool, bases: dict[str, int], digest: int | None)
         return
     if digest is not None:
         op.checksum = digest
+    if not op.with_header:   # a range of the payload (the GVA path): the header comes at finish
+        return
     header = op.header()
     memmove(bases[op.segment.shm_path] + op.offset, header, len(header))   # last: a valid header
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from memcache_core import DistributedObjectStore, LocalConfig, ReplicateConfig
+from memcache_core import G2H, H2G, DistributedObjectStore, LocalConfig, ReplicateConfig
 from memcache_core.config import apply_dict
 
 
@@ -92,6 +92,50 @@ class Worker:
                 bad.append("bytes outside the pieces were written")
         return {"codes": codes, "mismatches": bad, "seconds": dt}
 
+    def gva_save(self, keys: list[str], layout: list[int], results: list[int] | None = None) -> dict:
+        """The GVA path's save, as vllm-ascend's layer-wise connector does it: alloc, info, one
+        ``batch_copy`` per layer (each key's slice at its offset in the object), finish."""
+        ptrs, sizes, _ = self._layout(keys, layout)
+        for i, k in enumerate(keys):
+            self._scatter(ptrs[i], sizes[i], pattern(k, sum(layout)))
+        alloc = self.store.batch_alloc(keys, [sum(layout)] * len(keys))
+        gvas = [(i.gva_list() or [0])[0] for i in self.store.batch_get_key_info(keys, 1)]
+        starts = np.cumsum([0, *layout]).tolist()
+        copies = [self.store.batch_copy([g + starts[j] for g in gvas], [ps[j] for ps in ptrs], [n] * len(keys), H2G)
+                  for j, n in enumerate(layout)]
+        finish = self.store.batch_write_finish(keys, results or [0] * len(keys))
+        return {"alloc": alloc, "gvas": gvas, "copies": copies, "finish": finish}
+
+    def gva_load(self, keys: list[str], layout: list[int], lease_ms: int = 0, layers: bool = False,
+                 unlease: bool = True) -> dict:
+        """The GVA path's load: info, lease, one ``batch_copy`` per layer (or one ``batch_copy_layers``
+        of every piece), unlease; keys read with code 0 whose bytes differ are ``mismatches``."""
+        ptrs, sizes, per = self._layout(keys, layout)
+        self.buf[: per * len(keys)] = 0xEE
+        infos = self.store.batch_get_key_info(keys, 1)
+        gvas = [(i.gva_list() or [0])[0] for i in infos]
+        lease = self.store.batch_add_lease(keys, lease_ms)
+        starts = np.cumsum([0, *layout]).tolist()
+        if layers:
+            copies = [self.store.batch_copy_layers(gvas, ptrs, sizes, G2H)]
+        else:
+            copies = [self.store.batch_copy([g + starts[j] for g in gvas], [ps[j] for ps in ptrs],
+                                            [n] * len(keys), G2H) for j, n in enumerate(layout)]
+        bad = [k for i, k in enumerate(keys) if not np.array_equal(self._gather(ptrs[i], sizes[i]),
+                                                                    pattern(k, sum(layout)))]
+        done = self.store.batch_remove_lease(keys) if unlease else None
+        return {"sizes": [i.size() for i in infos], "gvas": gvas, "lease": lease, "copies": copies,
+                "unlease": done, "mismatches": bad if all(c == 0 for c in copies) else None}
+
+    def gva_copy(self, gvas: list[int], size: int, direct: int, fill: int = 0) -> dict:
+        """One ``batch_copy`` of ``size`` bytes per GVA between the buffer (filled with ``fill`` for a
+        write) and the pool; a read returns the bytes' distinct values."""
+        buf = self._buffer(size * len(gvas))
+        buf[: size * len(gvas)] = fill
+        base = buf.ctypes.data
+        code = self.store.batch_copy(gvas, [base + i * size for i in range(len(gvas))], [size] * len(gvas), direct)
+        return {"code": code, "values": sorted(set(buf[: size * len(gvas)].tolist()))}
+
     def handle(self, cmd: dict) -> dict:
         op = cmd["op"]
         if op == "put":
@@ -103,6 +147,19 @@ class Worker:
             return {"codes": self.store.batch_is_exist(cmd["keys"])}
         if op == "remove":
             return {"codes": self.store.remove_batch(cmd["keys"])}
+        if op == "gva_save":
+            return self.gva_save(cmd["keys"], cmd["layout"], cmd.get("results"))
+        if op == "gva_load":
+            return self.gva_load(cmd["keys"], cmd["layout"], cmd.get("lease_ms", 0), cmd.get("layers", False),
+                                 cmd.get("unlease", True))
+        if op == "gva_copy":
+            return self.gva_copy(cmd["gvas"], cmd["size"], cmd["direct"], cmd.get("fill", 0))
+        if op == "gva_info":
+            infos = self.store.batch_get_key_info(cmd["keys"], 1)
+            return {"sizes": [i.size() for i in infos], "gvas": [i.gva_list() for i in infos]}
+        if op == "call":   # a GVA-path call whose arguments and result are plain JSON
+            assert cmd["method"] in ("batch_alloc", "batch_write_finish", "batch_add_lease", "batch_remove_lease")
+            return {"result": getattr(self.store, cmd["method"])(*cmd["args"])}
         if op == "id":
             return {"id": self.store.get_local_service_id()}
         if op == "paths":   # payload bytes moved per transfer path and direction, e.g. "nixl/read"
