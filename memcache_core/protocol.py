@@ -392,11 +392,12 @@ class Value(_Reply):
 
 class DiskWork(_Reply):
     """What a provider's disk tier should do: copy these objects of its segment to disk (``offload``,
-    ``offset`` is the object's place in the segment), and delete these records (``drop``: objects that
-    left the pool; compare-and-delete on the generation)."""
+    ``offset`` is the object's place in the segment), delete these records (``drop``: objects that
+    left the pool; compare-and-delete on the generation), and bring these back into DRAM (``promote``)."""
 
     offload: list[ObjectReport] = []
     drop: list[ObjectReport] = []
+    promote: list[ObjectReport] = []   # records to bring back into the provider's DRAM (admin /memory/prefetch)
 
 
 Reply = (Error | Ok | Joined | HeartbeatReply | AllocReply | LookupReply | Codes | Flags | Segments

@@ -118,6 +118,11 @@ class DiskTier:
             logger.debug("disk sync: %s", e)
             return False
         st.drop(work.drop)
+        if work.promote:   # the admin's /memory/prefetch: promote them with the next queued ones
+            with self._lock:
+                for r in work.promote[:max(0, MAX_PROMOTE_QUEUE - len(self._to_promote))]:
+                    self._to_promote[r.key] = (r.size, r.checksum)
+            self._wake.set()
         if work.offload and self.svc.segment is not None:
             return st.offer(work.offload, self.svc.segment) > 0
         return False

@@ -96,7 +96,7 @@ def sync(t: ObjectTable, sid: int, req: p.DiskSync, now: float) -> p.DiskWork:
     for r in req.dropped:
         detach(t, sid, r, now)
     drop = t.disk_drops.pop(sid, []) + refused
-    return p.DiskWork(offload=_offload(t, sid, tier, req.room, now), drop=drop)
+    return p.DiskWork(offload=_offload(t, sid, tier, req.room, now), drop=drop, promote=t.disk_wanted.pop(sid, []))
 
 
 def _offload(t: ObjectTable, sid: int, tier: DiskTier, room: int, now: float) -> list[p.ObjectReport]:
@@ -222,3 +222,22 @@ def demote(t: ObjectTable, keys: list[str], now: float) -> list[int]:
                     t.disk_tiers[loc.segment_id].scanned = None
             codes.append(errors.STATE_MISMATCH)
     return codes
+
+
+def prefetch(t: ObjectTable, keys: list[str]) -> list[str]:
+    """The admin route ``/memory/prefetch``: per key ``dram`` (a DRAM copy exists), ``queued`` (held on
+    a disk tier only: its provider is asked at its next sync to bring it back, as ``prefetch`` does),
+    or ``absent``."""
+    out = []
+    for k in keys:
+        obj = t.objects.get(k)
+        if obj is None or not obj.committed:
+            out.append("absent")
+        elif obj.locations or obj.disk is None or obj.disk[0] not in t.disk_tiers:
+            out.append("dram" if obj.locations else "absent")
+        else:
+            wanted = t.disk_wanted.setdefault(obj.disk[0], [])
+            if len(wanted) < MAX_DROPS:
+                wanted.append(p.ObjectReport(obj.key, 0, obj.size, obj.disk[1], obj.checksum))
+            out.append("queued")
+    return out

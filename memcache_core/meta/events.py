@@ -68,6 +68,10 @@ class EventPublisher:
         self.queue: queue.Queue[tuple[bool, str, str, int] | None] = queue.Queue(queue_size)
         self.dropped = 0
         self.published = 0
+        self.dropped_stored = 0        # of ``dropped``: BlockStored events
+        self.published_stored = 0      # of ``published``: BlockStored events (the rest are BlockRemoved)
+        self.batches = 0               # messages sent
+        self.queue_size = queue_size
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -90,6 +94,7 @@ class EventPublisher:
             self.queue.put_nowait((stored, key, host, segment_id))
         except queue.Full:
             self.dropped += 1
+            self.dropped_stored += stored
 
     def _run(self) -> None:
         while True:
@@ -123,11 +128,27 @@ class EventPublisher:
             self._seq += 1
             frames = [f"{self.model_name}|{host}|{sid}".encode(), self._seq.to_bytes(8, "big"),
                       self._enc.encode(KVEventBatch(time.time(), events))]
+            n_stored = sum(isinstance(e, BlockStored) for e in events)
             try:
                 self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
                 self.published += len(events)
+                self.published_stored += n_stored
+                self.batches += 1
             except zmq.Again:
                 self.dropped += len(events)
+                self.dropped_stored += n_stored
+
+    def status(self) -> dict[str, Any]:
+        """What ``/kv_events/status`` answers, with memcache_hybrid's field names (every event here is
+        stored or removed, of medium DRAM; ``cleared`` is never sent)."""
+        return {"enabled": True, "publisher_active": self._thread.is_alive(), "queue_size": self.queue.qsize(),
+                "queue_capacity": self.queue_size, "published_events": self.published,
+                "published_batches": self.batches,
+                "published_by_type": {"stored": self.published_stored,
+                                      "removed": self.published - self.published_stored, "cleared": 0},
+                "published_by_medium": {"hbm": 0, "dram": self.published, "ssd": 0, "unknown": 0},
+                "dropped_events": self.dropped, "dropped_stored_events": self.dropped_stored,
+                "last_sequence": self._seq}
 
     def close(self) -> None:
         try:

@@ -10,8 +10,8 @@ A browser may instead send the token as the password of HTTP Basic authenticatio
 
 GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
 /keys?prefix=P, POST /remove_prefix?prefix=P, POST /drain/<segment_id>[?timeout_ms=], GET /drain/<segment_id>,
-/drains, /role, /leader (HA),
-GET /health, /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
+/drains, /role, /leader (HA), /kv_events/status, POST /memory/evict[?keys=a,b], POST /memory/prefetch?keys=a,b,
+GET /health and /livez (both without the token), /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
 /get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
 /api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
 as memcache_hybrid answers.
@@ -33,8 +33,8 @@ import msgspec
 from .. import protocol as p
 from ..auth import admin_authorized, admin_token
 from ..config import parse_url
-from ..errors import cannot_listen
-from . import metrics, stats, status_page
+from ..errors import InvalidParameter, cannot_listen
+from . import disk, metrics, stats, status_page, validate
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore
@@ -145,6 +145,10 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(reply, p.Codes):
                 return self._json(_error(getattr(reply, "message", "remove_prefix failed")))
             return self._json({"success": True, "removed": reply.codes[0]})
+        if url.path in ("/memory/evict", "/memory/prefetch"):
+            keys = [k for k in q.get("keys", "").split(",") if k]
+            with self.core.lock:
+                return self._json(_memory(self.core, url.path, keys))
         self._send(404, json.dumps({"success": False, "error_message": f"no route POST {url.path}"}).encode(),
                    "application/json")
 
@@ -154,9 +158,13 @@ class _Handler(BaseHTTPRequestHandler):
         core = self.core
         if url.path == "/":
             return self._send(302, b"", "text/plain", {"Location": "/status"})
+        if url.path == "/livez":   # liveness, as memcache_hybrid answers it: the process serves HTTP
+            return self._send(200, b"ok", "text/plain")
         if url.path != "/health" and not self._authorized():
             return self._refuse(url.path)
         if url.path == "/get_all_keys":
+            with core.lock:
+                core.http_calls["get_all_keys"] += 1
             return self._send(200, _all_keys_body(core), "application/json")
         if url.path == "/keys":
             return self._send(200, _all_keys_body(core, q.get("prefix", "")), "application/json")
@@ -192,6 +200,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._keys([k for k in q.get("keys", "").split(",") if k], now)
             case "/drains":
                 return {"success": True, "drains": core.drains.all(now)}
+            case "/kv_events/status":
+                return core.publisher.status() if core.publisher is not None else KV_EVENTS_OFF
+
         if path.startswith("/drain/"):
             drained = _segment_id(path.removeprefix("/drain/"))
             found = core.drains.find(drained, now) if drained is not None else None
@@ -297,3 +308,33 @@ def _start_drain(core: MetaServiceCore, sid_text: str, timeout_text: str) -> dic
 
 def _error(msg: str) -> dict[str, Any]:
     return {"success": False, "error_message": msg, "timestamp": time.time()}
+
+
+KV_EVENTS_OFF: dict[str, Any] = {
+    "enabled": False, "publisher_active": False, "queue_size": 0, "queue_capacity": 0, "published_events": 0,
+    "published_batches": 0, "published_by_type": {"stored": 0, "removed": 0, "cleared": 0},
+    "published_by_medium": {"hbm": 0, "dram": 0, "ssd": 0, "unknown": 0}, "dropped_events": 0,
+    "dropped_stored_events": 0, "last_sequence": 0}
+
+
+def _memory(core: MetaServiceCore, path: str, keys: list[str]) -> dict[str, Any]:
+    """``/memory/evict`` and ``/memory/prefetch`` (memcache_hybrid's admin routes; the caller holds the lock).
+
+    evict with ``keys``: the tier call ``evict`` (keep them on their disk tier only; a code per key);
+    evict without: an LRU pass now over every segment above its high-water mark (as housekeeping
+    runs it). prefetch: ``disk.prefetch`` (disk-only objects are promoted by their provider)."""
+    now = time.monotonic()
+    try:
+        validate.batch(keys)
+    except InvalidParameter as e:
+        return _error(f"keys: {e}")
+    if path == "/memory/evict":
+        if not keys:
+            return {"success": True, "evicted": core.table.evict_all(now)}
+        codes = disk.demote(core.table, keys, now)
+        return {"success": True, "results": [{"key": k, "code": c, "result": stats.code_name(c)}
+                                             for k, c in zip(keys, codes, strict=True)]}
+    if not keys:
+        return _error("keys: expected a comma-separated list of keys")
+    return {"success": True, "results": [{"key": k, "result": r}
+                                         for k, r in zip(keys, disk.prefetch(core.table, keys), strict=True)]}

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from . import ascend_metrics
 from .stats import Snapshot
 
 BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
@@ -213,6 +214,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield _gauge("meta_epoch", "Epoch of this MetaService (random, new at every start).", s.epoch)
     yield from _counters(s)
     yield from _requests(s)
+    yield from ascend_metrics.families(s)   # memcache_hybrid's names, next to ours
 
 
 class _Once(Collector):

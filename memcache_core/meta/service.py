@@ -81,6 +81,7 @@ class MetaServiceCore:
                                self.drains.draining, settle_s, time.monotonic() + settle_s, config.repair_enable)
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
         self.member_events: collections.Counter[str] = collections.Counter()
+        self.http_calls: collections.Counter[str] = collections.Counter()   # admin routes counted (get_all_keys)
         self.history = stats.History(config.stats_sample_interval_seconds)
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()

@@ -131,6 +131,9 @@ def take(core: MetaServiceCore) -> Snapshot:
     if core.publisher is not None:
         events["kv_events_published"] = core.publisher.published
         events["kv_events_dropped"] = core.publisher.dropped
+        events["kv_events_published_stored"] = core.publisher.published_stored
+        events["kv_events_dropped_stored"] = core.publisher.dropped_stored
+    events.update({f"http_{k}": n for k, n in core.http_calls.items()})
     leading = core.ha is None or core.ha.serving()
     term = core.ha.term if core.ha is not None and leading else 0
     return Snapshot(time.time(), round(now - core.started, 3), core.epoch, "leader" if leading else "standby",
@@ -199,5 +202,9 @@ def count_outcomes(outcomes: collections.Counter[tuple[str, str]], req: object, 
             _count_codes(outcomes, "commit", codes)
         case p.Remove(), p.Codes(codes=codes):
             _count_codes(outcomes, "remove", codes)
+        case p.Info(), p.InfoReply(results=results):
+            misses = results.count(None)
+            outcomes["query", "found"] += len(results) - misses
+            outcomes["query", "missing"] += misses
         case _, p.Error(code=code):
             outcomes[type(req).__name__.lower(), code_name(code)] += 1

@@ -78,6 +78,7 @@ class ObjectTable(Space):
         self._next_gen = first_generation
         self.disk_tiers: dict[int, Any] = {}          # segment id -> meta.disk.DiskTier
         self.disk_drops: dict[int, list[ObjectReport]] = {}   # records each tier should delete
+        self.disk_wanted: dict[int, list[ObjectReport]] = {}  # records each tier should promote (meta/disk.py)
         self.promoting: dict[tuple[str, int], tuple[int, int, float, int]] = {}   # meta/disk.py
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
         self.held: dict[str, dict[int, tuple[int, float]]] = {}   # GVA path's leases: key -> caller -> (gen, end)
@@ -134,6 +135,7 @@ class ObjectTable(Space):
         lost = 0
         self.disk_tiers.pop(segment_id, None)
         self.disk_drops.pop(segment_id, None)
+        self.disk_wanted.pop(segment_id, None)
         for obj in list(self.objects.values()):
             on_disk = obj.disk is not None and obj.disk[0] == segment_id
             if on_disk:

@@ -105,9 +105,9 @@ def test_a_gva_resolves_only_inside_an_object_described_in_this_session():
     assert a and b and a >> 56 == 0x01 and a & ((1 << 42) - 1) == HEADER_BYTES
     o, start = book.resolve(a + 600, 400)
     assert (o.key, start) == ("a", 600)
-    for gva, n in ((a + 600, 401), (a - 1, 1), (b + (1 << 42), 10), (a | 12345, 1), (0, 1), (a, 0)):
+    for addr, n in ((a + 600, 401), (a - 1, 1), (b + (1 << 42), 10), (a | 12345, 1), (0, 1), (a, 0)):
         with pytest.raises(InvalidParameter):
-            book.resolve(gva, n)
+            book.resolve(addr, n)
     with pytest.raises(StateMismatch):
         book.resolve(12345, 1)                                     # no session's tag
     with pytest.raises(StateMismatch):
