@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Any, TypeVar
 
-from . import tls
+from . import ascend_keys, tls
 from .errors import ConfigError
 from .values import FALSE_WORDS as FALSE_WORDS  # re-exported: integrations and tests import them from here
 from .values import TRUE_WORDS as TRUE_WORDS
@@ -77,6 +77,9 @@ class MetaConfig:
     """debug, info, warning or error."""
     log_path: str = ""
     """Directory for the log file; empty logs to stderr."""
+    log_output_target: str = ""
+    """Where the MetaService logs: ``file`` (under ``log_path``, which it then needs), ``stdout`` or
+    ``stderr``; empty: ``file`` when ``log_path`` is set, else ``stderr``."""
     log_rotation_file_size: int = 20
     """MB per log file (under ``log_path``) before it is rotated, in [1, 10240]."""
     log_rotation_file_count: int = 50
@@ -165,6 +168,10 @@ class MetaConfig:
             if self.ha_lease_ttl_ms % 1000:
                 raise ConfigError(f"ha_lease_ttl_ms: etcd leases count whole seconds; got {self.ha_lease_ttl_ms}")
         _check_log_level(self.log_level)
+        if self.log_output_target not in ("", "file", "stdout", "stderr"):
+            raise ConfigError(f"log_output_target: expected file, stdout or stderr, got {self.log_output_target!r}")
+        if self.log_output_target == "file" and not self.log_path:
+            raise ConfigError("log_output_target: 'file' needs log_path (the directory of the log file)")
         _check_range("log_rotation_file_size", self.log_rotation_file_size, 1, 10240)
         _check_range("log_rotation_file_count", self.log_rotation_file_count, 1, 1000)
         _check_range("evict_threshold_high", self.evict_threshold_high, 1, 100)
@@ -429,7 +436,8 @@ def apply_dict(cfg: C, values: dict[str, Any], source: str = "config", strict: b
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
     names = {f.name for f in dataclasses.fields(cfg)}
-    unknown = sorted(k for k in values if k not in names)
+    setting = lambda name: values.get(name, getattr(cfg, name, None))  # noqa: E731 - the value it will have
+    unknown = sorted(k for k, v in values.items() if k not in names and not ascend_keys.check(k, v, setting))
     if unknown:
         what = "; ".join(_unknown_key(k, names) for k in unknown)
         refuse = strict if strict is not None else strict_from_env()

@@ -60,8 +60,10 @@ def run_from_file(path: str) -> int:
         logging.getLogger("memcache_core").error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         return 1
-    configure_logging(config.log_level, config.log_path, "meta_service",
-                      config.log_rotation_file_size, config.log_rotation_file_count)
+    configure_logging(config.log_level, "" if config.log_output_target in ("stdout", "stderr") else config.log_path,
+                      "meta_service",
+                      config.log_rotation_file_size, config.log_rotation_file_count,
+                      stdout=config.log_output_target == "stdout")
     if MetaService.setup(config) != 0:
         return 1
     return 0 if MetaService.main() == 0 else 1

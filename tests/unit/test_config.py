@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import logging.handlers
+from typing import Any
 
 import pytest
 
@@ -185,3 +186,45 @@ def test_transfer_engine_nixl_without_the_package_is_a_config_error(monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nixl" else real(name, *a))
     with pytest.raises(ConfigError, match=r"transfer_engine: 'nixl' needs the nixl package \(pip install --no-deps"):
         LocalConfig(transfer_engine="nixl")
+
+
+@pytest.mark.parametrize(("cls", "key", "value"), [
+    (MetaConfig, "lru_type", "lfu"), (MetaConfig, "evict_yield_enable", True), (MetaConfig, "evict_yield_interval_ms", 5),
+    (MetaConfig, "tag_op_info", True), (LocalConfig, "hcom_tls_enable", True), (LocalConfig, "kv_events_enable", True),
+    (MetaConfig, "kv_events_replay_endpoint", "tcp://127.0.0.1:5558"), (LocalConfig, "log_output_target", "syslog"),
+    (MetaConfig, "config_store_tls_enable", True), (MetaConfig, "config_store_tls_ca_path", "/x/ca.pem"),
+    (MetaConfig, "config_store_tls_bogus", 1),
+])
+def test_memcache_hybrid_keys_without_a_setting_here_are_refused_with_why(cls, key, value):
+    """Scenario: a 1.3.0 key asking for a behaviour this pool lacks fails at start-up, naming the key
+    and why; the configuration is left as it was."""
+    cfg: Any = cls() if cls is MetaConfig else LocalConfig(protocol="host_shm")
+    before = dataclasses.asdict(cfg)
+    with pytest.raises(ConfigError, match=f"^{key}: .*(here|differs|TLS setting)"):
+        apply_dict(cfg, {key: value})
+    assert dataclasses.asdict(cfg) == before
+
+
+def test_memcache_hybrid_keys_asking_for_what_is_done_here_are_accepted(caplog):
+    with caplog.at_level(logging.WARNING):
+        apply_dict(MetaConfig(), {"lru_type": "LRU", "evict_yield_enable": False, "tag_op_info": 0,
+                                  "config_store_tls_enable": False, "log_output_target": "stdout"})
+        apply_dict(LocalConfig(protocol="host_shm"), {"hcom_tls_enable": "false", "log_output_target": "file"})
+    assert caplog.text == ""   # neither refused nor warned about as unknown
+    assert apply_dict(MetaConfig(), {"log_output_target": "stderr"}).log_output_target == "stderr"
+    with pytest.raises(ConfigError, match="log_output_target: 'file' needs log_path"):
+        apply_dict(MetaConfig(), {"log_output_target": "file"})
+    with pytest.raises(ConfigError, match="log_output_target: expected"):
+        apply_dict(MetaConfig(), {"log_output_target": "syslog"})
+
+
+def test_log_output_target_stdout_logs_to_stdout():
+    import sys
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("info", "", "meta_service", stdout=True)
+        assert isinstance(root.handlers[0], logging.StreamHandler) and root.handlers[0].stream is sys.stdout
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
