@@ -215,3 +215,19 @@ def test_many_threads_share_one_agent(stores, meta):
         assert _paths(store).get("nixl/write") == 40 * size
     finally:
         store.close()
+
+
+def test_gva_layer_copies_cross_hosts_through_nixl(stores):
+    """Scenario: the GVA path across hosts: A (host a) saves blocks layer by layer into P's segment
+    (host p), B (host b) loads them layer by layer, byte-exact; the layer copies move through NIXL
+    (A's finish reads each object back and writes it whole with its checksum through its own scratch
+    buffer, which is not registered: that goes over TCP)."""
+    nixl_store(stores, "p", dram_size="64MB")
+    a, b = (nixl_store(stores, h, init_bm=False) for h in "ab")
+    keys = [f"nixl-gva-{i}" for i in range(4)]
+    saved = a("gva_save", keys=keys, layout=DSR1_LAYOUT)
+    assert saved["copies"] == [0] * len(DSR1_LAYOUT) and saved["finish"] == [0] * 4
+    got = b("gva_load", keys=keys, layout=DSR1_LAYOUT)
+    assert got["copies"] == [0] * len(DSR1_LAYOUT) and got["mismatches"] == []
+    assert a("paths")["nixl/write"] >= 4 * sum(DSR1_LAYOUT)
+    assert b("paths")["nixl/read"] >= 4 * sum(DSR1_LAYOUT) and not b("paths").get("host_tcp/read")
