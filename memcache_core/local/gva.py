@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -153,6 +153,7 @@ class Gva(Membership):
     """``LocalService``'s GVA path (a mixin)."""
 
     _gva_book: GvaBook | None
+    _replica_order: Callable[[list[p.Location]], list[p.Location]]   # reads.py: nearest replica first
 
     def _book(self) -> GvaBook:
         s = self.session
@@ -193,8 +194,8 @@ class Gva(Membership):
                 book.forget([k])
                 out.append((None, []))
                 continue
-            locs = self._replica_order(f.locations) if len(f.locations) > 1 else f.locations  # type: ignore[attr-defined]
-            f.locations = list(locs)
+            f.locations = self._replica_order(f.locations)
+            locs = f.locations
             out.append((f, book.add([GvaObject(k, f.generation, loc.segment_id, loc.offset, f.size, pending)
                                      for loc in locs])))
         return out

@@ -106,7 +106,7 @@ class Worker:
         finish = self.store.batch_write_finish(keys, results or [0] * len(keys))
         return {"alloc": alloc, "gvas": gvas, "copies": copies, "finish": finish}
 
-    def gva_load(self, keys: list[str], layout: list[int], lease_ms: int = 0, layers: bool = False,
+    def gva_load(self, keys: list[str], layout: list[int], lease_ms: int = 60_000, layers: bool = False,
                  unlease: bool = True) -> dict:
         """The GVA path's load: info, lease, one ``batch_copy`` per layer (or one ``batch_copy_layers``
         of every piece), unlease; keys read with code 0 whose bytes differ are ``mismatches``."""
@@ -150,7 +150,7 @@ class Worker:
         if op == "gva_save":
             return self.gva_save(cmd["keys"], cmd["layout"], cmd.get("results"))
         if op == "gva_load":
-            return self.gva_load(cmd["keys"], cmd["layout"], cmd.get("lease_ms", 0), cmd.get("layers", False),
+            return self.gva_load(cmd["keys"], cmd["layout"], cmd.get("lease_ms", 60_000), cmd.get("layers", False),
                                  cmd.get("unlease", True))
         if op == "gva_copy":
             return self.gva_copy(cmd["gvas"], cmd["size"], cmd["direct"], cmd.get("fill", 0))

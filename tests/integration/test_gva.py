@@ -75,7 +75,7 @@ def test_misuse_returns_a_code_and_corrupts_nothing(pool):
     assert b("gva_copy", gvas=[b_done], size=1024, direct=H2G, fill=0x55)["code"] == STATE_MISMATCH
     assert b("gva_copy", gvas=[b_done], size=1024, direct=G2H)["code"] == STATE_MISMATCH   # no lease
     assert b("gva_copy", gvas=[done], size=64, direct=G2H)["code"] in (INVALID_PARAM, STATE_MISMATCH)  # A's GVA
-    assert b("call", method="batch_add_lease", args=[["m-done"], 0])["result"] == [0]
+    assert b("call", method="batch_add_lease", args=[["m-done"], 60_000])["result"] == [0]
     leased = b("gva_copy", gvas=[b_done], size=1024, direct=G2H, fill=0xEE)
     assert leased["code"] == 0 and leased["values"] != [0xEE]
     assert b("call", method="batch_remove_lease", args=[["m-done"]])["result"] == 0
@@ -144,7 +144,7 @@ def test_objects_of_a_writer_that_dies_or_never_finishes_are_reclaimed():
     """Scenario: A allocates and writes half the layers of one object, then dies (kill -9); C
     allocates another and never finishes it. Neither is ever visible; each key is taken until its
     writer is declared dead or its pending deadline passes, then B writes and reads them byte-exact."""
-    with running_meta_service(heartbeat_timeout_ms=1500, pending_timeout_ms=3000) as ms, \
+    with running_meta_service(heartbeat_timeout_ms=1500, pending_timeout_ms=6000) as ms, \
             started(lambda **cfg: StoreProcess(ms, **cfg), StoreProcess.stop) as start:
         start()
         a, b, c = (start(init_bm=False) for _ in range(3))
