@@ -12,7 +12,7 @@ Invariants:
 * A move reserves its target space (allocated, not in the table): until the owner reports, the object
   is readable at its source only. Targets: segments that take new objects, hold no replica of the
   object and stay under the high-water mark (no eviction); hosts holding no replica first, then
-  the most free ratio (``placement.copy_target``).
+  ``spread`` order: the freer by ratio of two random picks (``placement.copy_target``).
 * A move commits only if the object is still the one planned (same generation, the same source and
   target segments, the target's owner still heartbeating) and the bytes the owner copied have the committed checksum. Then the target
   replaces the source among the object's locations, with a new generation and the carried checksum,

@@ -14,6 +14,10 @@
 The writer's ``preferredLocalServiceIDs`` come before all of these (``ObjectTable.alloc`` takes them
 first). Replicas beyond the first go, in this order, to segments on other hosts first.
 The random source is the MetaService's own, seeded from the OS, never an application's ``random``.
+
+Copies (a drain's moves, re-replication) go to the segments that may take them in ``spread`` order
+too, drawn from the OS's random source: two providers that join empty share the copies about
+evenly, instead of the first one to join taking them all (one later loss would then lose them all).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping
 from ..layout import footprint
 from .allocator import aligned
 from .table import Obj, ObjectTable, Segment
+
+COPY_RNG = random.SystemRandom()   # the OS's random source: no application can seed it
 
 
 def free_ratio(seg: Segment) -> float:
@@ -65,21 +71,19 @@ def order(policy: str, segments: Mapping[int, Segment], own: int | None, rng: ra
 
 
 def copy_takers(table: ObjectTable, now: float) -> list[Segment]:
-    """The segments that may take a copy now (they take new objects), the most free ratio first."""
-    segs = [s for s in table.segments.values() if s.alloc_after <= now and s.allocator.size]
-    segs.sort(key=free_ratio, reverse=True)
-    return segs
+    """The segments that may take a copy now (they take new objects)."""
+    return [s for s in table.segments.values() if s.alloc_after <= now and s.allocator.size]
 
 
 def copy_target(table: ObjectTable, obj: Obj, avoid: set[int], answering: Callable[[int, float], bool],
-                now: float, replacing: int | None = None,
-                takers: list[Segment] | None = None) -> tuple[Segment, int] | bool:
+                now: float, replacing: int | None = None, takers: list[Segment] | None = None,
+                rng: random.Random = COPY_RNG) -> tuple[Segment, int] | bool:
     """Space for one more copy of a committed object (a drain's move, a repair's new replica), never
     by eviction: in one of the ``takers`` (default: ``copy_takers``) that holds no replica of it, is
     not in ``avoid``, stays under the high-water mark and whose owner answers; hosts holding no
-    replica first (``replacing``: the replica the copy replaces, whose host does not count). Returns
-    (segment, offset); else True when only segments whose owners are silent right now have room
-    (wait for them), False when none has."""
+    replica first (``replacing``: the replica the copy replaces, whose host does not count), each
+    group in ``spread`` order (freer by ratio, with randomness). Returns (segment, offset); else True
+    when only segments whose owners are silent right now have room (wait for them), False when none has."""
     need = aligned(footprint(obj.size))
     holders = {loc.segment_id for loc in obj.locations}
     hosts = {table.segments[s].info.host_id for s in holders if s in table.segments and s != replacing}
@@ -90,7 +94,7 @@ def copy_target(table: ObjectTable, obj: Obj, avoid: set[int], answering: Callab
         if sid not in holders and sid not in avoid and s.allocator.used + need <= table.high * s.allocator.size:
             (then if s.info.host_id in hosts else first).append(s)
     silent = False
-    for s in (*first, *then):
+    for s in itertools.chain(_spread_list(first, rng), _spread_list(then, rng)):
         if not answering(s.info.segment_id, now):   # a loaded host's heartbeat, or a dead owner
             silent = True
             continue
@@ -98,3 +102,8 @@ def copy_target(table: ObjectTable, obj: Obj, avoid: set[int], answering: Callab
         if off is not None:
             return s, off
     return silent
+
+
+def _spread_list(segs: list[Segment], rng: random.Random) -> Iterator[Segment]:
+    by_id = {s.info.segment_id: s for s in segs}
+    return (by_id[sid] for sid in spread(by_id, rng))

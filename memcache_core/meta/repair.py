@@ -13,7 +13,8 @@ Invariants:
 * A copy comes from a holder whose owner answers and whose segment is not being drained (the drain
   moves that replica; the object is repaired from where it lands). It goes to space reserved by
   ``placement.copy_target``: a segment that takes new objects, holds no replica, stays under the
-  high-water mark (a repair never evicts), hosts without a replica first.
+  high-water mark (a repair never evicts), hosts without a replica first, then in ``spread`` order
+  (freer by ratio, with randomness from the OS: never all onto the first segment to join).
 * The copy carries the object's own generation and checksum in its header: it is a replica, so a
   MetaService restarted later recovers it as one.
 * A copy is added only if the object is still the one planned (committed, same generation, the

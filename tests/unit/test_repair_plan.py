@@ -248,3 +248,20 @@ def test_a_copy_no_longer_needed_when_reported_is_not_added():
     assert pool.holders("k") == [1, 2]
     assert pool.done(1, b) == [errors.STATE_MISMATCH]
     assert pool.holders("k") == [1, 2] and pool.t.segments[3].allocator.used == 0
+
+
+def test_copies_are_spread_over_two_empty_providers_not_all_put_on_the_first_to_join():
+    """Scenario: 200 objects lose one of their two replicas; two empty providers (joined one after
+    the other, so the first is first in every listing) are the only segments that can take copies.
+    Each takes about half the copies: a later loss of both holders of one object stays a minority,
+    where "most free ratio first, first joined wins ties" sent all 200 to one provider."""
+    pool = Pool("abcd", mb=400)
+    keys = [f"k{i}" for i in range(200)]
+    for k in keys:
+        pool.put(k, [1, 2])
+    pool.t.drop_segment(2)
+    assert pool.t.under_replicated == 200
+    pool.r.housekeeping(0.5)
+    targets = [c.target.info.segment_id for c in pool.r.copies.values()]
+    assert len(targets) == 200 and set(targets) == {3, 4}
+    assert abs(targets.count(3) - targets.count(4)) <= 20, targets   # freer-of-two: near even
