@@ -5,7 +5,8 @@ which the older ``etcd3`` package needs and breaks with. It is imported only whe
 ``ha`` extra). Each call tries the endpoints in turn, starting with the last one that answered.
 
 Keys of one pool, under ``/memcache/<cluster_id>/``: ``leader`` (leased by the leader; its value is
-the leader's URLs, its create revision the leader's term) and ``config/<key>`` (the config store).
+the leader's URLs, its create revision the leader's term), ``config/<key>`` (the config store) and
+``generations`` (the ceiling generations are issued below, ``meta/generations.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ T = TypeVar("T")
 
 def leader_key(cluster_id: str) -> str:
     return f"/memcache/{cluster_id}/leader"
+
+
+def generations_key(cluster_id: str) -> str:
+    return f"/memcache/{cluster_id}/generations"
 
 
 def config_prefix(cluster_id: str) -> str:

@@ -74,6 +74,7 @@ class Join(msgspec.Struct, tag=True):
     objects: list[ObjectReport] = []
     token: bytes = b""             # the member token of the id proposed, when re-joining a live member
     disk_objects: list[ObjectReport] = []   # records in the member's disk tier (``offset`` unused)
+    generation_ceiling: int = 0    # the highest generation ceiling this member heard (meta/generations.py)
 
 
 class Leave(msgspec.Struct, tag=True):
@@ -131,6 +132,15 @@ class Remove(msgspec.Struct, tag=True):
 
 class RemoveAll(msgspec.Struct, tag=True):
     pass
+
+
+class Confirmed(msgspec.Struct, tag=True):
+    """Have the owners cleared the headers of what a remove took out of their segments? Each entry is
+    a ``Codes.confirm`` triple (segment id, the segment's serial, journal seq); answered with ``Flags``,
+    or an error when ``epoch`` (the ``Codes``') is not the MetaService's now (it restarted meanwhile)."""
+
+    epoch: int
+    journal: list[tuple[int, int, int]]
 
 
 class RemovePrefix(msgspec.Struct, tag=True):
@@ -282,7 +292,7 @@ MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt", 
                    "RepairNext", "RepairDone", "DiskSync", "Promote", "Promoted", "Info", "Lease", "Grant")
 
 Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
-           | RemoveAll | RemovePrefix | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
+           | RemoveAll | RemovePrefix | Confirmed | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
            | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant)
 
 
@@ -311,6 +321,7 @@ class Joined(_Reply):
     lease_ttl_ms: int
     pending_timeout_ms: int
     token: bytes = b""             # the member's token: requests acting as this member must carry it
+    generation_ceiling: int = 0    # generations are issued at or below it (the member carries it)
 
 
 class HeartbeatReply(_Reply):
@@ -320,6 +331,7 @@ class HeartbeatReply(_Reply):
     drain: bool = False            # the member's segment is being drained: it should copy its objects out
     repair: bool = False           # copies of objects in the member's segment are wanted elsewhere (RepairNext)
     disk_tiers: int = 0            # segments of the pool with a disk tier (none: no disk-held object to promote)
+    generation_ceiling: int = 0    # generations are issued at or below it (the member carries it)
 
 
 class DrainMove(msgspec.Struct, array_like=True, frozen=True):
@@ -376,6 +388,10 @@ class Granted(_Reply):
 
 class Codes(_Reply):
     codes: list[int]
+    # removes: (segment id, its serial, journal seq) per segment whose owner must clear headers; the
+    # remover waits until they have (``Confirmed``) so that a crash cannot bring the objects back
+    confirm: list[tuple[int, int, int]] = []
+    epoch: int = 0                 # removes: the MetaService's epoch (``Confirmed`` carries it)
 
 
 class Flags(_Reply):

@@ -62,6 +62,7 @@ class Membership:
     _segment_template: p.SegmentInfo | None
     _segments: dict[int, p.SegmentInfo]
     _journal_ack: int
+    generation_ceiling: int         # the highest the MetaService said it issues below: carried into a re-join
     pool_disk_tiers: int            # from the last heartbeat: segments of the pool with a disk tier
     _lock: threading.Lock
     _join_lock: threading.Lock
@@ -73,8 +74,9 @@ class Membership:
         old = self.session
         on_disk = self.disk.store.reports() if self.disk is not None else []
         reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
-                                     objects, old.token, on_disk), probe=True)
+                                     objects, old.token, on_disk, self.generation_ceiling), probe=True)
         j = expect(reply, p.Joined)
+        self.generation_ceiling = max(self.generation_ceiling, j.generation_ceiling)
         seg = None
         if self._segment_template is not None:
             seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
@@ -94,7 +96,11 @@ class Membership:
         interval = self.config.heartbeat_interval_ms / 1000.0
         timeout = min(self.config.client_timeout_seconds, max(1.0, 3 * interval))
         next_refresh = time.monotonic() + SEGMENT_REFRESH_S
-        while not self._stop.wait(interval):
+        # headers were just cleared: acknowledge at once (a remove waits for it), but never twice in a
+        # row (a steady stream of evictions must not turn the heartbeat into a busy loop)
+        ack_now = acked_now = False
+        while not self._stop.wait(0.0 if ack_now else interval):
+            acked_now, ack_now = ack_now, False
             try:
                 if self._segments and time.monotonic() >= next_refresh:
                     next_refresh = time.monotonic() + SEGMENT_REFRESH_S
@@ -108,7 +114,8 @@ class Membership:
                     self.metrics.rejoins.inc()
                     self._rejoin(s)
                     continue
-                self._apply_journal(r.journal)
+                self.generation_ceiling = max(self.generation_ceiling, r.generation_ceiling)
+                ack_now = self._apply_journal(r.journal) and not acked_now
                 self.drainer.on_heartbeat(r.drain)
                 self.drainer.on_repair(r.repair)
                 self.pool_disk_tiers = r.disk_tiers
@@ -135,14 +142,18 @@ class Membership:
             self._rejoin(s)
             return self.rpc.call(make(self.session))
 
-    def _apply_journal(self, journal: list[p.JournalEntry]) -> None:
-        """Objects of our segment that left the pool: clear their headers, so a scan skips them."""
+    def _apply_journal(self, journal: list[p.JournalEntry]) -> bool:
+        """Objects of our segment that left the pool: clear their headers, so a scan skips them.
+        True when there were new ones (the next heartbeat acknowledges them)."""
+        new = False
         for e in journal:
             if e.seq <= self._journal_ack:
                 continue
             if not e.added and self.segment is not None:
                 recovery.clear_header(self.segment, e.obj)
             self._journal_ack = e.seq
+            new = True
+        return new
 
     # ---- segments ------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CONFIRM_POLL_S = 0.005      # a remove asks whether the owners cleared the headers, first after this
+CONFIRM_POLL_MAX_S = 0.05   # and then at most this far apart
+
 
 class LocalService(Writes, Reads, Gva):
     def __init__(self, config: LocalConfig) -> None:
@@ -68,6 +72,7 @@ class LocalService(Writes, Reads, Gva):
         self.engine: TransferEngine | None = None
         self._segments: dict[int, p.SegmentInfo] = {}
         self._journal_ack = 0
+        self.generation_ceiling = 0
         self.pool_disk_tiers = 0
         self._sample = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._lock = threading.Lock()
@@ -212,18 +217,46 @@ class LocalService(Writes, Reads, Gva):
         for k in keys:
             check_key(k)
         self.hints.forget(keys)
-        return expect(self.rpc.call(p.Remove(list(keys))), p.Codes).codes
+        r = expect(self.rpc.call(p.Remove(list(keys))), p.Codes)
+        if self._confirmed(r):
+            return r.codes
+        return [errors.META_NOT_CONNECTED if c == errors.SUCCESS else c for c in r.codes]
 
     def remove_prefix(self, prefix: str) -> int:
         if not isinstance(prefix, str) or not prefix:
             raise InvalidParameter("remove_by_prefix: the prefix must be a non-empty string")
         check_key(prefix)
         self.hints.forget()
-        return expect(self.rpc.call(p.RemovePrefix(prefix)), p.Codes).codes[0]
+        r = expect(self.rpc.call(p.RemovePrefix(prefix)), p.Codes)
+        return r.codes[0] if self._confirmed(r) else errors.META_NOT_CONNECTED
 
     def remove_all(self) -> int:
         self.hints.forget()
-        return expect(self.rpc.call(p.RemoveAll()), p.Codes).codes[0]
+        r = expect(self.rpc.call(p.RemoveAll()), p.Codes)
+        return r.codes[0] if self._confirmed(r) else errors.META_NOT_CONNECTED
+
+    def _confirmed(self, reply: p.Codes) -> bool:
+        """Wait until the owners of the removed objects have cleared their headers (they do on their
+        next heartbeat), so that no MetaService crash after we return can bring the objects back
+        (docs/design.md, "Failure of the MetaService"). An owner declared dead meanwhile counts as
+        confirmed: its re-join's reports of them are refused. False when the MetaService restarted or
+        became unreachable first, or ``client_timeout_seconds`` passed: the removal may be undone."""
+        waiting, delay = reply.confirm, CONFIRM_POLL_S
+        deadline = time.monotonic() + self.config.client_timeout_seconds
+        while waiting:
+            if time.monotonic() + delay > deadline:
+                logger.warning("remove: %d owners did not confirm within %gs", len(waiting),
+                               self.config.client_timeout_seconds)
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, CONFIRM_POLL_MAX_S)
+            try:
+                flags = expect(self.rpc.call(p.Confirmed(reply.epoch, waiting), idempotent=True), p.Flags).flags
+            except MemCacheError as e:
+                logger.warning("remove: could not learn whether the owners cleared the removed objects: %s", e)
+                return False
+            waiting = [j for j, ok in zip(waiting, flags, strict=True) if not ok]
+        return True
 
     # ---- tiers: memcache_hybrid's evict / prefetch ------------------------------------------------------
 

@@ -11,6 +11,8 @@ win. Standbys, and a leader past that deadline, answer every control request wit
 reply carries the term, and clients refuse replies of an older term (``rpc/client.py``). A MetaService that
 wins starts from an empty table (a new epoch): the LocalServices re-join and report their objects,
 as after a restart. The config store lives in etcd (``config/<key>``), read back on winning.
+Generations are reserved in etcd (``generations``, compare-and-swap: ``GenerationReservation``), so a
+new leader issues above every generation an earlier leader could issue (``meta/generations.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig, parse_etcd_endpoints
-from ..etcd import Etcd, config_prefix, leader_key
+from ..etcd import Etcd, config_prefix, generations_key, leader_key
+from .generations import BLOCK
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore
@@ -150,6 +153,41 @@ class LeaderElection:
             pass
 
 
+class GenerationReservation:
+    """The table's ``reserve`` under HA: each block of generations is reserved in etcd before any of
+    it is issued. One per term: its first reservation starts above whatever is stored (an earlier
+    leader's ceiling), the later ones continue its own; a swap that finds another value (another
+    leader reserved meanwhile) fails, and so does the alloc that needed it."""
+
+    def __init__(self, etcd: Etcd, cluster_id: str) -> None:
+        self.etcd = etcd
+        self.key = generations_key(cluster_id)
+        self._mine: bytes | None = None     # the value this term last wrote
+
+    def __call__(self, last: int, ceiling: int) -> tuple[int, int]:
+        got = self.etcd.read(self.key)
+        stored = got[0] if got is not None else None
+        if self._mine is not None and stored != self._mine:
+            raise _taken()
+        if stored is not None and self._mine is None:   # this term's first block: above every earlier one
+            try:
+                last = max(last, int(stored))
+            except ValueError as e:
+                raise errors.MetaServiceUnavailable(f"etcd key {self.key} holds {stored!r}, not a "
+                                                    "generation; delete it to let the leader reserve again") from e
+        new = str(max(last, ceiling) + BLOCK).encode()
+        ok = self.etcd.call(lambda c: c.create(self.key, new) if stored is None else c.replace(self.key, stored, new))
+        if not ok:
+            raise _taken()
+        self._mine = new
+        return last, int(new)
+
+
+def _taken() -> errors.MetaServiceUnavailable:
+    return errors.MetaServiceUnavailable("another MetaService reserved generations meanwhile: this one is no "
+                                         "longer the leader")
+
+
 def _lease(client: Any, lease_id: int) -> Any:
     from etcd3gw import Lease  # type: ignore[import-untyped]
     return Lease(lease_id, client)
@@ -160,6 +198,8 @@ def reset(core: MetaServiceCore, election: LeaderElection, won: bool) -> None:
     the config store is read back from etcd first (a failure there aborts the win)."""
     from .service import new_epoch
     table = core.fresh_table()
+    if won:
+        table.reserve = GenerationReservation(election.etcd, election.config.ha_cluster_id)
     store = election.load_config() if won else {}
     with core.lock:
         core.epoch, core.table, core.members = new_epoch(), table, {}

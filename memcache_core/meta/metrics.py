@@ -38,6 +38,8 @@ COUNTERS = (   # (metric name, Counters field, help)
      "Evictions that kept the object on its provider's disk tier (its DRAM copies were freed)."),
     ("disk_drops_total", "disk_drops",
      "Disk-only objects gone for good (their tier dropped the record: full, or it failed its checksum)."),
+    ("superseded_total", "superseded",
+     "Objects dropped on recovery because a re-joining member reported a newer generation of the key."),
     ("disk_hits_total", "disk_hits", "Lookups that found the object on a disk tier only."),
     ("promotions_total", "promotions", "Disk-only objects brought back into DRAM (repeated hits, prefetch)."),
 )

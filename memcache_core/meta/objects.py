@@ -206,6 +206,8 @@ class Segment:
         self.lru = Lru(info.segment_id, objects)   # committed objects here, least recent first
         self.journal: list[JournalEntry] = []
         self.journal_seq = 0
+        self.acked = 0                  # the owner has applied the journal up to here (cleared those headers)
+        self.serial = 0                 # this incarnation of the segment (``ObjectTable.add_segment``)
         self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
 
     def record_removed(self, report: ObjectReport) -> None:
@@ -216,6 +218,7 @@ class Segment:
             del self.journal[: len(self.journal) - MAX_JOURNAL]
 
     def journal_since(self, ack: int) -> list[JournalEntry]:
+        self.acked = max(self.acked, min(ack, self.journal_seq))
         if self.journal and self.journal[0].seq <= ack:
             keep = next((i for i, e in enumerate(self.journal) if e.seq > ack), len(self.journal))
             del self.journal[:keep]
@@ -234,6 +237,7 @@ class Counters:
     alloc_failures: int = 0
     pending_reclaimed: int = 0
     integrity_failures: int = 0
+    superseded: int = 0             # objects dropped because a re-joining member held a newer generation
     evictions_to_disk: int = 0      # evictions that kept the object on its disk tier
     disk_drops: int = 0             # disk-only objects gone for good (their tier dropped the record)
     disk_hits: int = 0              # lookups that found an object on disk only

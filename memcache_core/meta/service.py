@@ -23,7 +23,7 @@ import msgspec
 from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig
-from . import disk, gva, placement, stats, validate
+from . import disk, generations, gva, placement, stats, validate
 from .drain import Drains
 from .events import EventPublisher
 from .metrics import Metrics
@@ -35,18 +35,9 @@ from .table import Obj, ObjectTable
 
 logger = logging.getLogger(__name__)
 
-GENERATION_TICK_S = 0.01   # generations are (10 ms ticks since 2024) << 24 | counter: they grow across restarts
-_GEN_ORIGIN = 1_704_067_200.0
-
-
 def new_epoch() -> int:
     """A MetaService's epoch: random, so members tell a restarted (or newly elected) table apart."""
     return secrets.randbits(31) or 1
-
-
-def first_generation() -> int:
-    """A generation above every one a previous MetaService on this clock could have issued."""
-    return int((time.time() - _GEN_ORIGIN) / GENERATION_TICK_S) << 24
 
 
 @dataclasses.dataclass
@@ -92,7 +83,7 @@ class MetaServiceCore:
         """An empty table with this config (at start, and for a new HA leader's reset)."""
         c = self.config
         table = ObjectTable(c.evict_threshold_high, c.evict_threshold_low, c.lease_ttl_ms / 1000.0,
-                            c.pending_timeout_ms / 1000.0, first_generation())
+                            c.pending_timeout_ms / 1000.0, generations.clock_floor())
         if self.publisher is not None:
             table.listener = self._kv_event
         return table
@@ -130,13 +121,19 @@ class MetaServiceCore:
                 return p.Flags([t.validate(k, g) for k, g in zip(keys, gens, strict=True)])
             case p.Remove(keys=keys):
                 validate.batch(keys)
-                return p.Codes([t.remove(k, now) for k in keys])
+                return t.removing(lambda: [t.remove(k, now) for k in keys], self.epoch)
             case p.RemovePrefix(prefix=prefix):
                 if not prefix:
                     return p.Error(errors.INVALID_PARAM, "remove_by_prefix: the prefix is empty")
-                return p.Codes([t.remove_prefix(prefix, now)])
+                return t.removing(lambda: [t.remove_prefix(prefix, now)], self.epoch)
             case p.RemoveAll():
-                return p.Codes([t.remove_all(now)])
+                return t.removing(lambda: [t.remove_all(now)], self.epoch)
+            case p.Confirmed(epoch=epoch, journal=journal):
+                validate.confirmed(journal)
+                if epoch != self.epoch:
+                    return p.Error(errors.META_NOT_CONNECTED, f"the MetaService restarted (epoch {self.epoch}, "
+                                                             f"not {epoch}) before the owners confirmed a remove")
+                return p.Flags([t.confirmed(*j) for j in journal])
             case p.Demote(keys=keys):
                 validate.batch(keys)
                 return p.Codes(disk.demote(t, keys, now))
@@ -266,6 +263,8 @@ class MetaServiceCore:
 
     def _join(self, req: p.Join, now: float) -> p.Reply:
         cid = self._issue_id(req)
+        # generations issued from now on are above every one this member heard of (meta/generations.py)
+        self.table.bump_generation(req.generation_ceiling)
         if cid in self.members:
             self._drop_member(cid, "re-joined")
         seg_id = None
@@ -277,7 +276,7 @@ class MetaServiceCore:
             # re-joined segment until such a lease would have ended.
             grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects else 0.0
             refused = self.table.add_segment(info, req.objects, alloc_after=grace,
-                                             recovering=self.repairs.settling(now))
+                                             recovering=self.repairs.settling(now), now=now)
             seg = self.table.segments[seg_id]
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)
@@ -293,7 +292,8 @@ class MetaServiceCore:
         token = secrets.token_bytes(16)
         self.member_events["joins"] += 1
         self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token)
-        return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token)
+        return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token,
+                        generation_ceiling=self.table.gen_ceiling)
 
     def _heartbeat(self, cid: int, token: bytes, ack: int, now: float) -> p.Reply:
         m = self.members.get(cid)
@@ -304,7 +304,8 @@ class MetaServiceCore:
         if m.segment_id is not None:
             journal = self.table.segments[m.segment_id].journal_since(ack)
         return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id),
-                                repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers))
+                                repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers),
+                                generation_ceiling=self.table.gen_ceiling)
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""

@@ -30,12 +30,15 @@ from typing import Any
 
 from .. import errors
 from ..layout import footprint
-from ..protocol import Found, Location, ObjectReport, SegmentInfo
+from ..protocol import Codes, Found, Location, ObjectReport, SegmentInfo
+from . import generations
 from .allocator import Allocator, aligned
 from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
 from .space import Space
 
 logger = logging.getLogger(__name__)
+
+MAX_UNCONFIRMED_SEGMENTS = 1024   # dead segments whose unconfirmed removals are kept (oldest forgotten first)
 
 
 class _Drawn:
@@ -75,7 +78,15 @@ class ObjectTable(Space):
         # committed objects with fewer replicas than asked for, in the order re-replication visits them
         self.under: collections.OrderedDict[str, Obj] = collections.OrderedDict()
         self.listener: Callable[[bool, Obj], None] | None = None   # (stored?, object): KV events
-        self._next_gen = first_generation
+        self._next_gen = first_generation   # the last generation issued (or seen in a report)
+        # generations are issued at or below a ceiling reserved ahead (``meta/generations.py``): in
+        # memory without HA (members carry it), in etcd with HA (``ha.GenerationReservation``)
+        self.gen_ceiling = 0
+        self.serials = 0   # segments added so far: each gets the next (``confirmed`` tells incarnations apart)
+        self.reserve: Callable[[int, int], tuple[int, int]] = generations.in_memory
+        # segment id -> {(key, offset): generation} of removals the owner had not confirmed (cleared the
+        # header) when its segment left the table: if it re-joins with them, they are refused
+        self.unconfirmed: collections.OrderedDict[int, dict[tuple[str, int], int]] = collections.OrderedDict()
         self.disk_tiers: dict[int, Any] = {}          # segment id -> meta.disk.DiskTier
         self.disk_drops: dict[int, list[ObjectReport]] = {}   # records each tier should delete
         self.disk_wanted: dict[int, list[ObjectReport]] = {}  # records each tier should promote (meta/disk.py)
@@ -86,21 +97,38 @@ class ObjectTable(Space):
     # ---- segments -------------------------------------------------------------------------------
 
     def add_segment(self, info: SegmentInfo, reports: Iterable[ObjectReport] = (),
-                    alloc_after: float = 0.0, recovering: bool = True) -> list[ObjectReport]:
+                    alloc_after: float = 0.0, recovering: bool = True, now: float = 0.0) -> list[ObjectReport]:
         """Add a segment (with the objects its owner reports after a MetaService restart, or after it
         was declared dead and re-joins).
 
+        The newest generation of a key wins, whatever order the members re-join in (generations
+        order writes across MetaService lifetimes and leader terms: ``meta/generations.py``):
+        * a report of the table's generation (and size) is one more replica of that object;
+        * a report of a newer generation than the table's committed object means the key was
+          written again after that object (a remove and a re-put the other holder never heard of):
+          the table's object is dropped (its owners are told to forget it, its space is freed once
+          its lease ends) and the report is taken;
+        * a report of an older generation, or of a key whose put is in flight, is refused.
         ``recovering``: the table is being rebuilt from the members' reports (a MetaService start):
         every replica reported counts. Otherwise a copy of an object that already holds as many
         replicas as asked for (re-replication replaced it meanwhile) is surplus and refused.
-        Returns the reports that were refused (the key now means another object, or surplus).
+        A report that matches a removal this segment's owner had not confirmed when it was declared
+        dead (``unconfirmed``) is refused: that object was removed.
+        Returns the reports that were refused (their owner is told to forget them).
         """
         accepted: list[tuple[ObjectReport, Obj | None]] = []
         refused: list[ObjectReport] = []
+        older: list[Obj] = []     # the table's objects that a newer report replaces
+        removed = self.unconfirmed.pop(info.segment_id, {})
         for r in reports:
             cur = self.objects.get(r.key)
-            if cur is None or (cur.committed and cur.generation == r.generation and cur.size == r.size
-                               and (recovering or len(cur.locations) < cur.replicas)):
+            if removed.get((r.key, r.offset)) == r.generation:
+                refused.append(r)
+            elif cur is not None and cur.committed and r.generation > cur.generation:
+                older.append(cur)
+                accepted.append((r, None))
+            elif cur is None or (cur.committed and cur.generation == r.generation and cur.size == r.size
+                                 and (recovering or len(cur.locations) < cur.replicas)):
                 accepted.append((r, cur))
             else:
                 refused.append(r)
@@ -111,7 +139,14 @@ class ObjectTable(Space):
                          info.segment_id, e)
             alloc, refused, accepted = Allocator(info.size), [r for r, _ in accepted] + refused, []
         seg = Segment(info, alloc, self.objects, alloc_after)
+        self.serials += 1
+        seg.serial = self.serials
         self.segments[info.segment_id] = seg
+        for obj in older if accepted else ():
+            logger.info("segment %d reports a newer generation of %r than the table's %d: that older "
+                        "object is dropped", info.segment_id, obj.key, obj.generation)
+            self.counters.superseded += 1
+            self._unlink(obj, now)
         for r, cur in accepted:
             loc = Location(info.segment_id, r.offset)
             if cur is None:
@@ -133,6 +168,11 @@ class ObjectTable(Space):
         if seg is None:
             return 0
         lost = 0
+        gone = {(e.obj.key, e.obj.offset): e.obj.generation for e in seg.journal if not e.added}
+        if gone:   # removals its owner never confirmed: refused if it re-joins with them (``add_segment``)
+            self.unconfirmed[segment_id] = gone
+            while len(self.unconfirmed) > MAX_UNCONFIRMED_SEGMENTS:
+                self.unconfirmed.popitem(last=False)
         self.disk_tiers.pop(segment_id, None)
         self.disk_drops.pop(segment_id, None)
         self.disk_wanted.pop(segment_id, None)
@@ -178,15 +218,15 @@ class ObjectTable(Space):
             segs = list(candidates)
             too_big = segs and all(aligned(size_in_segment) > s.allocator.size for s in segs)
             return (errors.OVER_CAPACITY if too_big else errors.OUT_OF_MEMORY), 0, []
-        self._next_gen += 1
+        gen = self._issue()
         locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
-        obj = PendingObj(key, pack(size, self._next_gen, 0, locs[0]), owner=client_id,
+        obj = PendingObj(key, pack(size, gen, 0, locs[0]), owner=client_id,
                          pending_deadline=now + self.pending_timeout_s)
         if len(locs) > 1 or replicas != 1:
             obj.more = Extra(replicas=replicas, rest=tuple(locs[1:]))
         self.objects[key] = obj
         self.pending += 1
-        return errors.SUCCESS, self._next_gen, locs
+        return errors.SUCCESS, gen, locs
 
     def commit(self, client_id: int, key: str, generation: int, now: float, checksum: int = 0) -> int:
         obj = self.objects.get(key)
@@ -352,6 +392,21 @@ class ObjectTable(Space):
             self._free_space(gone)
         self._mark(obj)
 
+    def removing(self, remove: Callable[[], list[int]], epoch: int) -> Codes:
+        """Run a removal; the reply names each segment whose owner must clear headers (``confirmed``)."""
+        before = {sid: seg.journal_seq for sid, seg in self.segments.items()}
+        codes = remove()
+        return Codes(codes, [(sid, seg.serial, seg.journal_seq) for sid, seg in self.segments.items()
+                             if seg.journal_seq != before.get(sid)], epoch)
+
+    def confirmed(self, segment_id: int, serial: int, seq: int) -> bool:
+        """Has the owner cleared the headers journaled up to ``seq`` (acknowledged them on a heartbeat)?
+        A segment no longer in the table (its owner left or was declared dead), or in it again after a
+        re-join, has nothing to wait for: a re-joining owner's reports of removed objects are refused
+        (``unconfirmed``)."""
+        seg = self.segments.get(segment_id)
+        return seg is None or seg.serial != serial or seg.acked >= seq
+
     def remove_all(self, now: float) -> int:
         keys = [k for k, o in self.objects.items() if o.committed]
         for k in keys:
@@ -406,12 +461,19 @@ class ObjectTable(Space):
 
     def issue_generation(self) -> int:
         """A new generation, as an allocation gets (a drained object's copy at its new place)."""
-        self._next_gen += 1
-        return self._next_gen
+        return self._issue()
 
     def bump_generation(self, seen: int) -> None:
-        """Generations issued from now on are above ``seen`` (a reported object's)."""
-        self._next_gen = max(self._next_gen, seen + 1)
+        """Generations issued from now on are above ``seen`` (a reported object's, or the ceiling a
+        re-joining member heard from a previous MetaService)."""
+        self._next_gen = max(self._next_gen, seen)
+
+    def _issue(self) -> int:
+        """The next generation; the next block is reserved first when half of this one is used."""
+        if self._next_gen >= self.gen_ceiling - generations.BLOCK // 2:
+            self._next_gen, self.gen_ceiling = self.reserve(self._next_gen, self.gen_ceiling)
+        self._next_gen += 1
+        return self._next_gen
 
     def alloc_in(self, seg: Segment, size_in_segment: int, now: float) -> int | None:
         """Space in one segment, evicting if needed (a promotion from its owner's disk tier)."""

@@ -13,6 +13,7 @@ from .. import protocol as p
 from ..config import WILDCARD_HOSTS
 from ..errors import InvalidParameter, check_key, check_keys
 from ..layout import footprint
+from .generations import MAX_CARRIED
 
 MAX_U63 = (1 << 63) - 1
 MAX_U64 = (1 << 64) - 1
@@ -61,6 +62,7 @@ def join(req: p.Join) -> None:
     _int("client_id", req.client_id, 0, MAX_U63)
     _int("pid", req.pid, 0, (1 << 32) - 1)
     _text("host_id", req.host_id)
+    _int("generation_ceiling", req.generation_ceiling, 0, MAX_CARRIED)
     if req.segment is None:
         if req.objects or req.disk_objects:
             raise InvalidParameter("objects reported without a segment")
@@ -138,3 +140,12 @@ def grant(req: p.Grant) -> None:
         _int("segment", sid, 0, MAX_U63)
         _int("start", lo, 0, MAX_OBJECT_BYTES)
         _int("end", hi, 0, MAX_OBJECT_BYTES)
+
+
+def confirmed(journal: list[tuple[int, int, int]]) -> None:
+    if len(journal) > MAX_BATCH:
+        raise InvalidParameter(f"{len(journal)} journal positions asked about; at most {MAX_BATCH}")
+    for sid, serial, seq in journal:
+        _int("segment_id", sid, 0, MAX_U63)
+        _int("serial", serial, 0, MAX_U63)
+        _int("seq", seq, 0, MAX_U63)

@@ -1,7 +1,8 @@
 """A LocalService in its own process, driven by JSON lines on stdin (one answer line per command).
 
 Payloads are derived from the key (``pattern``), so any process can check any object byte for byte
-without the bytes travelling through the test.
+without the bytes travelling through the test; a put with a ``version`` derives them from the key and
+the version, and ``get_versions`` says which version each read returned.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import numpy as np
 
 from memcache_core import G2H, H2G, DistributedObjectStore, LocalConfig, ReplicateConfig
 from memcache_core.config import apply_dict
+
+
+def versioned(key: str, version: int | None) -> str:
+    return key if version is None else f"{key}@v{version}"
 
 
 def pattern(key: str, n: int) -> np.ndarray:
@@ -67,10 +72,10 @@ class Worker:
             pos += n
 
     def put(self, keys: list[str], layout: list[int], replicas: int = 1, preferred: list[int] | None = None,
-            gap: int = 0) -> dict:
+            gap: int = 0, version: int | None = None) -> dict:
         ptrs, sizes, per = self._layout(keys, layout, gap)
         for i, k in enumerate(keys):
-            self._scatter(ptrs[i], sizes[i], pattern(k, sum(layout)))
+            self._scatter(ptrs[i], sizes[i], pattern(versioned(k, version), sum(layout)))
         rc = ReplicateConfig(replicas, preferred or [])
         t = time.perf_counter()
         codes = self.store.batch_put_from_layers(keys, ptrs, sizes, replicateConfig=rc)
@@ -136,13 +141,27 @@ class Worker:
         code = self.store.batch_copy(gvas, [base + i * size for i in range(len(gvas))], [size] * len(gvas), direct)
         return {"code": code, "values": sorted(set(buf[: size * len(gvas)].tolist()))}
 
+    def get_versions(self, keys: list[str], layout: list[int], upto: int) -> dict:
+        """Read each key; ``versions``: the version 0..upto whose bytes it read (None: a miss, -1: bytes
+        of no version)."""
+        ptrs, sizes, _ = self._layout(keys, layout)
+        codes = self.store.batch_get_into_layers(keys, ptrs, sizes)
+        versions: list[int | None] = []
+        for i, (k, c) in enumerate(zip(keys, codes, strict=True)):
+            got = self._gather(ptrs[i], sizes[i]) if c == 0 else None
+            versions.append(None if got is None else next(
+                (v for v in range(upto, -1, -1) if np.array_equal(got, pattern(versioned(k, v), sum(layout)))), -1))
+        return {"codes": codes, "versions": versions}
+
     def handle(self, cmd: dict) -> dict:
         op = cmd["op"]
         if op == "put":
             return self.put(cmd["keys"], cmd["layout"], cmd.get("replicas", 1), cmd.get("preferred"),
-                            cmd.get("gap", 0))
+                            cmd.get("gap", 0), cmd.get("version"))
         if op == "get":
             return self.get(cmd["keys"], cmd["layout"], cmd.get("gap", 0))
+        if op == "get_versions":
+            return self.get_versions(cmd["keys"], cmd["layout"], cmd["upto"])
         if op == "exist":
             return {"codes": self.store.batch_is_exist(cmd["keys"])}
         if op == "remove":

@@ -48,7 +48,7 @@ VALUE = st.recursive(LEAF, lambda inner: st.one_of(st.lists(inner, max_size=8),
                      max_leaves=20)
 TAGS = ["Join", "Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Lookup", "Exist", "Validate", "Remove",
         "RemoveAll", "RemovePrefix", "Corrupt", "GetSegments", "ConfigPut", "ConfigGet", "DrainNext", "DrainDone",
-        "RepairNext", "RepairDone", "Unknown"]
+        "RepairNext", "RepairDone", "Confirmed", "Unknown"]
 FIELDS = {
     "client_id": INTS, "token": st.one_of(st.binary(max_size=32), VALUE), "pid": INTS, "host_id": TEXT,
     "keys": st.lists(TEXT, max_size=20), "sizes": st.lists(INTS, max_size=20),
@@ -135,6 +135,7 @@ TYPED = st.one_of(
     st.builds(p.DrainDone, I64, st.binary(max_size=32), KEYS, st.lists(U64, max_size=12), st.lists(U64, max_size=12),
               st.lists(st.booleans(), max_size=12)),
     st.builds(p.RepairNext, I64, st.binary(max_size=32)),
+    st.builds(p.Confirmed, I64, st.lists(st.tuples(I64, I64, I64), max_size=12)),
     st.builds(p.RepairDone, I64, st.binary(max_size=32), KEYS, st.lists(U64, max_size=12), st.lists(U64, max_size=12),
               st.lists(st.booleans(), max_size=12)),
 )
