@@ -6,8 +6,8 @@ lookups found, the object each one named (size, generation, locations, checksum)
 remembers sends its ``Lookup`` and, before reading the reply, copies those objects from where they
 were (``reads.py``). The copy counts only if the reply names the same object at the same place:
 
-* a generation names one object for good: generations are issued in increasing order from a clock
-  (``meta/service.py``), never twice, also across MetaService restarts;
+* a generation names one object for good: generations are issued in increasing order below a
+  reserved ceiling (``meta/generations.py``), never twice, also across MetaService restarts;
 * a committed object's bytes never change, and its space is not reused while the object is in the
   table (removed or evicted objects leave the table first; a lease holds the space after that);
 * so if the object was in the table when it was remembered and is there still when the MetaService
