@@ -3,13 +3,15 @@
 cleared its header (docs/design.md, "Failure of the MetaService"), so that no MetaService crash
 after it returns can bring the object back.
 
-A MetaService process and a LocalService in this process (a 64 MB segment, the owner of every
-object) with the given ``heartbeat_interval_ms``. In rounds, it puts fresh 4 KiB objects and times:
+A MetaService process and two LocalServices in this process (64 MB segments) with the given
+``heartbeat_interval_ms``: the remover, and another member that owns the objects of the ``other``
+figures. In rounds, it puts fresh 4 KiB objects and times:
 
 * ``raw Remove rpc``: the control-plane ``Remove`` alone (what ``remove`` cost before it waited:
   the objects leave the table, the owner hears of it on its next heartbeat);
-* ``remove``: the store's call of one key, which also waits for the owner's confirmation;
-* ``remove_batch(100)``: one hundred keys, one wait.
+* ``remove other``: the store's call of one key held by the other member, which also waits for
+  that owner's confirmation; ``remove_batch(100) other``: one hundred keys, one wait;
+* ``remove own``: one key in the remover's own segment (it heartbeats at once to confirm).
 
 Every call must answer 0 for every key, or the run fails. The wait is bounded by the owner's
 heartbeat: about half an interval on average (it clears the headers on the heartbeat after the
@@ -35,27 +37,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=20, help="removes of each kind per round")
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="the owner's heartbeat_interval_ms")
     args = ap.parse_args(argv)
-    from memcache_core import DistributedObjectStore
+    from memcache_core import DistributedObjectStore, ReplicateConfig
     from memcache_core import protocol as p
     from memcache_core.rpc import expect
     from memcache_core.testing import running_meta_service
 
-    lat: dict[str, list[float]] = {"raw Remove rpc": [], "remove": [], "remove_batch(100)": []}
+    kinds = [("raw Remove rpc", 1, False), ("remove other", 1, False), ("remove_batch(100) other", 100, False),
+             ("remove own", 1, True)]
+    lat: dict[str, list[float]] = {name: [] for name, *_ in kinds}
     with running_meta_service(log_level="warning") as ms:
-        store = DistributedObjectStore()
+        store, owner = DistributedObjectStore(), DistributedObjectStore()
         cfg = ms.local_config(dram_size="64MB", log_level="warning", heartbeat_interval_ms=args.heartbeat_ms)
-        if store.setup(cfg) != 0 or store.init(0) != 0:
-            raise SystemExit("LocalService did not start")
+        for s in (store, owner):
+            if s.setup(cfg) != 0 or s.init(0) != 0:
+                raise SystemExit("LocalService did not start")
         rpc = store._service().rpc
         payload = os.urandom(4096)
         seq = 0
         try:
             for _ in range(args.rounds):
-                for name, batch in (("raw Remove rpc", 1), ("remove", 1), ("remove_batch(100)", 100)):
+                for name, batch, own in kinds:
+                    where = ReplicateConfig(1, [(store if own else owner).get_local_service_id()])
                     for _ in range(args.n):
                         keys = [f"bench-remove/{seq}/{i}" for i in range(batch)]
                         seq += 1
-                        if store.put_batch(keys, [payload] * batch) != 0:
+                        if store.put_batch(keys, [payload] * batch, where) != 0:
                             raise SystemExit(f"put of {keys[0]} failed")
                         time.sleep(random.uniform(0, args.heartbeat_ms / 1000.0))
                         t = time.perf_counter()
@@ -70,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                             raise SystemExit(f"{name}: {codes[:5]}")
         finally:
             store.close()
+            owner.close()
     print(f"owner heartbeat_interval_ms {args.heartbeat_ms}")
     for name, s in lat.items():
         s.sort()
-        print(f"{name:20} p50 {statistics.median(s) * 1e3:8.2f} ms   p99 {s[int(len(s) * 0.99)] * 1e3:8.2f} ms"
+        print(f"{name:24} p50 {statistics.median(s) * 1e3:8.2f} ms   p99 {s[int(len(s) * 0.99)] * 1e3:8.2f} ms"
               f"   max {s[-1] * 1e3:8.2f} ms   (n={len(s)})")
     return 0
 

@@ -67,6 +67,7 @@ class Membership:
     _lock: threading.Lock
     _join_lock: threading.Lock
     _stop: threading.Event
+    _beat_now: threading.Event      # heartbeat at once (a remove of our own objects waits for it)
 
     def _join(self, recover: bool) -> None:
         """Join (or re-join) and install the new session in one step."""
@@ -99,7 +100,12 @@ class Membership:
         # headers were just cleared: acknowledge at once (a remove waits for it), but never twice in a
         # row (a steady stream of evictions must not turn the heartbeat into a busy loop)
         ack_now = acked_now = False
-        while not self._stop.wait(0.0 if ack_now else interval):
+        while True:
+            if not ack_now:
+                self._beat_now.wait(interval)   # (set by close too)
+            if self._stop.is_set():
+                return
+            self._beat_now.clear()
             acked_now, ack_now = ack_now, False
             try:
                 if self._segments and time.monotonic() >= next_refresh:

@@ -78,6 +78,7 @@ class LocalService(Writes, Reads, Gva):
         self._lock = threading.Lock()
         self._join_lock = threading.Lock()
         self._stop = threading.Event()
+        self._beat_now = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.integrity_failures = 0
         self.hints = LocationHints(config.location_hints)
@@ -168,6 +169,7 @@ class LocalService(Writes, Reads, Gva):
             return
         unmap = self._drain_before_leaving()
         self._stop.set()
+        self._beat_now.set()
         if self.disk is not None:
             self.disk.close()
         if self._heartbeat is not None:
@@ -243,6 +245,9 @@ class LocalService(Writes, Reads, Gva):
         became unreachable first, or ``client_timeout_seconds`` passed: the removal may be undone."""
         waiting, delay = reply.confirm, CONFIRM_POLL_S
         deadline = time.monotonic() + self.config.client_timeout_seconds
+        own = self.session.segment
+        if own is not None and any(sid == own.segment_id for sid, _, _ in waiting):
+            self._beat_now.set()   # our own segment: clear and acknowledge now, not on the next heartbeat
         while waiting:
             if time.monotonic() + delay > deadline:
                 logger.warning("remove: %d owners did not confirm within %gs", len(waiting),

@@ -209,6 +209,7 @@ class ObjectTable(Space):
         if size <= 0:
             return errors.INVALID_PARAM, 0, []
         size_in_segment = footprint(size)
+        self._reserve_ahead()   # (may fail, with HA: before any space is taken)
         accepts = lambda ids: (self.segments[s] for s in ids  # noqa: E731
                                if s in self.segments and self.segments[s].alloc_after <= now)
         candidates = _Drawn(accepts(order))
@@ -218,7 +219,8 @@ class ObjectTable(Space):
             segs = list(candidates)
             too_big = segs and all(aligned(size_in_segment) > s.allocator.size for s in segs)
             return (errors.OVER_CAPACITY if too_big else errors.OUT_OF_MEMORY), 0, []
-        gen = self._issue()
+        self._next_gen += 1
+        gen = self._next_gen
         locs = [Location(seg.info.segment_id, off) for seg, off in chosen]
         obj = PendingObj(key, pack(size, gen, 0, locs[0]), owner=client_id,
                          pending_deadline=now + self.pending_timeout_s)
@@ -469,11 +471,15 @@ class ObjectTable(Space):
         self._next_gen = max(self._next_gen, seen)
 
     def _issue(self) -> int:
-        """The next generation; the next block is reserved first when half of this one is used."""
-        if self._next_gen >= self.gen_ceiling - generations.BLOCK // 2:
-            self._next_gen, self.gen_ceiling = self.reserve(self._next_gen, self.gen_ceiling)
+        """The next generation."""
+        self._reserve_ahead()
         self._next_gen += 1
         return self._next_gen
+
+    def _reserve_ahead(self) -> None:
+        """Reserve the next block when half of this one is used (or a report lifted the counter)."""
+        if self._next_gen >= self.gen_ceiling - generations.BLOCK // 2:
+            self._next_gen, self.gen_ceiling = self.reserve(self._next_gen, self.gen_ceiling)
 
     def alloc_in(self, seg: Segment, size_in_segment: int, now: float) -> int | None:
         """Space in one segment, evicting if needed (a promotion from its owner's disk tier)."""

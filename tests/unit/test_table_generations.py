@@ -147,3 +147,23 @@ def test_a_member_carried_ceiling_lifts_a_restarted_table_above_its_clock():
     behind.bump_generation(carried)                      # what MetaServiceCore._join does
     _, gen, _ = behind.alloc(2, "k", 100, 1, [2], 0.0)
     assert gen > carried >= issued
+
+
+def test_a_reservation_that_fails_fails_the_alloc_before_any_space_is_taken():
+    """Scenario (HA): etcd refuses the next block (another leader reserved): the put fails, the
+    segment's space and the key are untouched, and a later reservation that works issues above."""
+    from memcache_core.errors import MetaServiceUnavailable
+
+    t = table()
+    t.add_segment(seg(1))
+
+    def refused(last: int, ceiling: int) -> tuple[int, int]:
+        raise MetaServiceUnavailable("another MetaService reserved generations meanwhile")
+
+    t.reserve = refused
+    with pytest.raises(MetaServiceUnavailable):
+        t.alloc(1, "k", OBJ, 1, [1], 0.0)
+    assert t.segments[1].allocator.used == 0 and "k" not in t.objects and t.pending == 0
+    t.reserve = generations.in_memory
+    code, gen, _ = t.alloc(1, "k", OBJ, 1, [1], 0.0)
+    assert code == 0 and gen == G + 1
