@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             store.close()
             owner.close()
     print(f"owner heartbeat_interval_ms {args.heartbeat_ms}")
-    for name, s in lat.items():
-        s.sort()
-        print(f"{name:24} p50 {statistics.median(s) * 1e3:8.2f} ms   p99 {s[int(len(s) * 0.99)] * 1e3:8.2f} ms"
-              f"   max {s[-1] * 1e3:8.2f} ms   (n={len(s)})")
+    for name, secs in lat.items():
+        secs.sort()
+        print(f"{name:24} p50 {statistics.median(secs) * 1e3:8.2f} ms   p99 "
+              f"{secs[int(len(secs) * 0.99)] * 1e3:8.2f} ms   max {secs[-1] * 1e3:8.2f} ms   (n={len(secs)})")
     return 0
 
 
