@@ -2,19 +2,28 @@
 is: after the restart or failover every key reads as its newest acknowledged value, byte-exact, never
 an older one (docs/design.md, "Failure of the MetaService").
 
-Each round, for a few keys: a reader leases the current values (and checks them), the keys are removed,
-put again with the next version on the other provider (the old space is still leased), and the
-MetaService (or the leader) is killed at once. Every other round removes through the raw control
-plane, which does not wait for the owners to clear the old headers: the old holder then re-joins with
-the older generation, and recovery must keep the newer one (``superseded_total`` counts it). Values
-are derived from key and version (``store_worker.get_versions``).
+Each round, for a few keys: a reader (a pure client) leases the current values and checks them, the
+keys are removed and put again with the next version on the other of two providers (the old space is
+still leased), and the MetaService (or the leader) is killed at once. Rounds alternate between:
+
+* a store's ``remove``, which returns once the old holder cleared the headers; the old holder is
+  frozen (SIGSTOP) as soon as it returns, so nothing is cleared after that: after the restart the
+  old holder reports nothing of those keys (``superseded_total`` stays 0);
+* a remove through the raw control plane while the old holder is frozen, so it cannot have cleared
+  them: recovery meets the older generation first and must replace it by the newer
+  (``superseded_total`` counts every key).
+
+Both holders are frozen across the kill, and the old one is let re-join first.
+
+Values are derived from key and version (``store_worker.get_versions``).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -33,44 +42,65 @@ KEYS = 6
 
 
 class Rounds:
-    """The keys, their newest acknowledged versions, and one round of lease, remove, re-put."""
+    """The keys, their newest acknowledged versions, and one round of lease, remove, re-put, kill."""
 
-    def __init__(self, a: StoreProcess, b: StoreProcess) -> None:
-        self.a, self.b = a, b
-        self.holders = [a("id")["id"], b("id")["id"]]
+    def __init__(self, reader: StoreProcess, holders: list[StoreProcess]) -> None:
+        self.reader, self.holders = reader, holders
+        self.ids = [h("id")["id"] for h in holders]
         self.keys = [f"gen-{random.getrandbits(32):x}-{i}" for i in range(KEYS)]
-        self.acked: dict[str, int] = {}
         self.version = 0
-        codes = a("put", keys=self.keys, layout=LAYOUT, version=0, preferred=self.holders[:1])["codes"]
-        assert codes == [0] * KEYS
-        self.acked = dict.fromkeys(self.keys, 0)
+        self.acked: dict[str, int] = {}
+        self._put(self.ids[0])
 
     def check(self) -> None:
-        """Every key reads as its newest acknowledged version, byte-exact, from both stores: never an
-        older one, and (both providers are alive) never a miss."""
-        for reader in (self.a, self.b):
-            got = reader("get_versions", keys=self.keys, layout=LAYOUT, upto=self.version)
-            seen = dict(zip(self.keys, got["versions"], strict=True))
-            assert seen == self.acked, f"read {seen}, newest acknowledged {self.acked} (round {self.version})"
+        """Every key reads as its newest acknowledged version, byte-exact: never an older one, and
+        (both providers are alive) never a miss."""
+        got = self.reader("get_versions", keys=self.keys, layout=LAYOUT, upto=self.version)
+        seen = dict(zip(self.keys, got["versions"], strict=True))
+        assert seen == self.acked, f"read {seen}, newest acknowledged {self.acked} (version {self.version})"
 
-    def next(self, remove: Callable[[list[str]], list[int]]) -> None:
-        """Lease the values (a reader), remove them, put the next version on the other provider."""
-        self.check()                               # b's read leases every key's current object
-        assert remove(self.keys) == [0] * KEYS
-        self.version += 1
-        target, left = self.holders[self.version % 2], list(self.keys)
+    def _put(self, target: int) -> None:
+        left = list(self.keys)
 
         def put() -> bool:
             """Put the keys not stored yet; right after a recovery the re-joined segments take no new
             object until the previous MetaService's leases would have ended (-3016 meanwhile)."""
             nonlocal left
-            codes = self.a("put", keys=left, layout=LAYOUT, version=self.version, preferred=[target])["codes"]
+            codes = self.reader("put", keys=left, layout=LAYOUT, version=self.version, preferred=[target])["codes"]
             assert set(codes) <= {0, errors.OUT_OF_MEMORY}, codes
             self.acked.update((k, self.version) for k, c in zip(left, codes, strict=True) if c == 0)
             left = [k for k, c in zip(left, codes, strict=True) if c != 0]
             return not left
 
-        wait_for(put, 15, "the re-put of every key to be acknowledged")
+        wait_for(put, 15, "the put of every key to be acknowledged")
+
+    def run(self, durable: bool, control: Callable[[], MetaServiceProcess],
+            restart: Callable[[], MetaServiceProcess]) -> None:
+        """One round; ``control()`` is the MetaService answering now, ``restart()`` kills it and
+        returns the one answering afterwards."""
+        self.check()                               # the reader's lookups lease every key's current object
+        old, new = self.holders[self.version % 2], self.holders[(self.version + 1) % 2]
+        if durable:
+            assert self.reader("remove", keys=self.keys)["codes"] == [0] * KEYS
+            os.kill(old.proc.pid, signal.SIGSTOP)   # what it cleared before remove returned stays cleared
+        else:
+            os.kill(old.proc.pid, signal.SIGSTOP)   # it cannot hear of the removal
+            assert raw_remove(control())(self.keys) == [0] * KEYS
+        self.version += 1
+        self._put(self.ids[self.version % 2])
+        os.kill(new.proc.pid, signal.SIGSTOP)
+        ms = restart()                             # kill -9 right after the acknowledged re-put
+        for h in (old, new):                       # the older holder re-joins first
+            os.kill(h.proc.pid, signal.SIGCONT)
+            sid = self.ids[self.holders.index(h)]
+            wait_for(lambda s=sid: any(g["segment_id"] == s  # type: ignore[misc]
+                                       for g in ms.http("/get_all_segments")["segments"]), 15,
+                     "the frozen holder to re-join")
+        wait_for(lambda: len(ms.http("/get_all_segments")["segments"]) == 2, 15,
+                 "both providers to re-join")
+        self.check()
+        superseded = ms.metric("superseded_total")
+        assert superseded == (0 if durable else KEYS), (durable, superseded)
 
 
 def raw_remove(ms: MetaServiceProcess) -> Callable[[list[str]], list[int]]:
@@ -86,29 +116,23 @@ def raw_remove(ms: MetaServiceProcess) -> Callable[[list[str]], list[int]]:
 
 
 def test_kill9_after_an_acknowledged_remove_and_re_put_never_brings_back_the_older_value():
-    rounds_n = 10
-    with running_meta_service(heartbeat_timeout_ms=3000, lease_ttl_ms=1000) as ms:
-        a = StoreProcess(ms, heartbeat_interval_ms=300)
-        b = StoreProcess(ms, heartbeat_interval_ms=300)
+    with running_meta_service(heartbeat_timeout_ms=5000, lease_ttl_ms=1000) as ms:
+        holders = [StoreProcess(ms, heartbeat_interval_ms=200) for _ in range(2)]
+        reader = StoreProcess(ms, init_bm=False)
+
+        def restart() -> MetaServiceProcess:
+            ms.kill()
+            return ms.start()
+
         try:
-            rounds, superseded = Rounds(a, b), 0.0
-            t0 = time.monotonic()
-            for i in range(rounds_n):
-                rounds.next(raw_remove(ms) if i % 2 else lambda keys: b("remove", keys=keys)["codes"])
-                ms.kill()                          # right after the acknowledged re-put
-                ms.start()
-                wait_for(lambda: len(ms.http("/get_all_segments")["segments"]) == 2, 15,
-                         "both providers to re-join the restarted MetaService")
-                superseded += ms.metric("superseded_total")
-                rounds.check()
-            rounds.check()
-            # the raw removes left the older headers in place (the owners had not heard yet) at least
-            # once: recovery met both generations and kept the newer
-            assert superseded > 0, "no round exercised two generations of a key at recovery"
-            assert time.monotonic() - t0 < 90
+            rounds = Rounds(reader, holders)
+            for i in range(8):
+                rounds.run(durable=i % 2 == 0, control=lambda: ms, restart=restart)
         finally:
-            a.stop()
-            b.stop()
+            for s in (reader, *holders):
+                if s.proc.poll() is None:
+                    os.kill(s.proc.pid, signal.SIGCONT)
+                s.stop()
 
 
 @pytest.fixture
@@ -118,26 +142,27 @@ def ha_pool() -> Iterator[Pool]:
         try:
             yield pl
         finally:
+            for s in pl.stores:
+                if s.proc.poll() is None:
+                    os.kill(s.proc.pid, signal.SIGCONT)
             pl.close()
 
 
 def test_leader_kill_after_an_acknowledged_remove_and_re_put_never_brings_back_the_older_value(ha_pool):
     pool = ha_pool
-    a = pool.store(pool.etcd_url)
-    b = pool.store(pool.etcd_url)
-    rounds, superseded = Rounds(a, b), 0.0
-    for i in range(6):
+    holders = [pool.store(pool.etcd_url) for _ in range(2)]
+    reader = pool.store(pool.etcd_url, init_bm=False)
+
+    def restart() -> MetaServiceProcess:
         leader = pool.leader()
-        rounds.next(raw_remove(leader) if i % 2 else lambda keys: b("remove", keys=keys)["codes"])
         leader.kill()
-        rest = [m for m in pool.metas if m is not leader]
-        new = pool.leader(TTL_S + 5, rest)
-        leader.start()                             # a standby again: three MetaServices for the next round
-        wait_for(lambda m=new: len(m.http("/get_all_segments")["segments"]) == 2, 20,  # type: ignore[misc]
-                 "both providers to re-join the new leader")
-        superseded += new.metric("superseded_total")
-        rounds.check()
-    assert superseded > 0, "no round exercised two generations of a key at recovery"
+        new = pool.leader(TTL_S + 5, [m for m in pool.metas if m is not leader])
+        leader.start()                             # a standby again, for the next rounds
+        return new
+
+    rounds = Rounds(reader, holders)
+    for i in range(4):
+        rounds.run(durable=i % 2 == 0, control=pool.leader, restart=restart)
 
 
 def test_generation_reservations_in_etcd_order_leader_terms_without_clocks():
