@@ -187,6 +187,7 @@ class Drains:
         for key in keys:
             obj = d.segment.lru[key]
             src = next(loc for loc in obj.locations if loc.segment_id == d.segment_id)
+            gen = self.table.issue_generation()          # (may fail, with HA: before any space is taken)
             placed = (copy_target(self.table, obj, d.avoid, self.answering, now, replacing=d.segment_id)
                       if d.attempts[key] < MAX_ATTEMPTS else False)
             if not isinstance(placed, tuple):
@@ -194,8 +195,8 @@ class Drains:
                     self._drop(d, obj, src, now)
                 continue                                  # room may come: ask again later
             target, off = placed
-            m = Move(key, obj.size, obj.generation, obj.checksum, src.offset, self.table.issue_generation(),
-                     target, off, now + self.move_timeout_s)
+            m = Move(key, obj.size, obj.generation, obj.checksum, src.offset, gen, target, off,
+                     now + self.move_timeout_s)
             d.moves[key] = m
             out.append(p.DrainMove(key, obj.size, src.offset, obj.generation, obj.checksum, m.new_generation,
                                    p.Location(target.info.segment_id, off)))

@@ -8,7 +8,7 @@ hold without assuming that two hosts' clocks agree.
 
 Generations are issued below a *ceiling*, reserved a block (``BLOCK``) at a time, before any
 generation under it is issued; the table takes the next block when half of the current one is left
-(``ObjectTable._issue``), so every generation issued is at most the ceiling before the last raise,
+(``ObjectTable._reserve_ahead``), so every generation issued is at most the ceiling before the last raise,
 which was reserved at least ``BLOCK // 2`` (2**31) allocations earlier.
 
 * **HA** (``ha.GenerationReservation``): the ceiling is a key in etcd (``/memcache/<cluster_id>/generations``),
