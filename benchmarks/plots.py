@@ -68,3 +68,43 @@ def ttft_bars(figures: dict[str, list[float]], path: str, title: str = "") -> st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def latency_curve(rows: list[dict[str, Any]], path: str, title: str = "") -> str:
+    """``bench_meta_load.py``: is_exist latency (p50, p99) and the load served, against the load offered
+    (requests/s of the mix). Returns ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted((r for r in rows if r.get("offered_rps")), key=lambda r: r["offered_rps"])
+    if not rows:
+        raise ValueError("no load levels to plot (the run produced none)")
+    x = [r["offered_rps"] for r in rows]
+    fig, (lat, served) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, style in (("probe_p50_us", "o-"), ("probe_p99_us", "o--"), ("exist_p50_us", "s-"),
+                       ("exist_p99_us", "s--")):
+        lat.plot(x, [r[key] for r in rows], style, label=key.replace("_us", "").replace("_", " ")
+                 .replace("probe", "is_exist").replace("exist ", "batch_is_exist "))
+    lat.set_yscale("log")
+    lat.set_xlabel("offered load (requests/s of the mix)")
+    lat.set_ylabel("latency (us)")
+    lat.set_title("latency against offered load")
+    lat.grid(True, which="both", alpha=0.3)
+    lat.legend(fontsize=8)
+    served.plot(x, [r["rps"] for r in rows], "o-", label="served requests/s")
+    served.plot(x, x, ":", color="grey", label="offered")
+    share = served.twinx()
+    share.plot(x, [r["meta_cpu_share"] * 100 for r in rows], "s-", color="C3", label="MetaService CPU %")
+    share.set_ylabel("MetaService CPU (% of one core)")
+    served.set_xlabel("offered load (requests/s of the mix)")
+    served.set_ylabel("requests/s")
+    served.set_title("load served")
+    served.grid(True, alpha=0.3)
+    served.legend(loc="upper left", fontsize=8)
+    share.legend(loc="lower right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
