@@ -25,11 +25,14 @@ remove succeeding, every heartbeat known); one wrong answer fails the run.
 Phases, each measured over ``--seconds``: ``idle`` (no client), ``heartbeats`` (the members only),
 ``exist`` (batched exist only, as fast as it is answered), ``probe`` (single-key exist only),
 ``probe sync`` (the same with one call in flight per connection, as a rank's synchronous ``is_exist``
-sends it: no pipelining to amortise the server's system calls over), ``mix``
+sends it: no pipelining to amortise the server's system calls over), ``lookup`` and ``put+remove``
+(each kind alone: the CPU cost of one call of each kind is the inverse of its requests per CPU-second),
+``mix``
 (the mix, as fast as it is answered: saturation), then the mix offered open-loop at each fraction of
 the saturation rate in ``--levels`` (the latency-against-load curve). The MetaService's CPU time is
 read from ``/proc/<pid>/stat`` at both ends of each phase, so throughput is quoted **per
-MetaService CPU-second** and does not depend on how many cores the machine had free. Latencies are
+MetaService CPU-second** and does not depend on how many cores the machine had free (each row also
+carries the host's 1-minute load average: on a crowded host every figure is worse). Latencies are
 from a request's send to its reply, in the generator.
 
     python benchmarks/bench_meta_load.py --json load.json --plot load.png
@@ -61,6 +64,10 @@ from memcache_core.rpc import FRAME_HEAD, take_frame
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 KINDS = ("exist", "probe", "lookup", "put", "remove")
 DEFAULT_MIX = "exist=8,probe=4,lookup=4,put=1,remove=1"
+# the phases of one kind alone, as fast as they are answered: (mix, requests in flight per connection; 0: --window)
+ALONE = {"exist": ("exist=1", 0), "probe": ("probe=1", 0),
+         "probe sync": ("probe=1", 1),     # one call in flight per connection, as a rank's is_exist sends it
+         "lookup": ("lookup=1", 0), "put+remove": ("put=1,remove=1", 0)}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -160,8 +167,7 @@ class Conn:
     def heartbeat(self) -> None:
         self.queue("heartbeat", p.request_encoder.encode(p.Heartbeat(self.cid, self.token, self.ack)))
 
-    def heard(self, body: bytes) -> None:
-        r = p.reply_decoder.decode(body)
+    def heard(self, r: p.Reply) -> None:
         if not isinstance(r, p.HeartbeatReply) or not r.known:
             raise SystemExit(f"member {self.cid}: heartbeat not known: {r!r}")
         if r.journal:
@@ -190,10 +196,14 @@ def members_main(addr: tuple[str, int], secret: bytes | None, n: int, objects: i
         conns = [Conn(addr, secret) for _ in range(n)]
         for i, c in enumerate(conns):
             c.join(f"member{i}", 256 * GIB)
-        batch = 512
+        batch, beaten = 512, time.monotonic()
         for start in range(0, objects, batch):
             keys = [stored_key(i) for i in range(start, min(objects, start + batch))]
             conns[(start // batch) % n].put(keys, [256 * KIB] * len(keys))
+            if time.monotonic() - beaten > heartbeat_s:   # a long fill on a busy host: stay members
+                for c in conns:
+                    c.heard(c.call(p.Heartbeat(c.cid, c.token, c.ack)))
+                beaten = time.monotonic()
         sel = selectors.DefaultSelector()
         for c in conns:
             c.pipelined(sel)
@@ -213,7 +223,7 @@ def members_main(addr: tuple[str, int], secret: bytes | None, n: int, objects: i
                 c = key.data
                 for body in c.replies():
                     c.inflight.popleft()
-                    c.heard(body)
+                    c.heard(p.reply_decoder.decode(body))
         result.put({"heartbeats": beats})
     except BaseException as e:
         result.put({"error": f"members: {e!r}"})
@@ -317,7 +327,7 @@ def _generate(addr: tuple[str, int], secret: bytes | None, gid: int, a: dict[str
     def answered(c: Conn, body: bytes) -> None:
         kind, t_ns, info = c.inflight.popleft()
         if kind == "heartbeat":
-            c.heard(body)
+            c.heard(p.reply_decoder.decode(body))
             return
         done = time.perf_counter_ns()
         r = p.reply_decoder.decode(body)
@@ -436,7 +446,9 @@ def run_phase(name: str, meta_pid: int, addr: tuple[str, int], secret: bytes | N
     errs = [o["error"] for o in outs if "error" in o]
     if errs:
         raise SystemExit("; ".join(errs))
-    return summarise(name, outs, cpu1 - cpu0, t1 - t0, rate)
+    row = summarise(name, outs, cpu1 - cpu0, t1 - t0, rate)
+    row["loadavg"] = os.getloadavg()[0]
+    return row
 
 
 def summarise(name: str, outs: list[dict[str, Any]], cpu: float, wall: float, rate: float) -> dict[str, Any]:
@@ -470,22 +482,23 @@ def idle_phase(name: str, meta_pid: int, seconds: float) -> dict[str, Any]:
     time.sleep(seconds)   # measuring an interval of time with no client action: nothing to wait for
     cpu1, t1 = cpu_seconds(meta_pid), time.monotonic()
     return {"phase": name, "seconds": round(t1 - t0, 3), "meta_cpu_s": round(cpu1 - cpu0, 3),
-            "meta_cpu_share": round((cpu1 - cpu0) / (t1 - t0), 4)}
+            "meta_cpu_share": round((cpu1 - cpu0) / (t1 - t0), 4), "loadavg": os.getloadavg()[0]}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     def f(v: Any, fmt: str = "{:,.0f}") -> str:
         return "-" if v is None else fmt.format(v)
     lines = [f"{'phase':>12} {'offered/s':>10} {'served/s':>10} {'MS CPU':>7} {'req/CPU-s':>10} "
-             f"{'keys/CPU-s':>11} {'probe p50':>9} {'p99 us':>8} {'exist p50':>9} {'p99 us':>8} {'gen CPU':>7}"]
+             f"{'keys/CPU-s':>11} {'probe p50':>9} {'p99 us':>8} {'exist p50':>9} {'p99 us':>8} {'gen CPU':>7} {'load':>5}"]
     for r in rows:
         if "rps" not in r:
-            lines.append(f"{r['phase']:>12} {'':>10} {'':>10} {r['meta_cpu_share']:>7.1%}")
+            lines.append(f"{r['phase']:>12} {'':>10} {'':>10} {r['meta_cpu_share']:>7.1%} {'':>10} {'':>11} {'':>9} "
+                         f"{'':>8} {'':>9} {'':>8} {'':>7} {r.get('loadavg', 0):>5.1f}")
             continue
         lines.append(f"{r['phase']:>12} {f(r['offered_rps'] or None):>10} {f(r['rps']):>10} {r['meta_cpu_share']:>7.1%} "
                      f"{f(r['rps_per_cpu_s']):>10} {f(r['keys_per_cpu_s']):>11} {f(r['probe_p50_us'], '{:.0f}'):>9} "
                      f"{f(r['probe_p99_us'], '{:.0f}'):>8} {f(r['exist_p50_us'], '{:.0f}'):>9} "
-                     f"{f(r['exist_p99_us'], '{:.0f}'):>8} {r['generator_cpu_share']:>7.0%}")
+                     f"{f(r['exist_p99_us'], '{:.0f}'):>8} {r['generator_cpu_share']:>7.0%} {r.get('loadavg', 0):>5.1f}")
     return "\n".join(lines)
 
 
@@ -501,9 +514,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", default=DEFAULT_MIX, help=f"weights of the request kinds (default {DEFAULT_MIX})")
     ap.add_argument("--levels", default="0.1,0.25,0.5,0.75,0.9,1.0,1.25",
                     help="offered load as fractions of the measured saturation rate of the mix")
+    ap.add_argument("--rates", help="offered loads in requests/s of the mix (instead of --levels; no saturation run)")
     ap.add_argument("--phases", default="all",
-                    help="run only these phases after idle and heartbeats (comma-separated: exist, probe, probe sync, mix)")
+                    help=f"run only these phases after idle and heartbeats (comma-separated: {', '.join(ALONE)}, mix)")
     ap.add_argument("--spin-us", type=int, default=None, help="the MetaService's poll_spin_us (default: its default)")
+    ap.add_argument("--meta-nice", type=int, default=0,
+                    help="the MetaService's nice value: on a shared machine a negative one (needs root) keeps other "
+                         "work from deciding its latency")
     ap.add_argument("--quick", action="store_true", help="16 members, 2,000 objects, 0.5 s phases, 2 levels")
     ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--plot", help="draw the latency-against-load curve to this PNG (needs matplotlib)")
@@ -543,6 +560,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     with running_meta_service(**overrides) as ms:
         assert ms.pid is not None
+        if args.meta_nice:
+            os.setpriority(os.PRIO_PROCESS, ms.pid, args.meta_nice)
         addr = parse_url(ms.meta_service_url, "meta_service_url", ("tcp",))
         secret = load_secret(ms.config.get("auth_secret_path", ""))
         report(idle_phase("idle", ms.pid, args.seconds))
@@ -559,14 +578,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
             def phase(name: str, mix: str, rate: float, window: int = 0) -> dict[str, Any]:
                 return run_phase(name, pid, addr, secret, args, mix, rate, window)
-            wanted = set(args.phases.split(",")) if args.phases != "all" else {"exist", "probe", "probe sync", "mix"}
-            if "exist" in wanted:
-                report(phase("exist", "exist=1", 0))
-            if "probe" in wanted:
-                report(phase("probe", "probe=1", 0))
-            if "probe sync" in wanted:
-                report(phase("probe sync", "probe=1", 0, 1))   # one call in flight per connection, like a rank's
-            if "mix" in wanted:
+            wanted = set(args.phases.split(",")) if args.phases != "all" else set(ALONE) | {"mix"}
+            for name, (mix, window) in ALONE.items():
+                if name in wanted:
+                    report(phase(name, mix, 0, window))
+            if args.rates:
+                for rate in (float(x) for x in args.rates.split(",")):
+                    report(phase(f"mix {rate:g}/s", args.mix, rate))
+            elif "mix" in wanted:
                 saturated = phase("mix", args.mix, 0)
                 report(saturated)
                 for level in (float(x) for x in args.levels.split(",")):
