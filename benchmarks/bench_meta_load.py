@@ -376,6 +376,7 @@ def _generate(addr: tuple[str, int], secret: bytes | None, gid: int, a: dict[str
         for c, ks, gens in commits:   # the second phase of each put goes out as soon as its alloc came back
             sums = [rng.getrandbits(64) for _ in ks]
             c.queue("commit", p.request_encoder.encode(p.Commit(c.cid, c.token, ks, gens, sums)), ks)
+            sent += 1                   # (part of the offered load)
         commits.clear()
         if rate:
             due = int((now - t0) * rate) - sent
@@ -493,12 +494,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if "rps" not in r:
             lines.append(f"{r['phase']:>12} {'':>10} {'':>10} {r['meta_cpu_share']:>7.1%} {'':>10} {'':>11} {'':>9} "
-                         f"{'':>8} {'':>9} {'':>8} {'':>7} {r.get('loadavg', 0):>5.1f}")
+                         f"{'':>8} {'':>9} {'':>8} {'':>7} {f(r.get('loadavg'), '{:.1f}'):>5}")
             continue
         lines.append(f"{r['phase']:>12} {f(r['offered_rps'] or None):>10} {f(r['rps']):>10} {r['meta_cpu_share']:>7.1%} "
                      f"{f(r['rps_per_cpu_s']):>10} {f(r['keys_per_cpu_s']):>11} {f(r['probe_p50_us'], '{:.0f}'):>9} "
                      f"{f(r['probe_p99_us'], '{:.0f}'):>8} {f(r['exist_p50_us'], '{:.0f}'):>9} "
-                     f"{f(r['exist_p99_us'], '{:.0f}'):>8} {r['generator_cpu_share']:>7.0%} {r.get('loadavg', 0):>5.1f}")
+                     f"{f(r['exist_p99_us'], '{:.0f}'):>8} {r['generator_cpu_share']:>7.0%} {f(r.get('loadavg'), '{:.1f}'):>5}")
     return "\n".join(lines)
 
 

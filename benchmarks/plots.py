@@ -81,10 +81,10 @@ def latency_curve(rows: list[dict[str, Any]], path: str, title: str = "") -> str
         raise ValueError("no load levels to plot (the run produced none)")
     x = [r["offered_rps"] for r in rows]
     fig, (lat, served) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, style in (("probe_p50_us", "o-"), ("probe_p99_us", "o--"), ("exist_p50_us", "s-"),
-                       ("exist_p99_us", "s--")):
-        lat.plot(x, [r[key] for r in rows], style, label=key.replace("_us", "").replace("_", " ")
-                 .replace("probe", "is_exist").replace("exist ", "batch_is_exist "))
+    for key, style, label in (("probe_p50_us", "o-", "is_exist p50"), ("probe_p99_us", "o--", "is_exist p99"),
+                              ("exist_p50_us", "s-", "batch_is_exist p50"),
+                              ("exist_p99_us", "s--", "batch_is_exist p99")):
+        lat.plot(x, [r[key] for r in rows], style, label=label)
     lat.set_yscale("log")
     lat.set_xlabel("offered load (requests/s of the mix)")
     lat.set_ylabel("latency (us)")
