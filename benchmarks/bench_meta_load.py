@@ -105,6 +105,7 @@ class Conn:
         self.inbuf = bytearray()
         self.out = bytearray()
         self.rid = 0
+        self.answered = 0   # the id of the last reply: the MetaService answers a connection in order
         self.inflight: collections.deque[tuple[str, int, Any]] = collections.deque()
         self.cid = 0
         self.token = b""
@@ -135,8 +136,14 @@ class Conn:
         self.inbuf += chunk
         bodies = []
         while (frame := take_frame(self.inbuf)) is not None:
-            bodies.append(frame[1])
+            bodies.append(self._in_order(*frame))
         return bodies
+
+    def _in_order(self, rid: int, body: bytes) -> bytes:
+        self.answered += 1
+        if rid != self.answered:
+            raise SystemExit(f"reply {rid} where {self.answered} was due")
+        return body
 
     def call(self, req: p.Request) -> p.Reply:
         """One request, waiting for its reply (set-up only: the socket is blocking until ``pipelined``)."""
@@ -151,7 +158,7 @@ class Conn:
         frame = take_frame(self.inbuf)
         assert frame is not None
         self.inflight.popleft()
-        reply = p.reply_decoder.decode(frame[1])
+        reply = p.reply_decoder.decode(self._in_order(*frame))
         if isinstance(reply, p.Error):
             raise SystemExit(f"{type(req).__name__} failed: {reply.message}")
         return reply
