@@ -34,3 +34,25 @@ def test_quick_run_reports_every_figure(tmp_path):
     assert rows["probe"]["probe_p50_us"] > 0 and rows["mix x1"]["offered_rps"] == rows["mix"]["rps"]
     assert "heartbeats of 16 members" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_wrong_answer_fails_the_run():
+    """Negative control: the generator asks for stored keys that nobody stored (no members filled the
+    table), so the first batched exist with a hit expected gets fewer; the phase must fail, naming it."""
+    import argparse
+    import importlib.util
+
+    from memcache_core.auth import load_secret
+    from memcache_core.config import parse_url
+    from memcache_core.testing import running_meta_service
+    spec = importlib.util.spec_from_file_location("bench_meta_load", BENCH)
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(objects=2000, connections=2, window=4, generators=1, seconds=2.0, heartbeat_ms=1000)
+    with running_meta_service(log_level="warning") as ms:
+        assert ms.pid is not None
+        addr = parse_url(ms.meta_service_url, "meta_service_url", ("tcp",))
+        with pytest.raises(SystemExit, match=r"exist: \d+ of \d+ keys found, expected \d+"):
+            bench.run_phase("exist", ms.pid, addr, load_secret(ms.config.get("auth_secret_path", "")), args,
+                            "exist=1", 0)
