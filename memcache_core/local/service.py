@@ -28,6 +28,7 @@ from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
 from ..errors import InvalidParameter, MemCacheError, check_key, check_keys
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
+from ..rpc.framing import raise_fd_limit
 from ..transfer import TransferEngine, native
 from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
@@ -109,6 +110,7 @@ class LocalService(Writes, Reads, Gva):
                     self.disk = tier.DiskTier(self)
                     self.metrics.watch_disk(self.disk.counters)
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
+                raise_fd_limit()   # every peer's connection is a descriptor
                 self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg),
                                               self.disk)
             nixl = self._start_nixl()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import signal
 import threading
 import time
@@ -18,6 +17,7 @@ from .. import protocol as p
 from ..auth import load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
+from ..rpc.framing import raise_fd_limit
 from . import stats
 from .http import AdminServer
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     """Run the MetaService until SIGTERM/SIGINT (or ``stop`` is set)."""
     from .service import MetaServiceCore
-    _raise_fd_limit()
+    raise_fd_limit()
     core = MetaServiceCore(config)
     stop = stop or threading.Event()
     secret = load_secret(config.auth_secret_path, create=True) if config.auth_enable else None
@@ -84,16 +84,6 @@ def _handler(core: MetaServiceCore) -> Callable[[bytes], bytes]:
     election = ha.LeaderElection(core.config, lambda won: ha.reset(core, election, won))
     core.ha = election
     return ha.fenced(election, lambda body, term: _answer(core, body, term))
-
-
-def _raise_fd_limit() -> None:
-    """Every connection is a file descriptor: take the hard limit, not the (often 1,024) soft one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError) as e:
-            logger.warning("could not raise the open-file limit from %d: %s", soft, e)
 
 
 def _answer(core: MetaServiceCore, payload: bytes, term: int = 0) -> bytes:

@@ -4,7 +4,6 @@ handshake time, buffered input and unread replies (``FrameServer``)."""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import selectors
 import socket
@@ -14,7 +13,7 @@ from collections.abc import Callable
 
 from ..auth import ServerHandshake
 from ..errors import cannot_listen
-from .framing import FRAME_HEAD, is_addr_in_use, take_frame
+from .framing import FRAME_HEAD, is_addr_in_use, is_out_of_descriptors, take_frame
 
 __all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLY", "PREAUTH_TIMEOUT_S", "FrameServer", "is_addr_in_use"]
 
@@ -111,7 +110,7 @@ class FrameServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            if is_out_of_descriptors(e):
                 logger.error("cannot accept connections (%s); pausing accepts for 100 ms", e)
                 self._pause_accepting(0.1)
             return

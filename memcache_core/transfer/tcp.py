@@ -20,12 +20,14 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 
 from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, client_handshake, server_handshake
 from ..errors import MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
+from ..rpc.framing import is_out_of_descriptors
 from . import disk_wire
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, siz
 MAX_CONNECTIONS = 2048
 MAX_RANGES = 1 << 16
 IDLE_TIMEOUT_S = 300.0
+ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this pause (never give up)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -84,8 +87,14 @@ class DataServer:
         while not self._stop:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stop or not is_out_of_descriptors(e):
+                    return   # closed
+                # the connections in the backlog stay there; once descriptors free up they are served
+                logger.error("data server %s cannot accept connections (%s); retrying in %g s", self.addr, e,
+                             ACCEPT_BACKOFF_S)
+                time.sleep(ACCEPT_BACKOFF_S)
+                continue
             with self._lock:
                 if self._stop or len(self._conns) >= MAX_CONNECTIONS:
                     conn.close()
