@@ -88,12 +88,19 @@ def admin_token(secret: bytes) -> str:
     return hmac.new(secret, b"admin", hashlib.sha256).hexdigest()
 
 
-def admin_authorized(authorization: str, token: str | None) -> bool:
-    """An HTTP ``Authorization`` header carries the admin token: ``Bearer <token>``, or the token as
-    the password of HTTP Basic (what a browser can send). Always true when auth is off (no token)."""
+def admin_authorized(authorization: str, token: str | None, basic: bool = True) -> bool:
+    """An HTTP ``Authorization`` header carries the admin token: ``Bearer <token>``, or, with
+    ``basic``, the token as the password of HTTP Basic (what a browser can send). Always true when
+    auth is off (no token).
+
+    Basic is for reading pages only: a browser caches it and sends it with any request to the host,
+    a form another site submits included (CSRF). A state change takes the Bearer header, which no
+    other origin can make a browser send (no CORS is ever granted)."""
     if token is None:
         return True
     if authorization.startswith("Basic "):
+        if not basic:
+            return False
         try:
             authorization = "Bearer " + base64.b64decode(authorization[6:], validate=True).decode().partition(":")[2]
         except (ValueError, UnicodeDecodeError):

@@ -6,7 +6,9 @@ at once, each with a socket timeout; scans of the whole table copy it under the 
 outside it, so a client polling /get_all_keys does not stall the control plane.
 
 A browser may instead send the token as the password of HTTP Basic authentication (any user name):
-/status answers 401 with ``WWW-Authenticate: Basic`` so that the browser asks for it.
+/status answers 401 with ``WWW-Authenticate: Basic`` so that the browser asks for it. Basic opens the
+GET routes only: every POST (a change) needs the Bearer header, which another site's page cannot make
+the browser send, so a form it submits is refused (CSRF).
 
 GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
 /keys?prefix=P, POST /remove_prefix?prefix=P, POST /drain/<segment_id>[?timeout_ms=], GET /drain/<segment_id>,
@@ -119,11 +121,13 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         logger.debug("http: " + format, *args)  # noqa: G003
 
-    def _authorized(self) -> bool:
-        return admin_authorized(self.headers.get("Authorization", ""), self.token)
+    def _authorized(self, basic: bool = True) -> bool:
+        return admin_authorized(self.headers.get("Authorization", ""), self.token, basic)
 
-    def _refuse(self, path: str) -> None:
-        body = json.dumps({"success": False, "error_message": "authentication required: "
+    def _refuse(self, path: str, change: bool = False) -> None:
+        why = "a change needs the header (HTTP Basic, a browser's login, reads pages only)" if change else \
+            "authentication required"
+        body = json.dumps({"success": False, "error_message": f"{why}: "
                            "Authorization: Bearer <admin token of the pool secret>"}).encode()
         extra = {"WWW-Authenticate": 'Basic realm="memcache admin token"'} if path == "/status" else {}
         self._send(401, body, "application/json", extra)
@@ -131,8 +135,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        if not self._authorized():
-            return self._refuse(url.path)
+        if not self._authorized(basic=False):   # no browser login for a change: CSRF (auth.py)
+            return self._refuse(url.path, change=True)
         if url.path.startswith("/drain/"):
             with self.core.lock:
                 return self._json(_start_drain(self.core, url.path.removeprefix("/drain/"), q.get("timeout_ms", "0")))
