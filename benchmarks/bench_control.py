@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
+import hmac
 import os
 import pstats
 import socket
@@ -61,11 +63,13 @@ def echo_client() -> tuple[subprocess.Popen[str], socket.socket]:
 def parts() -> None:
     """The MetaService's steps for one Exist of one key, in-process, best of 5."""
     from memcache_core import protocol as p
+    from memcache_core.auth import Session
     from memcache_core.config import MetaConfig
     from memcache_core.meta import service, stats
     from memcache_core.meta.objects import new_obj
     from memcache_core.rpc import FRAME_HEAD, take_frame
     core = service.MetaServiceCore(MetaConfig())
+    sender, receiver = (Session(b"k" * 32, b"s" * 32, b"c" * 32, client) for client in (True, False))
     for k in KEYS:
         core.table.objects[k] = new_obj(k, 4096, 1, [p.Location(1, 0)])
     for n_keys in (1, 1000):
@@ -73,8 +77,13 @@ def parts() -> None:
         req = p.request_decoder.decode(body)
         reply = core.handle(req)
         frame = FRAME_HEAD.pack(len(body), 7) + body
+        tag = sender.seal(frame)
         steps: list[tuple[str, Callable[[], object]]] = [
             ("take_frame", lambda: take_frame(bytearray(frame))),   # noqa: B023
+            ("seal: the frame's MAC (blake2b)", lambda: sender.seal(frame)),   # noqa: B023
+            ("check: the frame's MAC (blake2b)", lambda: receiver.check(tag, frame)),   # noqa: B023
+            ("HMAC-SHA256 of the frame (not used)",
+             lambda: hmac.new(b"k" * 32, frame, hashlib.sha256).digest()),   # noqa: B023
             ("decode request", lambda: p.request_decoder.decode(body)),   # noqa: B023
             ("handle", lambda: core.handle(req)),   # noqa: B023
             ("count outcomes", lambda: stats.count_outcomes(core.outcomes, req, reply)),   # noqa: B023

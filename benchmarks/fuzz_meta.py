@@ -26,8 +26,8 @@ import time
 import msgspec
 
 from memcache_core import protocol as p
-from memcache_core.auth import client_handshake, load_secret
-from memcache_core.rpc import FRAME_HEAD, RpcClient, expect
+from memcache_core.auth import NO_SESSION, Session, client_handshake, load_secret
+from memcache_core.rpc import RpcClient, expect, seal_frame
 from memcache_core.testing import running_meta_service
 
 EXTREME_INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)]
@@ -122,10 +122,11 @@ class Fuzzer(threading.Thread):
         self.addr, self.secret, self.rng, self.stop = addr, secret, random.Random(seed), stop
         self.reads = reads_replies
         self.frames = self.reconnects = self.errors = 0
+        self.session: Session = NO_SESSION
 
     def _connect(self) -> socket.socket:
         s = socket.create_connection(self.addr, timeout=5)
-        client_handshake(s, self.secret)
+        self.session = client_handshake(s, self.secret)
         s.settimeout(0.01)
         self.reconnects += 1
         return s
@@ -142,7 +143,7 @@ class Fuzzer(threading.Thread):
                     frame = rng.randbytes(rng.randint(0, 64))          # raw bytes: framing itself
                 else:
                     body = rand_request(rng) if k < 0.6 else mutate(rng, rand_request(rng))
-                    frame = FRAME_HEAD.pack(len(body), rng.getrandbits(64)) + body
+                    frame = seal_frame(rng.getrandbits(64), body, self.session)
                 s.sendall(frame)
                 self.frames += 1
                 if self.reads:

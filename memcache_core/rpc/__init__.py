@@ -1,6 +1,7 @@
 """Control plane over plain TCP: length-prefixed msgspec frames over authenticated connections.
 
-Frame: ``u32 length | u64 request id | msgpack payload``. The MetaService answers every request on
+Frame: ``u32 length | u64 request id | msgpack payload | MAC``, the MAC (16 bytes, keyed by the
+connection's session, ``auth.Session``) binding every frame to the connection that authenticated. The MetaService answers every request on
 the connection it came from, in order, with the same id. Each connection first passes the pool's
 HMAC handshake (``auth.py``); a client keeps a small pool of connections (at most
 ``MAX_CLIENT_CONNECTIONS``), not one per thread forever. (ZeroMQ was measured first: its I/O thread
@@ -31,11 +32,11 @@ from .client import (
     RpcClient,
     expect,
 )
-from .framing import FRAME_HEAD, MAX_FRAME, is_addr_in_use, take_frame
+from .framing import FRAME_HEAD, MAX_FRAME, is_addr_in_use, seal_frame, take_frame
 from .server import MAX_BUFFERED_INPUT, MAX_PENDING_REPLY, PREAUTH_TIMEOUT_S, FrameServer
 
 __all__ = [
     "FRAME_HEAD", "MAX_BUFFERED_INPUT", "MAX_CLIENT_CONNECTIONS", "MAX_FRAME", "MAX_PENDING_REPLY",
     "PREAUTH_TIMEOUT_S", "RETRY_DOWN_S", "SMALL_FRAME", "Backoff", "FrameServer", "RpcClient", "expect",
-    "is_addr_in_use", "take_frame",
+    "is_addr_in_use", "seal_frame", "take_frame",
 ]

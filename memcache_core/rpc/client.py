@@ -19,7 +19,7 @@ from .. import protocol as p
 from ..auth import MAGIC, AuthFailed, client_handshake
 from ..endpoints import MetaEndpoints
 from ..errors import NOT_LEADER, MemCacheError, MetaServiceUnavailable, NotLeader, error_from_code
-from .framing import FRAME_HEAD, take_frame
+from .framing import seal_frame, take_frame
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class _Conn:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if tls is not None:
                 self.sock = tls.wrap_socket(self.sock)
-            client_handshake(self.sock, secret, min(timeout_s, 5.0))
+            self.session = client_handshake(self.sock, secret, min(timeout_s, 5.0))
         except BaseException:
             self.sock.close()
             raise
@@ -245,14 +245,14 @@ class RpcClient:
         payload = p.request_encoder.encode(req)
         ok = False
         try:
-            c.send(FRAME_HEAD.pack(len(payload), rid) + payload, deadline)
+            c.send(seal_frame(rid, payload, c.session), deadline)
             if once is not None:
                 deadline += once.run()
             spin_until = time.perf_counter() + self.spin_s   # a reply usually comes within tens of us
             while True:
                 if not c.authenticated and c.buf[:len(MAGIC)] == MAGIC:   # else: "frame of 826360653 bytes"
                     raise ValueError(AUTH_ASKED)
-                frame = take_frame(c.buf)
+                frame = take_frame(c.buf, c.session)
                 if frame is not None:
                     got_id, body = frame
                     if got_id != rid:

@@ -11,17 +11,21 @@ import ssl
 import time
 from collections.abc import Callable
 
-from ..auth import ServerHandshake
+from ..auth import NO_SESSION, ServerHandshake, Session
 from ..errors import cannot_listen
 from .framing import FRAME_HEAD, is_addr_in_use, is_out_of_descriptors, take_frame
 
-__all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLY", "PREAUTH_TIMEOUT_S", "FrameServer", "is_addr_in_use"]
+__all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLY", "MAX_PREAUTH_PER_SOURCE", "PREAUTH_TIMEOUT_S", "FrameServer",
+           "is_addr_in_use"]
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
 MAX_BUFFERED_INPUT = 512 << 20   # bytes of unfinished frames a server holds for all connections together
-PREAUTH_TIMEOUT_S = 5.0
+PREAUTH_TIMEOUT_S = 5.0          # a deadline for the whole handshake (TLS and the pool's), from accept
+MAX_PREAUTH_PER_SOURCE = 64      # connections of one source address still in their handshake
+PREAUTH_SHARE = 4                # at most 1/4 of max_connections in their handshake: the rest is kept
+                                 # for authenticated members
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -30,6 +34,10 @@ class _Peer:
 
     handshake: ServerHandshake | None
     last: float
+    source: str                 # the peer's address, counted in ``FrameServer._preauth`` until authenticated
+    opened: float = 0.0         # the handshake must be done by ``opened + PREAUTH_TIMEOUT_S``
+    authenticated: bool = False
+    session: Session = NO_SESSION
     tls_pending: bool = False
     inbuf: bytearray = dataclasses.field(default_factory=bytearray)
     out: bytearray | None = None
@@ -38,9 +46,11 @@ class _Peer:
 class FrameServer:
     """Single-threaded selector loop answering frames with ``handler(payload) -> reply bytes``.
 
-    Bounded: a connection must finish the pool handshake within ``PREAUTH_TIMEOUT_S`` (nothing it
-    sends before is decoded, and it can make the server hold 64 bytes); at most ``max_connections``
-    are open (more are refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
+    Bounded: a connection must finish the pool handshake within ``PREAUTH_TIMEOUT_S`` of its accept,
+    however it trickles its bytes (nothing it sends before is decoded, and it can make the server hold
+    64 bytes); at most ``MAX_PREAUTH_PER_SOURCE`` connections of one address, and a quarter of
+    ``max_connections`` in all, may be in their handshake at once, so the other slots stay for
+    authenticated members; at most ``max_connections`` are open (more are refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
     read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it; unfinished frames
     of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
     over is disconnected: a Join report of a million objects still fits); running out of
@@ -77,6 +87,10 @@ class FrameServer:
         self._paused_until = 0.0
         self._next_sweep = time.monotonic() + 1.0
         self.refused = 0
+        self._preauth: dict[str, int] = {}   # source address -> its connections still in their handshake
+        self._preauth_total = 0
+        self.max_preauth = max(1, max_connections // PREAUTH_SHARE)
+        self._warned_at = 0.0
 
     def poll(self, timeout_s: float) -> int:
         """Serve what is ready within ``timeout_s``; the number of ready sockets."""
@@ -106,7 +120,7 @@ class FrameServer:
 
     def _accept(self, lsock: socket.socket) -> None:
         try:
-            conn, _ = lsock.accept()
+            conn, addr = lsock.accept()
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -114,16 +128,28 @@ class FrameServer:
                 logger.error("cannot accept connections (%s); pausing accepts for 100 ms", e)
                 self._pause_accepting(0.1)
             return
+        source = str(addr[0])
         if len(self._peers) >= self.max_connections:
-            self.refused += 1
-            conn.close()
+            self._refuse(conn, f"all {self.max_connections} connections are in use")
             return
+        if self.secret is not None or self.tls is not None:
+            if self._preauth.get(source, 0) >= MAX_PREAUTH_PER_SOURCE:
+                self._refuse(conn, f"{source} has {MAX_PREAUTH_PER_SOURCE} connections still in their handshake")
+                return
+            if self._preauth_total >= self.max_preauth:
+                self._refuse(conn, f"{self._preauth_total} connections are in their handshake (the other slots "
+                                   f"are kept for authenticated members)")
+                return
+            self._preauth[source] = self._preauth.get(source, 0) + 1
+            self._preauth_total += 1
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
             conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         hs = ServerHandshake(self.secret) if self.secret is not None else None
-        self._peers[conn] = peer = _Peer(hs, time.monotonic(), tls_pending=self.tls is not None)
+        now = time.monotonic()
+        self._peers[conn] = peer = _Peer(hs, now, source, now, authenticated=self.secret is None and self.tls is None,
+                                         tls_pending=self.tls is not None)
         self.sel.register(conn, selectors.EVENT_READ, "conn")
         if peer.tls_pending:
             self._tls_step(conn, peer)
@@ -148,6 +174,28 @@ class FrameServer:
         self.sel.modify(conn, selectors.EVENT_READ, "conn")
         if peer.handshake is not None:
             self._send(conn, peer, bytearray(peer.handshake.hello))
+        else:
+            self._authenticated(peer)
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """Close a new connection at once, saying why in the log (at most once a second)."""
+        self.refused += 1
+        conn.close()
+        now = time.monotonic()
+        if now - self._warned_at >= 1.0:
+            self._warned_at = now
+            logger.warning("refusing connections: %s (%d refused so far)", why, self.refused)
+
+    def _authenticated(self, peer: _Peer) -> None:
+        """The peer passed its handshake: it no longer counts against the pre-auth limits."""
+        if not peer.authenticated:
+            peer.authenticated = True
+            self._preauth_total -= 1
+            left = self._preauth[peer.source] - 1
+            if left:
+                self._preauth[peer.source] = left
+            else:
+                del self._preauth[peer.source]
 
     def _pause_accepting(self, seconds: float) -> None:
         if not self._paused_until:
@@ -178,7 +226,9 @@ class FrameServer:
                 return
             if not peer.handshake.done:
                 return
+            peer.session = peer.handshake.session
             peer.handshake = None
+            self._authenticated(peer)
             self._send(conn, peer, bytearray(proof))
             if conn not in self._peers:
                 return
@@ -193,11 +243,13 @@ class FrameServer:
         out = bytearray()
         waiting = len(peer.out) if peer.out is not None else 0
         try:
-            while (frame := take_frame(buf)) is not None:
+            while (frame := take_frame(buf, peer.session)) is not None:
                 rid, body = frame
                 reply = self.handler(body)
-                out += FRAME_HEAD.pack(len(reply), rid)
+                head = FRAME_HEAD.pack(len(reply), rid)
+                out += head
                 out += reply
+                out += peer.session.seal(head, reply)
                 if waiting + len(out) > MAX_PENDING_REPLY:
                     # one 64 KiB read can hold thousands of small requests for big replies: stop here,
                     # not after building all of them
@@ -241,11 +293,10 @@ class FrameServer:
         self._send(conn, peer, data)
 
     def _sweep(self, now: float) -> None:
-        """Close connections that never authenticated in time, and idle ones."""
+        """Close connections that did not authenticate by their deadline, and idle ones."""
         self._next_sweep = now + 1.0
         for conn, peer in list(self._peers.items()):
-            limit = PREAUTH_TIMEOUT_S if peer.handshake is not None else self.idle_timeout_s
-            if now - peer.last > limit:
+            if not peer.authenticated and now - peer.opened > PREAUTH_TIMEOUT_S or now - peer.last > self.idle_timeout_s:
                 self._close(conn)
 
     @property
@@ -264,6 +315,7 @@ class FrameServer:
         peer = self._peers.pop(conn, None)
         if peer is not None:
             self._buffered -= len(peer.inbuf)
+            self._authenticated(peer)   # no longer in its handshake either way
         conn.close()
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """Requests to a provider's disk tier over its data server (``tcp.py``), after the same handshake.
 
 Request: the data server's head (``b"MCD1"``, op, count), then per object ``(size u64, checksum u64,
-key length u16)`` and the key. ``OP_DISK_READ``: the owner reads the record, verifies it and answers
-per object ``(status i32, length u64)`` followed by the payload when the status is 0, straight into the
+key length u16)`` and the key, then the session's MAC of head and items (``sealed.py``). ``OP_DISK_READ``: the owner reads the record, verifies it and answers
+per object ``(status i32, length u64)`` and its MAC, followed by the payload when the status is 0, straight into the
 reader's buffers. ``OP_PROMOTE``: the owner brings the objects back into its DRAM segment and answers
 ``(status, 0)`` per object. A status is a MemCache code (-3007 no such record, -3110 the record failed
 its checksum, -3111 disk I/O error). Everything a peer sends is bounded before it is used.
@@ -14,8 +14,10 @@ import socket
 import struct
 from typing import Any
 
+from ..auth import Session
 from ..errors import MAX_KEY_BYTES, MemCacheError, TransferFailed, error_from_code
 from ..memory import view_at
+from .sealed import recv_exact, recv_sealed, sealed
 
 OP_DISK_READ, OP_PROMOTE = 3, 4
 MAX_OBJECT_BYTES = 1 << 40
@@ -25,57 +27,56 @@ _ANSWER = struct.Struct("<iQ")
 Item = tuple[str, int, int, list[tuple[int, int]]]   # key, size, checksum, destination pieces
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        r = sock.recv_into(view[got:], len(view) - got)
-        if r == 0:
-            raise ConnectionError("peer closed the connection")
-        got += r
-
-
 def _recv(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf))
+    recv_exact(sock, memoryview(buf))
     return bytes(buf)
 
 
-def read_items(conn: socket.socket, n: int) -> list[tuple[str, int, int]] | None:
-    """The (key, size, checksum) a peer asks for, or None when the request is malformed."""
-    items = []
+def read_items(conn: socket.socket, session: Session, head: bytes | bytearray,
+               n: int) -> list[tuple[str, int, int]] | None:
+    """The (key, size, checksum) a peer asks for, or None when the request is malformed or fails
+    the session's MAC."""
+    items, raw = [], bytearray(head)
     for _ in range(n):
-        size, checksum, klen = _ITEM.unpack(_recv(conn, _ITEM.size))
+        item = _recv(conn, _ITEM.size)
+        size, checksum, klen = _ITEM.unpack(item)
         if not 0 < klen < MAX_KEY_BYTES or not 0 < size <= MAX_OBJECT_BYTES:
             return None
+        name = _recv(conn, klen)
+        raw += item
+        raw += name
         try:
-            key = _recv(conn, klen).decode()
+            key = name.decode()
         except UnicodeDecodeError:
             return None
         items.append((key, size, checksum))
+    if not session.check(_recv(conn, session.size), raw):
+        return None
     return items
 
 
-def serve(conn: socket.socket, op: int, n: int, disk: Any) -> bool:
+def serve(conn: socket.socket, session: Session, head: bytes | bytearray, op: int, n: int, disk: Any) -> bool:
     """Answer one disk request; False when it was malformed (the connection is then closed)."""
-    items = read_items(conn, n)
+    items = read_items(conn, session, head, n)
     if items is None:
         return False
     if disk is None:
         for _ in items:
-            conn.sendall(_ANSWER.pack(-3007, 0))
+            conn.sendall(sealed(session, _ANSWER.pack(-3007, 0)))
         return True
     if op == OP_PROMOTE:
         for code in disk.promote_local(items):
-            conn.sendall(_ANSWER.pack(code, 0))
+            conn.sendall(sealed(session, _ANSWER.pack(code, 0)))
         return True
     for key, size, checksum in items:
         try:
             buf, view = disk.read(key, size, checksum)
         except MemCacheError as e:
-            conn.sendall(_ANSWER.pack(e.code, 0))
+            conn.sendall(sealed(session, _ANSWER.pack(e.code, 0)))
             continue
         try:
-            conn.sendall(_ANSWER.pack(0, size))
+            conn.sendall(sealed(session, _ANSWER.pack(0, size)))
             conn.sendall(view)
         finally:
             view.release()
@@ -83,13 +84,14 @@ def serve(conn: socket.socket, op: int, n: int, disk: Any) -> bool:
     return True
 
 
-def request(sock: socket.socket, head: bytes, op: int, items: list[Item]) -> list[MemCacheError | None]:
+def request(sock: socket.socket, session: Session, head: bytes, op: int,
+            items: list[Item]) -> list[MemCacheError | None]:
     """Send one disk request on an authenticated connection; per-object error or None."""
     body = b"".join(_ITEM.pack(size, checksum, len(k.encode())) + k.encode() for k, size, checksum, _ in items)
-    sock.sendall(head + body)
+    sock.sendall(sealed(session, head + body))
     out: list[MemCacheError | None] = []
     for key, size, _, pieces in items:
-        status, length = _ANSWER.unpack(_recv(sock, _ANSWER.size))
+        status, length = _ANSWER.unpack(recv_sealed(sock, session, _ANSWER.size, f"{key!r}: the disk tier's answer"))
         if status != 0:
             out.append(error_from_code(status, f"{key!r}: the disk tier answered {status}"))
             continue
@@ -97,6 +99,6 @@ def request(sock: socket.socket, head: bytes, op: int, items: list[Item]) -> lis
             if length != size:
                 raise TransferFailed(f"{key!r}: the disk tier sent {length} bytes for an object of {size}")
             for ptr, n in pieces:
-                _recv_exact(sock, view_at(ptr, n))
+                recv_exact(sock, view_at(ptr, n))
         out.append(None)
     return out

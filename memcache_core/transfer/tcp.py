@@ -6,8 +6,11 @@ cannot read or write a byte, and the server allocates nothing for it. Bounded: a
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
 Wire format (little endian). Request: ``b"MCD1"``, op (1 read, 2 write), range count, then
-``(offset, length)`` per range; a write is followed by the ranges' bytes back to back. Answer:
-``(status, length)``; a successful read is followed by the bytes. The server sends from and receives
+``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
+forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
+back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. The
+payload bytes carry no MAC (it would cost more than the copy: docs/security.md): every object's
+checksum, verified by its readers, makes altered bytes a miss. The server sends from and receives
 into the segment memory itself, and the client receives straight into the destination buffers:
 the kernel's socket copies are the only copies.
 """
@@ -15,6 +18,7 @@ the kernel's socket copies are the only copies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import ssl
@@ -24,11 +28,12 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 
-from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, client_handshake, server_handshake
+from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, Session, client_handshake, server_handshake
 from ..errors import MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
 from ..rpc.framing import is_out_of_descriptors
 from . import disk_wire
+from .sealed import recv_exact, recv_sealed, sealed
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +50,6 @@ MAX_CONNECTIONS = 2048
 MAX_RANGES = 1 << 16
 IDLE_TIMEOUT_S = 300.0
 ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this pause (never give up)
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        r = sock.recv_into(view[got:], n - got)
-        if r == 0:
-            raise ConnectionError("peer closed the connection")
-        got += r
 
 
 def _tune(sock: socket.socket) -> None:
@@ -113,33 +109,40 @@ class DataServer:
                     self._conns.discard(conn)
                     self._conns.add(tls_conn)
                 conn = tls_conn
-            if not server_handshake(conn, self.secret):
+            session = server_handshake(conn, self.secret)
+            if session is None:
                 return
             conn.settimeout(IDLE_TIMEOUT_S)
+            tag = bytearray(session.size)
             while True:
-                _recv_exact(conn, memoryview(head))
+                recv_exact(conn, memoryview(head))
                 magic, op, n = _HEAD.unpack(head)
                 if magic != MAGIC or op not in (OP_READ, OP_WRITE, *DISK_OPS) or not 0 < n <= MAX_RANGES:
                     return
                 if op in DISK_OPS:
-                    if not disk_wire.serve(conn, op, n, self.disk):
+                    if not disk_wire.serve(conn, session, head, op, n, self.disk):
                         return
                     continue
                 raw = bytearray(n * _RANGE.size)
-                _recv_exact(conn, memoryview(raw))
+                recv_exact(conn, memoryview(raw))
+                recv_exact(conn, memoryview(tag))
+                if not session.check(tag, head, raw):
+                    logger.warning("data server %s: a request failed the connection's MAC (injected or altered); "
+                                   "closing the connection", self.addr)
+                    return
                 ranges = [_RANGE.unpack_from(raw, i * _RANGE.size) for i in range(n)]
                 total = sum(length for _, length in ranges)
                 if any(off + length > self.mapping.size for off, length in ranges):
-                    conn.sendall(_ANSWER.pack(-1, 0))
+                    conn.sendall(sealed(session, _ANSWER.pack(-1, 0)))
                     return  # the write payload (if any) is not drained: close the connection
                 if op == OP_READ:
-                    conn.sendall(_ANSWER.pack(0, total))
+                    conn.sendall(sealed(session, _ANSWER.pack(0, total)))
                     for off, length in ranges:
                         conn.sendall(self.mapping.view(off, length))
                 else:
                     for off, length in ranges:
-                        _recv_exact(conn, self.mapping.view(off, length))
-                    conn.sendall(_ANSWER.pack(0, total))
+                        recv_exact(conn, self.mapping.view(off, length))
+                    conn.sendall(sealed(session, _ANSWER.pack(0, total)))
         except (OSError, ConnectionError):
             pass
         finally:
@@ -164,6 +167,14 @@ class DataServer:
             c.close()
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class Link:
+    """An authenticated connection to a data server and its session."""
+
+    sock: socket.socket
+    session: Session
+
+
 class TcpClient:
     """Connection pools to peers' data servers."""
 
@@ -171,10 +182,10 @@ class TcpClient:
         self.timeout_s = timeout_s
         self.secret = secret
         self.tls = tls
-        self._idle: dict[str, list[socket.socket]] = defaultdict(list)
+        self._idle: dict[str, list[Link]] = defaultdict(list)
         self._lock = threading.Lock()
 
-    def _acquire(self, addr: str) -> socket.socket:
+    def _acquire(self, addr: str) -> Link:
         with self._lock:
             if self._idle[addr]:
                 return self._idle[addr].pop()
@@ -186,20 +197,20 @@ class TcpClient:
         try:
             if self.tls is not None:
                 s = self.tls.wrap_socket(s)
-            client_handshake(s, self.secret, min(self.timeout_s, 5.0))
+            session = client_handshake(s, self.secret, min(self.timeout_s, 5.0))
         except (OSError, AuthFailed) as e:
             s.close()
             raise PeerUnavailable(f"data server {addr} refused authentication: {e}") from e
         s.settimeout(self.timeout_s)
         _tune(s)
-        return s
+        return Link(s, session)
 
-    def _release(self, addr: str, s: socket.socket) -> None:
+    def _release(self, addr: str, s: Link) -> None:
         with self._lock:
             self._idle[addr].append(s)
 
     @contextlib.contextmanager
-    def _socket(self, addr: str, what: str) -> Iterator[socket.socket]:
+    def _socket(self, addr: str, what: str) -> Iterator[Link]:
         """A pooled connection to ``addr`` for one request: back to the pool when the request went
         through, closed on any failure (a socket error is ``PeerUnavailable``, naming ``what``)."""
         s = self._acquire(addr)
@@ -213,28 +224,25 @@ class TcpClient:
             if ok:
                 self._release(addr, s)
             else:
-                s.close()
+                s.sock.close()
 
     def _request(self, addr: str, op: int, ops: list[Op]) -> None:
-        with self._socket(addr, "transfer with") as s:
-            head = _HEAD.pack(MAGIC, op, len(ops)) + b"".join(
-                _RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
+        with self._socket(addr, "transfer with") as link:
+            s = link.sock
+            head = _HEAD.pack(MAGIC, op, len(ops))
+            ranges = b"".join(_RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
+            s.sendall(head + ranges + link.session.seal(head, ranges))
             if op == OP_WRITE:
-                s.sendall(head)
                 for _, pieces in ops:
                     for ptr, size in pieces:
                         s.sendall(view_at(ptr, size))
-            else:
-                s.sendall(head)
-            ans = bytearray(_ANSWER.size)
-            _recv_exact(s, memoryview(ans))
-            status, _total = _ANSWER.unpack(ans)
+            status, _total = _ANSWER.unpack(recv_sealed(s, link.session, _ANSWER.size, f"the answer of {addr}"))
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
             if op == OP_READ:
                 for _, pieces in ops:
                     for ptr, size in pieces:
-                        _recv_exact(s, view_at(ptr, size))
+                        recv_exact(s, view_at(ptr, size))
 
 
     def read(self, addr: str, ops: list[Op]) -> None:
@@ -242,8 +250,8 @@ class TcpClient:
 
     def disk_request(self, addr: str, op: int, items: list[disk_wire.Item]) -> list[MemCacheError | None]:
         """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
-        with self._socket(addr, "disk request to") as s:
-            return disk_wire.request(s, _HEAD.pack(MAGIC, op, len(items)), op, items)
+        with self._socket(addr, "disk request to") as link:
+            return disk_wire.request(link.sock, link.session, _HEAD.pack(MAGIC, op, len(items)), op, items)
 
     def write(self, addr: str, ops: list[Op]) -> None:
         self._request(addr, OP_WRITE, ops)
@@ -252,11 +260,11 @@ class TcpClient:
         with self._lock:
             conns = self._idle.pop(addr, [])
         for c in conns:
-            c.close()
+            c.sock.close()
 
     def close(self) -> None:
         with self._lock:
             pools, self._idle = self._idle, defaultdict(list)
         for conns in pools.values():
             for c in conns:
-                c.close()
+                c.sock.close()

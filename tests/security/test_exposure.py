@@ -4,10 +4,12 @@ Each test replays the attack against real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -19,10 +21,13 @@ import numpy as np
 import pytest
 
 from memcache_core import DistributedObjectStore
-from memcache_core.auth import admin_token, load_secret
+from memcache_core import protocol as p
+from memcache_core.auth import TAG, admin_token, load_secret
 from memcache_core.memory import buffer_address
+from memcache_core.rpc import RpcClient
 from memcache_core.testing import free_port, terminate, wait_for
 from memcache_core.transfer.tcp import TcpClient
+from tests.security.wire import addr_of, frame
 
 pytestmark = pytest.mark.integration
 
@@ -167,3 +172,107 @@ def _tab(base: str, url: str, title: str = "") -> bool:
         if (got.hostname, got.port, got.path) == (want.hostname, want.port, want.path) and title in t.get("title", ""):
             return True
     return False
+
+
+class Relay:
+    """A man in the middle on loopback: forwards one connection's bytes both ways between a member and
+    the real server (so the pool handshake passes through it), and can inject its own bytes towards
+    the server once the handshake is done."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.addr = self.listener.getsockname()
+        self.to_server: socket.socket | None = None
+        self.from_server = 0            # bytes the server sent
+        self.server_closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        member, _ = self.listener.accept()
+        server = socket.create_connection(self.upstream, timeout=30)
+        self.to_server = server
+        threading.Thread(target=self._pump, args=(member, server, False), daemon=True).start()
+        self._pump(server, member, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_server: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if from_server:
+                    self.from_server += len(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        if from_server:
+            self.server_closed.set()
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def inject(self, data: bytes) -> None:
+        assert self.to_server is not None
+        with contextlib.suppress(OSError):
+            self.to_server.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        if self.to_server is not None:
+            self.to_server.close()
+
+
+def test_a_relay_that_forwarded_the_handshake_cannot_inject_a_control_frame(meta):
+    """Scenario: a relay (a rogue MetaService address, e.g. through an open etcd) forwards a member's
+    connection to the real MetaService, lets the handshake pass, then sends its own ``RemoveAll`` on
+    the authenticated connection. Before, the frame was executed and the victim's keys were gone.
+    Now every frame carries the session's MAC, which the relay cannot make: the MetaService drops
+    the connection, the keys stay, and the member's next call works on a new connection."""
+    store = DistributedObjectStore()
+    assert store.setup(meta.local_config()) == 0 and store.init(0, True) == 0
+    relay = Relay(addr_of(meta.meta_service_url))
+    victim = RpcClient(f"tcp://{relay.addr[0]}:{relay.addr[1]}", 10.0, 0, load_secret(meta.config.get("auth_secret_path", "")))
+    try:
+        for i in range(4):
+            assert store.put(f"victim-{i}", bytes([i]) * 1000) == 0
+        assert victim.call(p.Exist(["victim-0"]), idempotent=True) == p.Flags([True])   # handshake relayed
+        seen = relay.from_server
+        relay.inject(frame(p.RemoveAll(), rid=99) + secrets.token_bytes(TAG))   # no session key: a guess
+        assert relay.server_closed.wait(10), "the MetaService kept the connection after a forged frame"
+        assert relay.from_server == seen, "the MetaService answered the injected frame"
+        assert [store.is_exist(f"victim-{i}") for i in range(4)] == [1] * 4
+    finally:
+        victim.close()
+        relay.close()
+        store.close()
+
+
+def test_a_relay_cannot_inject_a_data_plane_request():
+    """Scenario: the same relay in front of a data server: after the member's handshake it injects a
+    write over the member's bytes. The request header carries no valid MAC: the data server drops the
+    connection before reading a payload byte, and the bytes read back by an honest reader are intact."""
+    key = secrets.token_bytes(32)
+    proc = subprocess.Popen([sys.executable, "-c", DATA_SERVER.replace("(128, 128)", "(1024, 1024)"), key.hex()],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    client, honest = TcpClient(5.0, key), TcpClient(5.0, key)
+    relay: Relay | None = None
+    try:
+        assert proc.stdout is not None
+        addr = proc.stdout.readline().decode().strip()
+        host, port = addr.rsplit(":", 1)
+        relay = Relay((host, int(port)))
+        out = np.zeros(4096, dtype=np.uint8)
+        ptr, _, _keep = buffer_address(out)
+        client.read(f"{relay.addr[0]}:{relay.addr[1]}", [(0, [(ptr, 4096)])])   # handshake relayed
+        assert out.tobytes() == bytes(range(256)) * 16
+        seen = relay.from_server
+        forged = b"MCD1" + struct.pack("<BIQQ", 2, 1, 0, 4096)
+        relay.inject(forged + secrets.token_bytes(TAG) + b"\xee" * 4096)
+        assert relay.server_closed.wait(10), "the data server kept the connection after a forged request"
+        assert relay.from_server == seen
+        out[:] = 0
+        honest.read(addr, [(0, [(ptr, 4096)])])
+        assert out.tobytes() == bytes(range(256)) * 16
+    finally:
+        client.close()
+        honest.close()
+        if relay is not None:
+            relay.close()
+        terminate(proc)

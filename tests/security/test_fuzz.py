@@ -205,14 +205,15 @@ def _head(op: int, ranges: list[tuple[int, int]]) -> bytes:
         struct.pack("<QQ", off % 2**64, n % 2**64) for off, n in ranges)
 
 
+# (bytes the insider seals with its session's MAC, bytes sent after them unsealed)
 DATA_FRAMES = st.one_of(
-    st.binary(max_size=256).filter(lambda b: not b.startswith(b"MCD1\x02")),
+    st.binary(max_size=256).filter(lambda b: not b.startswith(b"MCD1\x02")).map(lambda b: (b"", b)),
     st.tuples(st.sampled_from([0, 1, 3, 255]), st.lists(st.tuples(INTS, INTS), max_size=6), st.binary(max_size=64))
-    .map(lambda t: _head(t[0], t[1]) + t[2]),
+    .map(lambda t: (_head(t[0], t[1]), t[2])),
     # writes only beyond the honest bytes: an authenticated peer may write, the honest data is elsewhere
     st.tuples(st.lists(st.tuples(st.integers(1 << 20, 4 << 20), st.integers(0, 1 << 12)), max_size=4),
-              st.binary(max_size=4096)).map(lambda t: _head(2, t[0]) + t[1]),
-    st.tuples(st.integers(0, 2**32 - 1)).map(lambda t: b"MCD1\x01" + struct.pack("<I", t[0])),
+              st.binary(max_size=4096)).map(lambda t: (_head(2, t[0]), t[1])),
+    st.tuples(st.integers(0, 2**32 - 1)).map(lambda t: (b"", b"MCD1\x01" + struct.pack("<I", t[0]))),
 )
 
 
@@ -224,11 +225,11 @@ def test_data_server_framing_after_the_handshake(data_server, frames):
     honest client then reads the honest region byte-exact."""
     mapping, addr = data_server
     with socket.create_connection(addr, timeout=5) as s:
-        client_handshake(s, SECRET)
+        session = client_handshake(s, SECRET)
         s.settimeout(0.5)
         try:
-            for f in frames:
-                s.sendall(f)
+            for head, rest in frames:
+                s.sendall(head + (session.seal(head) if head else b"") + rest)
             s.shutdown(socket.SHUT_WR)
             while s.recv(1 << 16):
                 pass

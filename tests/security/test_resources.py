@@ -45,12 +45,11 @@ def test_a_peer_that_never_reads_its_replies_is_disconnected_and_rss_stays_bound
     before = rss_mib(meta.pid)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.settimeout(20)
-    req = frame(p.ConfigGet("blob"))
     closed = False
     peak = before
     for _ in range(200):
         try:
-            s.sendall(req)
+            s.sendall(frame(p.ConfigGet("blob"), s=s))
         except OSError:
             closed = True
             break
@@ -61,7 +60,7 @@ def test_a_peer_that_never_reads_its_replies_is_disconnected_and_rss_stays_bound
         def cut_off() -> bool:
             peaks.append(rss_mib(meta.pid))
             try:
-                s.sendall(req)
+                s.sendall(frame(p.ConfigGet("blob"), s=s))
             except OSError:
                 return True
             return False

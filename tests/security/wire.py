@@ -4,11 +4,12 @@ an attacker on the same host would."""
 from __future__ import annotations
 
 import socket
+import weakref
 from typing import Any
 
 from memcache_core import protocol as p
-from memcache_core.auth import client_handshake, load_secret, recv_exact
-from memcache_core.rpc import FRAME_HEAD, RpcClient
+from memcache_core.auth import NO_SESSION, Session, client_handshake, load_secret, recv_exact
+from memcache_core.rpc import FRAME_HEAD, RpcClient, seal_frame, take_frame
 
 HEAD = FRAME_HEAD
 LAYOUT = [64 << 10, 16 << 10, 16 << 10]
@@ -27,24 +28,29 @@ def addr_of(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def frame(req: p.Request, rid: int = 1) -> bytes:
-    body = p.request_encoder.encode(req)
-    return HEAD.pack(len(body), rid) + body
+SESSIONS: weakref.WeakKeyDictionary[socket.socket, Session] = weakref.WeakKeyDictionary()
+
+
+def frame(req: p.Request, rid: int = 1, s: socket.socket | None = None) -> bytes:
+    """A request frame; sealed with the session of ``s`` (an ``authed`` socket) when given."""
+    return seal_frame(rid, p.request_encoder.encode(req), SESSIONS[s] if s is not None else NO_SESSION)
 
 
 def authed(addr: tuple[str, int], key: bytes | None = None) -> socket.socket:
     """A connection that passed the handshake (with the pool's secret unless ``key`` is given)."""
     s = socket.create_connection(addr, timeout=10)
-    client_handshake(s, secret() if key is None else key)
+    SESSIONS[s] = client_handshake(s, secret() if key is None else key)
     return s
 
 
 def ask(s: socket.socket, req: p.Request) -> p.Reply:
-    """One request on an authenticated raw socket; the decoded reply."""
-    s.sendall(frame(req))
+    """One request on an authenticated raw socket; the decoded reply (its MAC checked)."""
+    s.sendall(frame(req, s=s))
     head = recv_exact(s, HEAD.size)
     n, _ = HEAD.unpack(head)
-    return p.reply_decoder.decode(recv_exact(s, n))
+    got = take_frame(bytearray(head + recv_exact(s, n + SESSIONS[s].size)), SESSIONS[s])
+    assert got is not None
+    return p.reply_decoder.decode(got[1])
 
 
 def recv_all(s: socket.socket, timeout_s: float) -> bytes:

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from memcache_core.auth import client_handshake, recv_exact
+from memcache_core.auth import Session, client_handshake, recv_exact
 from memcache_core.errors import InvalidParameter
 from memcache_core.local.buffers import BufferRegistry
 from memcache_core.protocol import SegmentInfo
-from memcache_core.rpc import FRAME_HEAD, MAX_FRAME, FrameServer, take_frame
+from memcache_core.rpc import FRAME_HEAD, MAX_FRAME, FrameServer, seal_frame, take_frame
 from memcache_core.testing import polling
 from memcache_core.transfer.engine import CopyOp, split_by_bytes
 
@@ -45,6 +45,30 @@ def test_a_header_announcing_too_much_is_refused_before_anything_is_buffered():
         take_frame(bytearray(FRAME_HEAD.pack(MAX_FRAME + 1, 1)))
 
 
+def _pair() -> tuple[Session, Session]:
+    nonce_s, nonce_c = b"s" * 32, b"c" * 32
+    return Session(SECRET, nonce_s, nonce_c, client=True), Session(SECRET, nonce_s, nonce_c, client=False)
+
+
+def test_sealed_frames_pass_in_order_and_an_altered_reordered_or_foreign_one_is_refused():
+    client, server = _pair()
+    buf = bytearray(seal_frame(1, b"hello", client) + seal_frame(2, b"", client))
+    assert take_frame(buf, server) == (1, b"hello") and take_frame(buf, server) == (2, b"") and not buf
+    first, second = seal_frame(3, b"a", client), seal_frame(4, b"b", client)
+    with pytest.raises(ValueError, match="MAC"):
+        take_frame(bytearray(second + first), server)              # reordered (or the first dropped)
+    client, server = _pair()
+    altered = bytearray(seal_frame(5, b"remove k", client))
+    altered[FRAME_HEAD.size] ^= 1
+    with pytest.raises(ValueError, match="MAC"):
+        take_frame(altered, server)
+    client, server = _pair()
+    with pytest.raises(ValueError, match="MAC"):                 # the server's own direction: not a request
+        take_frame(bytearray(seal_frame(6, b"x", server)), _pair()[1])
+    with pytest.raises(ValueError, match="MAC"):                 # no MAC at all (a relay's own frame)
+        take_frame(bytearray(frame(7, b"x") + bytes(16)), _pair()[1])
+
+
 @pytest.fixture
 def echo_server():
     """A real FrameServer whose handler answers each body reversed, polled on a thread."""
@@ -52,20 +76,23 @@ def echo_server():
         yield server.listeners[0].getsockname()
 
 
-def _reply(s: socket.socket) -> tuple[int, bytes]:
-    n, rid = FRAME_HEAD.unpack(recv_exact(s, FRAME_HEAD.size))
-    return rid, recv_exact(s, n)
+def _reply(s: socket.socket, session: Session) -> tuple[int, bytes]:
+    head = recv_exact(s, FRAME_HEAD.size)
+    n, _ = FRAME_HEAD.unpack(head)
+    got = take_frame(bytearray(head + recv_exact(s, n + session.size)), session)
+    assert got is not None
+    return got
 
 
 def test_frames_sent_a_byte_at_a_time_and_pipelined_are_answered_in_order(echo_server):
     with socket.create_connection(echo_server, timeout=5) as s:
-        client_handshake(s, SECRET)
+        session = client_handshake(s, SECRET)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for b in frame(1, b"abc"):
+        for b in seal_frame(1, b"abc", session):
             s.sendall(bytes([b]))
-        assert _reply(s) == (1, b"cba")
-        s.sendall(frame(2, b"xy") + frame(3, b"") + frame(4, b"z" * 100_000))
-        assert [_reply(s) for _ in range(3)] == [(2, b"yx"), (3, b""), (4, b"z" * 100_000)]
+        assert _reply(s, session) == (1, b"cba")
+        s.sendall(seal_frame(2, b"xy", session) + seal_frame(3, b"", session) + seal_frame(4, b"z" * 100_000, session))
+        assert [_reply(s, session) for _ in range(3)] == [(2, b"yx"), (3, b""), (4, b"z" * 100_000)]
 
 
 def test_a_frame_before_the_handshake_gets_no_answer_and_the_connection_is_closed(echo_server):
