@@ -197,6 +197,10 @@ def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
             raise AuthFailed(f"no authentication challenge from the server within {timeout_s:g}s: it runs with "
                              f"auth_enable: false? Set auth_enable (and auth_secret_path) alike on the MetaService "
                              f"and every member (docs/security.md)") from e
+        except ConnectionError as e:
+            raise AuthFailed("the server closed the connection before authenticating: it is out of connection "
+                             "slots, or too many connections from this address are in their handshake (its "
+                             "log says which); not a secret mismatch") from e
         if hello[:len(MAGIC)] != MAGIC:
             raise AuthFailed("the server does not speak the authenticated protocol (auth_enable differs?)")
         nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(NONCE)

@@ -33,10 +33,16 @@ from .client import (
     expect,
 )
 from .framing import FRAME_HEAD, MAX_FRAME, is_addr_in_use, seal_frame, take_frame
-from .server import MAX_BUFFERED_INPUT, MAX_PENDING_REPLY, PREAUTH_TIMEOUT_S, FrameServer
+from .server import (
+    MAX_BUFFERED_INPUT,
+    MAX_PENDING_REPLY,
+    MAX_PREAUTH_PER_SOURCE,
+    PREAUTH_TIMEOUT_S,
+    FrameServer,
+)
 
 __all__ = [
-    "FRAME_HEAD", "MAX_BUFFERED_INPUT", "MAX_CLIENT_CONNECTIONS", "MAX_FRAME", "MAX_PENDING_REPLY",
+    "FRAME_HEAD", "MAX_BUFFERED_INPUT", "MAX_CLIENT_CONNECTIONS", "MAX_FRAME", "MAX_PENDING_REPLY", "MAX_PREAUTH_PER_SOURCE",
     "PREAUTH_TIMEOUT_S", "RETRY_DOWN_S", "SMALL_FRAME", "Backoff", "FrameServer", "RpcClient", "expect",
     "is_addr_in_use", "seal_frame", "take_frame",
 ]

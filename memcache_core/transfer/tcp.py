@@ -1,7 +1,9 @@
 """Cross-host transfers: each LocalService serves its segment over TCP; peers read and write ranges.
 
-Every connection first passes the pool's HMAC handshake (``auth.py``): a peer without the secret
-cannot read or write a byte, and the server allocates nothing for it. Bounded: at most
+Every connection first passes the pool's HMAC handshake (``auth.py``), TLS included, within
+``HANDSHAKE_TIMEOUT_S`` of its accept: a peer without the secret cannot read or write a byte, and the
+server allocates nothing for it. At most ``MAX_PREAUTH_PER_SOURCE`` connections of one address, and
+a quarter of ``MAX_CONNECTIONS`` in all, may be in their handshake at once (as on the control plane). Bounded: at most
 ``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import select
 import socket
 import ssl
 import struct
@@ -32,6 +35,7 @@ from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, Session, client_handshake, s
 from ..errors import MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
 from ..rpc.framing import is_out_of_descriptors
+from ..rpc.server import MAX_PREAUTH_PER_SOURCE, PREAUTH_SHARE
 from . import disk_wire
 from .sealed import recv_exact, recv_sealed, sealed
 
@@ -50,6 +54,31 @@ MAX_CONNECTIONS = 2048
 MAX_RANGES = 1 << 16
 IDLE_TIMEOUT_S = 300.0
 ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this pause (never give up)
+
+
+def tls_handshake(conn: ssl.SSLSocket, deadline: float) -> bool:
+    """A server-side TLS handshake that ends by ``deadline`` (monotonic), however the peer trickles."""
+    conn.setblocking(False)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            this: list[socket.socket] = [conn]
+            none: list[socket.socket] = []
+            try:
+                conn.do_handshake()
+                return True
+            except ssl.SSLWantReadError:
+                ready = select.select(this, none, none, left)
+            except ssl.SSLWantWriteError:
+                ready = select.select(none, this, none, left)
+            if not any(ready):
+                return False
+    except (ssl.SSLError, OSError):
+        return False
+    finally:
+        conn.setblocking(True)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -77,12 +106,16 @@ class DataServer:
         self._stop = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._preauth: dict[str, int] = {}   # source address -> its connections in their handshake
+        self._preauth_total = 0
+        self.refused = 0
+        self._warned_at = 0.0
         threading.Thread(target=self._accept, name="memcache-data-accept", daemon=True).start()
 
     def _accept(self) -> None:
         while not self._stop:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError as e:
                 if self._stop or not is_out_of_descriptors(e):
                     return   # closed
@@ -91,25 +124,60 @@ class DataServer:
                              ACCEPT_BACKOFF_S)
                 time.sleep(ACCEPT_BACKOFF_S)
                 continue
+            source = str(peer[0])
             with self._lock:
-                if self._stop or len(self._conns) >= MAX_CONNECTIONS:
-                    conn.close()
-                    continue
-                self._conns.add(conn)
+                why = ("server closing" if self._stop else
+                       f"all {MAX_CONNECTIONS} connections in use" if len(self._conns) >= MAX_CONNECTIONS else
+                       f"{source} has {MAX_PREAUTH_PER_SOURCE} connections in their handshake"
+                       if self._preauth.get(source, 0) >= MAX_PREAUTH_PER_SOURCE else
+                       f"{self._preauth_total} connections in their handshake (the other slots are kept for "
+                       f"authenticated peers)" if self._preauth_total >= MAX_CONNECTIONS // PREAUTH_SHARE else "")
+                if not why:
+                    self._conns.add(conn)
+                    self._preauth[source] = self._preauth.get(source, 0) + 1
+                    self._preauth_total += 1
+            if why:
+                conn.close()
+                self._refused(why)
+                continue
             _tune(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="memcache-data", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, source), name="memcache-data", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        head = bytearray(_HEAD.size)
+    def _refused(self, why: str) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= 1.0:
+            self._warned_at = now
+            logger.warning("data server %s refusing connections: %s (%d refused so far)", self.addr, why,
+                           self.refused)
+
+    def _handshake(self, conn: socket.socket, source: str) -> tuple[socket.socket, Session | None]:
+        """TLS (if on) and the pool's handshake, both within ``HANDSHAKE_TIMEOUT_S`` of the accept
+        however slowly the peer sends; then the peer no longer counts as pre-auth from ``source``."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
             if self.tls is not None:
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                tls_conn = self.tls.wrap_socket(conn, server_side=True)
+                tls_conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                 with self._lock:
                     self._conns.discard(conn)
                     self._conns.add(tls_conn)
                 conn = tls_conn
-            session = server_handshake(conn, self.secret)
+                if not tls_handshake(tls_conn, deadline):
+                    return conn, None
+            return conn, server_handshake(conn, self.secret, deadline - time.monotonic())
+        finally:
+            with self._lock:
+                self._preauth_total -= 1
+                left = self._preauth[source] - 1
+                if left:
+                    self._preauth[source] = left
+                else:
+                    del self._preauth[source]
+
+    def _serve(self, conn: socket.socket, source: str) -> None:
+        head = bytearray(_HEAD.size)
+        try:
+            conn, session = self._handshake(conn, source)
             if session is None:
                 return
             conn.settimeout(IDLE_TIMEOUT_S)

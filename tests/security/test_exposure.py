@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
@@ -22,9 +23,9 @@ import pytest
 
 from memcache_core import DistributedObjectStore
 from memcache_core import protocol as p
-from memcache_core.auth import TAG, admin_token, load_secret
+from memcache_core.auth import HANDSHAKE_TIMEOUT_S, MAGIC, NONCE, TAG, admin_token, load_secret, recv_exact
 from memcache_core.memory import buffer_address
-from memcache_core.rpc import RpcClient
+from memcache_core.rpc import MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
 from memcache_core.testing import free_port, terminate, wait_for
 from memcache_core.transfer.tcp import TcpClient
 from tests.security.wire import addr_of, frame
@@ -59,8 +60,8 @@ def test_a_data_server_out_of_descriptors_accepts_again_once_they_are_free():
         addr = proc.stdout.readline().decode().strip()
         assert addr, "the data server did not start"
         host, port = addr.rsplit(":", 1)
-        for _ in range(200):
-            held.append(socket.create_connection((host, int(port)), timeout=5))
+        for i in range(200):   # from 4 source addresses: 50 each, under the per-address pre-auth cap
+            held.append(socket.create_connection((host, int(port)), timeout=5, source_address=(f"127.0.0.{2 + i % 4}", 0)))
         # the server ran out: it has accepted what its table holds, the rest wait in the backlog
         wait_for(lambda: _open_fds(proc.pid) >= 120, 20, "the data server to fill its descriptor table")
         for s in held:
@@ -275,4 +276,88 @@ def test_a_relay_cannot_inject_a_data_plane_request():
         honest.close()
         if relay is not None:
             relay.close()
+        terminate(proc)
+
+
+def _trickle(addr: tuple[str, int], n: int) -> tuple[list[socket.socket], int]:
+    """``n`` connections from 127.0.0.2 that will never finish the handshake: (those the server took,
+    each after reading its hello; the number it refused at once)."""
+    took, refused = [], 0
+    for _ in range(n):
+        s = socket.create_connection(addr, timeout=5, source_address=("127.0.0.2", 0))
+        try:
+            hello = recv_exact(s, len(MAGIC) + NONCE)
+        except (ConnectionError, OSError):
+            hello = b""
+        if hello.startswith(MAGIC):
+            took.append(s)
+        else:
+            refused += 1
+            s.close()
+    return took, refused
+
+
+def _cut_within(held: list[socket.socket], limit_s: float) -> float:
+    """Send each held connection a byte a second (each byte used to reset the server's timer) until
+    the server has closed them all; the longest any lived. Fails past ``limit_s``."""
+    start, open_ = time.monotonic(), list(held)
+    longest = 0.0
+    while open_:
+        assert time.monotonic() - start < limit_s, f"{len(open_)} trickling connections still open after {limit_s} s"
+        for s in list(open_):
+            try:
+                s.send(b"\0")
+                closed = s.recv(1, socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                closed = False
+            except OSError:
+                closed = True
+            if closed:
+                open_.remove(s)
+                longest = time.monotonic() - start
+        time.sleep(0.25)   # the attacker's pace (a byte every 250 ms), not a wait for a state
+    return longest
+
+
+def test_connections_trickling_their_handshake_are_cut_at_the_deadline_and_capped_per_address(meta):
+    """Scenario: an attacker without the secret opens 100 connections from one address to the
+    control plane, then to a data server, and sends one byte at a time so the connection is never
+    idle. Before, each byte reset a 5 s idle timer: the slots were held for good and new members
+    failed ``init``. Now at most 64 connections of one address may be in their handshake (the rest are
+    refused at once), the handshake is a deadline from the accept (all are cut within it), and an
+    honest member connects meanwhile."""
+    held, refused = _trickle(addr_of(meta.meta_service_url), 100)
+    try:
+        assert (len(held), refused) == (MAX_PREAUTH_PER_SOURCE, 100 - MAX_PREAUTH_PER_SOURCE)
+        honest = meta.rpc()
+        try:
+            assert honest.call(p.Exist(["k"]), idempotent=True) == p.Flags([False])
+        finally:
+            honest.close()
+        longest = _cut_within(held, PREAUTH_TIMEOUT_S + 10)
+        print(f"control plane: trickling connections cut after at most {longest:.1f} s")
+    finally:
+        for s in held:
+            s.close()
+    key = secrets.token_bytes(32)
+    proc = subprocess.Popen([sys.executable, "-c", DATA_SERVER.replace("(128, 128)", "(1024, 1024)"), key.hex()],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    client = TcpClient(5.0, key)
+    held = []
+    try:
+        assert proc.stdout is not None
+        addr = proc.stdout.readline().decode().strip()
+        host, port = addr.rsplit(":", 1)
+        held, refused = _trickle((host, int(port)), 100)
+        assert (len(held), refused) == (MAX_PREAUTH_PER_SOURCE, 100 - MAX_PREAUTH_PER_SOURCE)
+        out = np.zeros(4096, dtype=np.uint8)
+        ptr, _, _keep = buffer_address(out)
+        client.read(addr, [(0, [(ptr, 4096)])])
+        assert out.tobytes() == bytes(range(256)) * 16
+        longest = _cut_within(held, HANDSHAKE_TIMEOUT_S + 10)
+        print(f"data server: trickling connections cut after at most {longest:.1f} s")
+    finally:
+        for s in held:
+            s.close()
+        client.close()
         terminate(proc)
