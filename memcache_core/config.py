@@ -73,6 +73,16 @@ class MetaConfig:
     ha_lease_ttl_ms: int = 5000
     """TTL of the leader's etcd lease (whole seconds, at least 2 s): a standby takes over this long after
     the leader stops renewing; the leader stops serving once 3/4 of it passed without a renewal."""
+    ha_etcd_ca_path: str = ""
+    """CA certificate (PEM) of etcd's server certificate: etcd is then spoken over https, verified."""
+    ha_etcd_cert_path: str = ""
+    """Client certificate (PEM) for an etcd run with ``--client-cert-auth``; needs ``ha_etcd_key_path``."""
+    ha_etcd_key_path: str = ""
+    """The private key of ``ha_etcd_cert_path`` (PEM)."""
+    ha_etcd_user: str = ""
+    """etcd user (etcd's auth enabled) to log in as; its password is in ``ha_etcd_password_path``."""
+    ha_etcd_password_path: str = ""
+    """File whose first line is the password of ``ha_etcd_user`` (mode 0600; refused if others can read it)."""
     log_level: str = "info"
     """debug, info, warning or error."""
     log_path: str = ""
@@ -163,6 +173,7 @@ class MetaConfig:
                               f"got {self.placement_policy!r}")
         if self.ha_enable:
             parse_etcd_endpoints(self.ha_etcd_endpoints, "ha_etcd_endpoints")
+            check_etcd_auth(self, self.ha_etcd_endpoints)
             check_cluster_id(self.ha_cluster_id, "ha_cluster_id")
             _check_range("ha_lease_ttl_ms", self.ha_lease_ttl_ms, 2000, 600_000)
             if self.ha_lease_ttl_ms % 1000:
@@ -221,6 +232,16 @@ class LocalConfig:
     or ``etcd://h1:2379,h2:2379/<ha_cluster_id>`` to follow the HA leader."""
     config_store_url: str = "tcp://127.0.0.1:6000"
     """The MetaService's config store."""
+    ha_etcd_ca_path: str = ""
+    """With an ``etcd://`` meta_service_url: CA certificate (PEM) of etcd's server certificate: etcd is then spoken over https, verified."""
+    ha_etcd_cert_path: str = ""
+    """Client certificate (PEM) for an etcd run with ``--client-cert-auth``; needs ``ha_etcd_key_path``."""
+    ha_etcd_key_path: str = ""
+    """The private key of ``ha_etcd_cert_path`` (PEM)."""
+    ha_etcd_user: str = ""
+    """etcd user (etcd's auth enabled) to log in as; its password is in ``ha_etcd_password_path``."""
+    ha_etcd_password_path: str = ""
+    """File whose first line is the password of ``ha_etcd_user`` (mode 0600; refused if others can read it)."""
     log_level: str = "info"
     """debug, info, warning or error (applied to the memcache_core loggers)."""
     world_size: int = 256
@@ -333,7 +354,8 @@ class LocalConfig:
         return parse_size(self.dram_size, "dram_size")
 
     def validate(self) -> None:
-        parse_meta_target(self.meta_service_url, "meta_service_url")
+        if parse_meta_target(self.meta_service_url, "meta_service_url").etcd:
+            check_etcd_auth(self, self.meta_service_url)
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
         parse_url(self.hcom_url, "hcom_url", ("tcp",))
         _check_log_level(self.log_level)
@@ -381,6 +403,23 @@ class LocalConfig:
         _check_disk(self)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
+
+
+def check_etcd_auth(cfg: MetaConfig | LocalConfig, endpoints: str) -> None:
+    """The ``ha_etcd_*`` credentials come in pairs, name files that exist, and https needs the CA."""
+    for key in ("ha_etcd_ca_path", "ha_etcd_cert_path", "ha_etcd_key_path", "ha_etcd_password_path"):
+        path = getattr(cfg, key)
+        if not isinstance(path, str) or (path and not os.path.isfile(path)):
+            raise ConfigError(f"{key}: no such file {path!r}")
+    if bool(cfg.ha_etcd_cert_path) != bool(cfg.ha_etcd_key_path):
+        raise ConfigError("ha_etcd_cert_path: a client certificate needs its key (ha_etcd_key_path), and a key its "
+                          "certificate")
+    if not isinstance(cfg.ha_etcd_user, str) or bool(cfg.ha_etcd_user) != bool(cfg.ha_etcd_password_path):
+        raise ConfigError("ha_etcd_user: an etcd user needs ha_etcd_password_path (a file holding its password), "
+                          "and a password file its user")
+    if ("https://" in endpoints or cfg.ha_etcd_cert_path) and not cfg.ha_etcd_ca_path:
+        raise ConfigError("ha_etcd_ca_path: etcd over https (an https:// endpoint or a client certificate) needs "
+                          "the CA of etcd's server certificate")
 
 
 def _check_transfer_engine(v: Any, tls_enable: bool) -> None:

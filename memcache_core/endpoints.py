@@ -16,7 +16,7 @@ from .config import parse_meta_target, parse_url
 from .errors import MemCacheError
 
 if TYPE_CHECKING:
-    from .etcd import Etcd
+    from .etcd import Etcd, EtcdAuth
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ REREAD_S = 0.1   # etcd is asked for the leader at most this often per client
 
 
 class MetaEndpoints:
-    def __init__(self, value: str, timeout_s: float) -> None:
+    def __init__(self, value: str, timeout_s: float, etcd_auth: EtcdAuth | None = None) -> None:
         self.target = parse_meta_target(value)
         self._timeout_s = min(timeout_s, 2.0)
         self._lock = threading.Lock()
@@ -35,7 +35,7 @@ class MetaEndpoints:
         self.addr: tuple[str, int] | None = parse_url(self.url, "meta_service_url", ("tcp",)) if self.url else None
         if self.target.etcd:
             from .etcd import Etcd
-            self._etcd = Etcd(self.target.etcd, self._timeout_s)  # no client installed: fail now
+            self._etcd = Etcd(self.target.etcd, self._timeout_s, etcd_auth)  # no client installed: fail now
             self._resolve()
 
     @property

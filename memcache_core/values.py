@@ -63,7 +63,7 @@ def parse_etcd_endpoints(value: Any, key: str) -> tuple[tuple[str, int], ...]:
     out = []
     for item in value.split(","):
         item = item.strip()
-        out.append(parse_url(item if "://" in item else "http://" + item, key, ("http",)))
+        out.append(parse_url(item if "://" in item else "http://" + item, key, ("http", "https")))
     return tuple(out)
 
 

@@ -26,6 +26,7 @@ from .. import protocol as p
 from ..auth import load_secret
 from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
 from ..errors import InvalidParameter, MemCacheError, check_key, check_keys
+from ..etcd import EtcdAuth
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..rpc.framing import raise_fd_limit
@@ -65,7 +66,7 @@ class LocalService(Writes, Reads, Gva):
         self._tls_client = tls.client_context(config)
         self.rpc = RpcClient(config.meta_service_url, config.client_timeout_seconds,
                              config.client_retry_milliseconds, self.secret, tls=self._tls_client,
-                             spin_s=config.rpc_spin_us / 1e6)
+                             spin_s=config.rpc_spin_us / 1e6, etcd_auth=EtcdAuth.of(config))
         self.session = Session(0, 0, 10.0, 120.0, None)
         self.segment: Mapping | None = None
         self._segment_template: p.SegmentInfo | None = None   # our segment, before an id is issued

@@ -7,7 +7,13 @@ campaign again when it goes (the lease lapsed: the leader died, paused or lost e
 
 Fencing: the leader serves only until 3/4 of the TTL after the start of its last successful renewal
 (the lease lives at least a full TTL from then, as etcd counts), so it stops before any standby can
-win. Standbys, and a leader past that deadline, answer every control request with NOT_LEADER; every
+win. At every renewal it also reads the key back: deleted, or rewritten under another lease (by an
+operator, or by anyone etcd lets write it), it steps down at once instead of serving on for good
+beside the next winner. And a winner that replaces a holder whose lease is still alive (the key
+went, the holder did not) waits out that holder's serving window (3/4 TTL) before it serves: the old
+leader notices within a quarter TTL, so two leaders never answer at once, and nothing it
+acknowledged is lost (members re-join the new one only after it stopped). Standbys, and a leader
+past that deadline, answer every control request with NOT_LEADER; every
 reply carries the term, and clients refuse replies of an older term (``rpc/client.py``). A MetaService that
 wins starts from an empty table (a new epoch): the LocalServices re-join and report their objects,
 as after a restart. The config store lives in etcd (``config/<key>``), read back on winning.
@@ -28,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig, parse_etcd_endpoints
-from ..etcd import Etcd, config_prefix, generations_key, leader_key
+from ..etcd import Etcd, EtcdAuth, config_prefix, generations_key, leader_key
 from .generations import BLOCK
 
 if TYPE_CHECKING:
@@ -46,13 +52,15 @@ class LeaderElection:
         self.config = config
         self.ttl_s = config.ha_lease_ttl_ms // 1000
         self.etcd = Etcd(parse_etcd_endpoints(config.ha_etcd_endpoints, "ha_etcd_endpoints"),
-                         timeout_s=self.ttl_s * RENEW_FRACTION)
+                         timeout_s=self.ttl_s * RENEW_FRACTION, auth=EtcdAuth.of(config))
         self.key = leader_key(config.ha_cluster_id)
         self.urls = {"control": config.meta_service_url, "config_store": config.config_store_url,
                      "admin": config.metrics_url, "pid": os.getpid()}
         self.on_change = on_change        # forget the table: on_change(True) before winning, (False) after losing
         self.term = 0                     # > 0 while this MetaService holds the leader key
         self.valid_until = 0.0            # monotonic: serve only before this
+        self.serve_from = 0.0             # monotonic: and not before this (a previous holder's window)
+        self._seen_lease = 0              # the lease of the last holder of the key seen as a standby
         self.leader: dict[str, Any] | None = None   # the leader record last read from etcd
         self.etcd_ok = False
         self._lease = 0
@@ -60,7 +68,7 @@ class LeaderElection:
         self._thread = threading.Thread(target=self._run, name="meta-ha", daemon=True)
 
     def serving(self) -> bool:
-        return self.term > 0 and time.monotonic() < self.valid_until
+        return self.term > 0 and self.serve_from <= time.monotonic() < self.valid_until
 
     def start(self) -> None:
         self._thread.start()
@@ -112,12 +120,26 @@ class LeaderElection:
         if ttl <= 0:
             logger.error("lost the leader lease (term %d): it expired before a renewal got through; "
                          "standing by", self.term)
-            self.term = 0
-            self.valid_until = 0.0
-            self.on_change(False)
+            self._step_down()
+            return
+        got = self.etcd.read(self.key)
+        if got is None or got[1]["lease"] != self._lease or got[1]["create_revision"] != self.term:
+            logger.error("the leader key %s was %s (term %d): stepping down at once", self.key,
+                         "deleted" if got is None else f"rewritten under lease {got[1]['lease']:x}, create revision "
+                         f"{got[1]['create_revision']}", self.term)
+            self._step_down()
+            try:
+                self.etcd.revoke(self._lease)   # nothing is attached to it any more
+            except Exception as e:  # noqa: BLE001 - best effort: it lapses anyway
+                logger.warning("could not revoke the old leader lease: %s", e)
             return
         self.valid_until = t0 + SERVE_FRACTION * min(ttl, self.ttl_s)
         self._stop.wait(self.ttl_s * RENEW_FRACTION)
+
+    def _step_down(self) -> None:
+        self.term = 0
+        self.valid_until = 0.0
+        self.on_change(False)
 
     def _campaign(self) -> None:
         t0 = time.monotonic()
@@ -129,6 +151,7 @@ class LeaderElection:
         if won and got is not None and got[1]["lease"] == lease:
             self._lease = lease
             self.on_change(True)                   # a fresh table: members re-join and report
+            self.serve_from = self._previous_window_end()
             self.valid_until = t0 + SERVE_FRACTION * self.ttl_s
             self.term = got[1]["create_revision"]
             self.leader = {**self.urls, "term": self.term}
@@ -138,11 +161,24 @@ class LeaderElection:
         self.etcd.revoke(lease)
         if got is None:
             return   # the key went meanwhile: campaign again at once
+        self._seen_lease = got[1]["lease"]
         try:
             self.leader = {**json.loads(got[0]), "term": got[1]["create_revision"]}
         except ValueError:
             self.leader = None
         self._watch(got[1]["mod_revision"])
+
+    def _previous_window_end(self) -> float:
+        """When the previous holder surely stopped serving: now if its lease is gone (it expired or
+        was revoked), else 3/4 TTL from now (its serving window; it checks the key every quarter TTL)."""
+        prev, self._seen_lease = self._seen_lease, 0
+        if prev and self.etcd.call(lambda c: _lease(c, prev).ttl()) <= 0:
+            return 0.0
+        wait = SERVE_FRACTION * self.ttl_s
+        logger.warning("won the leader key while %s: serving only in %.1f s, once any old leader has "
+                       "stepped down", f"the previous holder's lease {prev:x} is alive" if prev else
+                       "the previous holder is unknown", wait)
+        return time.monotonic() + wait
 
     def _watch(self, revision: int) -> None:
         """Wait until the leader key changes after ``revision`` (or a TTL passed: look again)."""

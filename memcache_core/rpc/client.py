@@ -19,6 +19,7 @@ from .. import protocol as p
 from ..auth import MAGIC, AuthFailed, client_handshake
 from ..endpoints import MetaEndpoints
 from ..errors import NOT_LEADER, MemCacheError, MetaServiceUnavailable, NotLeader, error_from_code
+from ..etcd import EtcdAuth
 from .framing import seal_frame, take_frame
 
 logger = logging.getLogger(__name__)
@@ -98,10 +99,10 @@ class _Conn:
 class RpcClient:
     def __init__(self, url: str, timeout_s: float, retry_ms: int = 0, secret: bytes | None = None,
                  max_connections: int = MAX_CLIENT_CONNECTIONS, tls: ssl.SSLContext | None = None,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, etcd_auth: EtcdAuth | None = None) -> None:
         self.tls = tls
         self.spin_s = spin_s   # poll for a reply this long before sleeping in recv (``rpc_spin_us``)
-        self.endpoints = MetaEndpoints(url, timeout_s)
+        self.endpoints = MetaEndpoints(url, timeout_s, etcd_auth)
         self.max_term = 0   # highest HA leader term seen in a reply
         self.timeout_s = timeout_s
         self.retry_ms = retry_ms
