@@ -149,6 +149,11 @@ class _NoSession(Session):
 NO_SESSION: Session = _NoSession()
 
 
+def disk_record_key(secret: bytes) -> bytes:
+    """The key of the MAC that binds a disk tier's records to the pool (``local/disk_record.py``)."""
+    return hmac.new(secret, b"disk tier records", hashlib.sha256).digest()
+
+
 def admin_token(secret: bytes) -> str:
     return hmac.new(secret, b"admin", hashlib.sha256).hexdigest()
 

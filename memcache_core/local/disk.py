@@ -39,7 +39,16 @@ from ..memory import Mapping
 from ..protocol import ObjectReport
 from . import disk_record as rec
 from .aligned import Aligned, AlignedPool
-from .disk_files import O_DIRECT, Record, scan_records, supports_direct, take_lock, unlink
+from .disk_files import (
+    NOFOLLOW,
+    O_DIRECT,
+    Record,
+    check_private_dir,
+    scan_records,
+    supports_direct,
+    take_lock,
+    unlink,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +74,16 @@ class DiskCounters:
 
 
 class DiskStore:
-    def __init__(self, path: str, capacity: int, write_limit: int = 0) -> None:
+    def __init__(self, path: str, capacity: int, write_limit: int = 0, mac_key: bytes | None = None) -> None:
         self.root = os.path.abspath(path)
         self.objects_dir = os.path.join(self.root, "objects")
+        self.mac_key = mac_key     # binds records to the pool (disk_record.py); None with auth off
         try:
             os.makedirs(self.objects_dir, mode=0o700, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"disk_path: cannot create {self.objects_dir}: {e.strerror}") from e
+        check_private_dir(self.root)
+        check_private_dir(self.objects_dir)
         self._lock_fd: int | None = take_lock(self.root)
         self.capacity = capacity
         self.write_limit = write_limit
@@ -194,7 +206,7 @@ class DiskStore:
             if got != r.checksum:
                 self.counters.writes_stale += 1   # evicted and its space reused meanwhile
                 return
-            mv[:rec.BLOCK] = rec.pack_header(r.key, r.generation, r.size, got)
+            mv[:rec.BLOCK] = rec.pack_header(r.key, r.generation, r.size, got, self.mac_key)
             self._make_room(fp)
             written = self._write_file(r.key, mv)
         finally:
@@ -215,7 +227,8 @@ class DiskStore:
         tmp = final + ".tmp"
         try:
             os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if self.direct else 0), 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW | (O_DIRECT if self.direct else 0),
+                         0o600)
             try:
                 done = 0
                 while done < len(data):
@@ -279,7 +292,7 @@ class DiskStore:
 
     def _read_file(self, key: str, path: str, mv: memoryview) -> None:
         try:
-            fd = os.open(path, os.O_RDONLY | (O_DIRECT if self.direct else 0))
+            fd = os.open(path, os.O_RDONLY | NOFOLLOW | (O_DIRECT if self.direct else 0))
         except FileNotFoundError as e:
             self._forget(key)
             raise KeyNotFound(f"{key!r}: its record {path} is gone") from e
@@ -300,7 +313,7 @@ class DiskStore:
             os.close(fd)
 
     def _verify(self, key: str, path: str, r: Record, mv: memoryview) -> None:
-        h = rec.unpack_header(mv[:rec.BLOCK])
+        h = rec.unpack_header(mv[:rec.BLOCK], self.mac_key)
         why = None
         if h is None or h != (key, r.generation, r.size, r.checksum):
             why = "its header does not match"
@@ -329,7 +342,7 @@ class DiskStore:
     def _scan(self) -> None:
         """Rebuild the index from the record headers (oldest file first = least recently used)."""
         t0 = time.monotonic()
-        found, bad = scan_records(self.objects_dir)
+        found, bad = scan_records(self.objects_dir, self.mac_key)
         for _mtime, key, r in sorted(found, key=lambda x: x[0]):
             self.index[key] = r
             self.used += r.footprint

@@ -16,10 +16,17 @@ then the payload, both padded to the direct-I/O block.
 
 Every field read back is validated like a peer's value (magic, version, key length and UTF-8, size
 bounds) before it is used.
+
+With authentication on, the header also carries a MAC (keyed BLAKE2b, 16 bytes, right after the
+header hash) keyed from the pool secret (``auth.disk_record_key``) over the header, whose checksum
+covers the payload: a record planted by someone without the secret, or left by another pool, is no
+record here (removed at the scan, a miss on a read).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 
 import xxhash
@@ -48,14 +55,28 @@ def name_of(key: str) -> str:
     return os.path.join(h[:2], h + SUFFIX)
 
 
-def pack_header(key: str, generation: int, size: int, checksum: int) -> bytes:
-    return layout.pack_fields(MAGIC, key, generation, size, checksum, BLOCK)
+MAC_AT = len(layout.pack_fields(MAGIC, "k", 1, 1, 1, 0))   # the MAC follows the header hash
+MAC_BYTES = 16
 
 
-def unpack_header(buf: bytes | memoryview) -> tuple[str, int, int, int] | None:
-    """(key, generation, size, checksum) of a valid record header, else None."""
+def _mac(mac_key: bytes, header: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(header[:MAC_AT], key=mac_key, digest_size=MAC_BYTES).digest()
+
+
+def pack_header(key: str, generation: int, size: int, checksum: int, mac_key: bytes | None = None) -> bytes:
+    head = layout.pack_fields(MAGIC, key, generation, size, checksum, BLOCK)
+    if mac_key is None:
+        return head
+    return head[:MAC_AT] + _mac(mac_key, head) + head[MAC_AT + MAC_BYTES:]
+
+
+def unpack_header(buf: bytes | memoryview, mac_key: bytes | None = None) -> tuple[str, int, int, int] | None:
+    """(key, generation, size, checksum) of a valid record header (bound to the pool by its MAC when
+    ``mac_key`` is given), else None."""
     fields = layout.unpack_fields(buf, MAGIC)
     if fields is None:
+        return None
+    if mac_key is not None and not hmac.compare_digest(bytes(buf[MAC_AT:MAC_AT + MAC_BYTES]), _mac(mac_key, buf)):
         return None
     _key, gen, size, _checksum = fields
     if not 0 < size <= MAX_RECORD_BYTES or not 0 < gen < (1 << 63):

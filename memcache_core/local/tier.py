@@ -25,6 +25,7 @@ import xxhash
 
 from .. import errors
 from .. import protocol as p
+from ..auth import disk_record_key
 from ..config import parse_size
 from ..errors import ChecksumMismatch, KeyNotFound, MemCacheError
 from ..layout import pack_header, payload_offset
@@ -56,7 +57,8 @@ class DiskTier:
         self.svc = svc
         self.policy = cfg.disk_write_policy
         self.store = DiskStore(cfg.disk_path, parse_size(cfg.disk_size, "disk_size"),
-                               parse_size(cfg.disk_write_limit, "disk_write_limit"))
+                               parse_size(cfg.disk_write_limit, "disk_write_limit"),
+                               disk_record_key(svc.secret) if svc.secret is not None else None)
         self._wake = threading.Event()
         self.store.on_written.append(self._wake.set)
         self._stop = threading.Event()

@@ -20,15 +20,20 @@ from urllib.parse import urlparse
 
 import numpy as np
 import pytest
+import xxhash
 
 from memcache_core import DistributedObjectStore
 from memcache_core import protocol as p
 from memcache_core.auth import HANDSHAKE_TIMEOUT_S, MAGIC, NONCE, TAG, admin_token, load_secret, recv_exact
+from memcache_core.errors import ConfigError
+from memcache_core.local import disk_record as rec
+from memcache_core.local.disk import DiskStore
 from memcache_core.memory import buffer_address
 from memcache_core.rpc import MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
 from memcache_core.testing import free_port, terminate, wait_for
 from memcache_core.transfer.tcp import TcpClient
-from tests.security.wire import addr_of, frame
+from tests.integration.stores import StoreProcess
+from tests.security.wire import LAYOUT, addr_of, frame
 
 pytestmark = pytest.mark.integration
 
@@ -361,3 +366,60 @@ def test_connections_trickling_their_handshake_are_cut_at_the_deadline_and_cappe
             s.close()
         client.close()
         terminate(proc)
+
+
+def _plant_record(disk: str, key: str, size: int, fill: int) -> str:
+    """A self-consistent record of ``key`` with no pool MAC (what another local user could write)."""
+    payload = bytes([fill]) * size
+    header = rec.pack_header(key, 7, size, xxhash.xxh3_64_intdigest(payload))
+    path = os.path.join(disk, "objects", rec.name_of(key))
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(header + payload + bytes(rec.padded(size) - size))
+    return path
+
+
+def test_a_disk_tier_prepared_by_another_local_user_is_refused_and_planted_records_are_misses(meta, tmp_path):
+    """Scenario: another local user pre-creates ``disk_path`` under a sticky shared directory with a
+    LOCK symlink to a root-owned 0600 file, and plants a self-consistent record. Before, the
+    provider truncated and rewrote the file through the symlink, and an honest get returned the
+    planted bytes. Now a disk_path not owned by this user (or writable by others) is refused at init,
+    a LOCK symlink in one's own directory too (the target untouched), and a planted record (no MAC of
+    the pool secret) is removed at the scan: a get of its key is a miss."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's own bytes\n")
+    victim.chmod(0o600)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    planted = shared / "tier"
+    planted.mkdir()
+    planted.chmod(0o777)
+    os.symlink(victim, planted / "LOCK")
+    if os.getuid() == 0:
+        os.chown(planted, 65534, 65534)   # another user's directory
+    with pytest.raises(RuntimeError, match="-3000"):
+        StoreProcess(meta, disk_path=str(planted), disk_size="64MB")
+    with pytest.raises(ConfigError, match="belongs to uid|writable by other users"):
+        DiskStore(str(planted), 64 << 20)
+    own = tmp_path / "own"
+    own.mkdir(mode=0o700)
+    os.symlink(victim, own / "LOCK")
+    with pytest.raises(RuntimeError, match="-3000"):
+        StoreProcess(meta, disk_path=str(own), disk_size="64MB")
+    with pytest.raises(ConfigError, match="symlink"):
+        DiskStore(str(own), 64 << 20)
+    assert victim.read_bytes() == b"root's own bytes\n" and victim.stat().st_mode & 0o777 == 0o600
+    os.unlink(own / "LOCK")
+    size = sum(LAYOUT)
+    record = _plant_record(str(own), "planted-0", size, 0xAB)
+    provider = StoreProcess(meta, disk_path=str(own), disk_size="64MB")
+    reader = StoreProcess(meta)
+    try:
+        assert not os.path.exists(record)
+        got = reader("get", keys=["planted-0"], layout=LAYOUT)
+        assert got["codes"][0] != 0 and got["mismatches"] == []
+        assert provider("put", keys=["honest-0"], layout=LAYOUT)["codes"] == [0]   # the tier still works
+    finally:
+        reader.stop()
+        provider.stop()
