@@ -93,6 +93,11 @@ class Etcd:
                                        protocol="https" if a.ca_path else "http", ca_cert=a.ca_path or None,
                                        cert_cert=a.cert_path or None, cert_key=a.key_path or None)
                         for h, p in endpoints]
+        if a.ca_path:
+            for c in self.clients:
+                # requests lets $REQUESTS_CA_BUNDLE / $CURL_CA_BUNDLE override the session's CA: etcd's
+                # certificate is verified against ha_etcd_ca_path and nothing else
+                c.session.trust_env = False
         self._first = 0
 
     def _authenticate(self, client: Any) -> None:

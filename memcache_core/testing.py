@@ -110,6 +110,26 @@ def make_tls_files(directory: str) -> dict[str, Any]:
     return {"tls_enable": True, "tls_ca_path": ca, "tls_cert_path": cert, "tls_key_path": key}
 
 
+def make_etcd_tls_files(directory: str) -> dict[str, str]:
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate signed by it, for
+    an etcd with ``--client-cert-auth`` (needs the ``openssl`` command): paths ``ca``, ``server_cert``,
+    ``server_key``, ``client_cert``, ``client_key``."""
+    out = {name: os.path.join(directory, f"etcd-{name}.pem") for name in
+           ("ca", "ca_key", "server_cert", "server_key", "client_cert", "client_key")}
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)  # noqa: E731
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=etcd test CA", "-keyout", out["ca_key"], "-out", out["ca"])
+    ext = os.path.join(directory, "etcd-san.cnf")
+    with open(ext, "w", encoding="ascii") as f:
+        f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for who in ("server", "client"):
+        csr = os.path.join(directory, f"etcd-{who}.csr")
+        run("req", *ec, "-subj", f"/CN=etcd {who}", "-keyout", out[f"{who}_key"], "-out", csr)
+        run("x509", "-req", "-in", csr, "-CA", out["ca"], "-CAkey", out["ca_key"], "-CAcreateserial", "-days", "2",
+            "-extfile", ext, "-out", out[f"{who}_cert"])
+    return out
+
+
 def terminate(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
     """Send ``sig`` to a live ``proc`` and reap it; SIGKILL when it has not exited in ``timeout_s``."""
     if proc.poll() is None:
@@ -329,11 +349,12 @@ class EtcdProcess:
     """A throwaway single-member etcd on free loopback ports, with its own data directory;
     restartable on the same ports and data."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, tls: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.peer_port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.tls = tls   # make_etcd_tls_files(): https with client certificates required
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 20.0) -> EtcdProcess:
@@ -343,7 +364,9 @@ class EtcdProcess:
              "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
              "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}"],
+             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
+             *(["--cert-file", self.tls["server_cert"], "--key-file", self.tls["server_key"], "--client-cert-auth",
+                "--trusted-ca-file", self.tls["ca"]] if self.tls else [])],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         wait_for(lambda: self._healthy(), timeout_s, "etcd to answer")
@@ -352,8 +375,13 @@ class EtcdProcess:
     def _healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+        ctx = None
+        if self.tls:
+            import ssl
+            ctx = ssl.create_default_context(cafile=self.tls["ca"])
+            ctx.load_cert_chain(self.tls["client_cert"], self.tls["client_key"])
         try:
-            with urllib.request.urlopen(self.endpoint + "/health", timeout=1) as r:
+            with urllib.request.urlopen(self.endpoint + "/health", timeout=1, context=ctx) as r:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError):
             return False

@@ -16,7 +16,7 @@ import pytest
 
 from memcache_core.errors import ConfigError
 from memcache_core.etcd import Etcd, EtcdAuth, EtcdRefused, leader_key
-from memcache_core.testing import EtcdProcess, MetaServiceProcess, etcd_binary, wait_for
+from memcache_core.testing import EtcdProcess, MetaServiceProcess, etcd_binary, make_etcd_tls_files, wait_for
 from tests.integration.stores import StoreProcess
 from tests.integration.test_ha import LAYOUT, TTL_S, Pool, Traffic, _start_traffic, _verify_all, pool  # noqa: F401
 
@@ -158,3 +158,34 @@ def test_ha_works_against_an_etcd_with_auth_and_nothing_gets_in_without_credenti
             store.stop()
         bare.stop()
         meta.stop()
+
+
+def test_ha_works_against_an_etcd_that_requires_tls_client_certificates(tmp_path):
+    """Scenario: etcd speaks https only and requires a client certificate signed by its CA. A
+    MetaService with ``ha_etcd_ca_path`` and ``ha_etcd_cert_path``/``ha_etcd_key_path`` leads, and a
+    member following ``etcd://`` with the same keys puts and gets; a client without a certificate
+    cannot reach the leader key."""
+    files = make_etcd_tls_files(str(tmp_path))
+    etcd = EtcdProcess(str(tmp_path), tls=files).start()
+    creds = {"ha_etcd_ca_path": files["ca"], "ha_etcd_cert_path": files["client_cert"],
+             "ha_etcd_key_path": files["client_key"]}
+    meta = MetaServiceProcess(str(tmp_path), ha_enable=True, ha_etcd_endpoints=etcd.endpoint, ha_cluster_id="tls",
+                              ha_lease_ttl_ms=2000, **creds)
+    store = None
+    try:
+        meta.start()
+        wait_for(lambda: meta.http("/role")["role"] == "leader", 10,
+                 lambda: f"the MetaService to lead over https: {meta.log_tail()}")
+        store = StoreProcess(meta, meta_service_url=f"etcd://127.0.0.1:{etcd.port}/tls", dram_size="64MB",
+                             client_timeout_seconds=2, **creds)
+        assert store("put", keys=["tls-0"], layout=LAYOUT)["codes"] == [0]
+        got = store("get", keys=["tls-0"], layout=LAYOUT)
+        assert got["codes"] == [0] and got["mismatches"] == []
+        no_cert = Etcd((("127.0.0.1", etcd.port),), 2.0, EtcdAuth(ca_path=files["ca"]))
+        with pytest.raises(Exception, match="(?i)ssl|certificate|unreachable|refused"):
+            no_cert.call(lambda c: c.get(leader_key("tls")))
+    finally:
+        if store is not None:
+            store.stop()
+        meta.stop()
+        etcd.stop()
