@@ -11,7 +11,10 @@ Same-host shared-memory copies do not touch the network and are not affected.
 
 from __future__ import annotations
 
+import select
+import socket
 import ssl
+import time
 from typing import Any
 
 from .errors import ConfigError
@@ -69,3 +72,28 @@ def check(cfg: Any) -> None:
         for key in ("tls_ca_path", "tls_cert_path", "tls_key_path"):
             if not isinstance(getattr(cfg, key), str) or not getattr(cfg, key):
                 raise ConfigError(f"{key}: required when tls_enable is true")
+
+
+def tls_handshake(conn: ssl.SSLSocket, deadline: float) -> bool:
+    """A server-side TLS handshake that ends by ``deadline`` (monotonic), however the peer trickles."""
+    conn.setblocking(False)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            this: list[socket.socket] = [conn]
+            none: list[socket.socket] = []
+            try:
+                conn.do_handshake()
+                return True
+            except ssl.SSLWantReadError:
+                ready = select.select(this, none, none, left)
+            except ssl.SSLWantWriteError:
+                ready = select.select(none, this, none, left)
+            if not any(ready):
+                return False
+    except (ssl.SSLError, OSError):
+        return False
+    finally:
+        conn.setblocking(True)

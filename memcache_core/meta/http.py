@@ -2,7 +2,8 @@
 
 Every route but /health needs ``Authorization: Bearer <token>`` with the pool's admin token
 (``auth.admin_token``) when authentication is on. At most ``MAX_CONNECTIONS`` connections are served
-at once, each with a socket timeout; scans of the whole table copy it under the lock and do the work
+at once, each with a socket timeout (over HTTPS, the TLS handshake runs in the connection's thread
+within ``TLS_HANDSHAKE_TIMEOUT_S``, never in the accept loop); scans of the whole table copy it under the lock and do the work
 outside it, so a client polling /get_all_keys does not stall the control plane.
 
 A browser may instead send the token as the password of HTTP Basic authentication (any user name):
@@ -36,6 +37,7 @@ from .. import protocol as p
 from ..auth import admin_authorized, admin_token
 from ..config import parse_url
 from ..errors import InvalidParameter, cannot_listen
+from ..tls import tls_handshake
 from . import disk, metrics, stats, status_page, validate
 
 if TYPE_CHECKING:
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 1024
 SOCKET_TIMEOUT_S = 10.0
+TLS_HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -53,9 +56,21 @@ class _BoundedServer(ThreadingHTTPServer):
     request_queue_size = 1024   # the listen backlog (socketserver's default is 5: a burst of idle
                                 # connections made honest ones wait for SYN retransmits)
 
-    def __init__(self, addr: tuple[str, int], handler: type) -> None:
+    def __init__(self, addr: tuple[str, int], handler: type, tls: ssl.SSLContext | None = None) -> None:
         super().__init__(addr, handler)
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.tls = tls   # HTTPS: the handshake runs in the connection's thread, never in the accept loop
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        conn = self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+        try:
+            # a peer that never finishes its handshake holds this one thread for 5 s at most
+            if tls_handshake(conn, time.monotonic() + TLS_HANDSHAKE_TIMEOUT_S):
+                super().finish_request(conn, client_address)
+        finally:
+            conn.close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -78,11 +93,9 @@ class AdminServer:
         token = admin_token(secret) if secret is not None else None
         handler = type("Handler", (_Handler,), {"core": core, "token": token})
         try:
-            self.httpd = _BoundedServer((host, port), handler)
+            self.httpd = _BoundedServer((host, port), handler, tls)
         except OSError as e:
             raise cannot_listen("metrics_url", host, port, e) from e
-        if tls is not None:
-            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="meta-http", daemon=True)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import select
 import socket
 import ssl
 import struct
@@ -36,6 +35,7 @@ from ..errors import MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import Mapping, view_at
 from ..rpc.framing import is_out_of_descriptors
 from ..rpc.server import MAX_PREAUTH_PER_SOURCE, PREAUTH_SHARE
+from ..tls import tls_handshake
 from . import disk_wire
 from .sealed import recv_exact, recv_sealed, sealed
 
@@ -54,31 +54,6 @@ MAX_CONNECTIONS = 2048
 MAX_RANGES = 1 << 16
 IDLE_TIMEOUT_S = 300.0
 ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this pause (never give up)
-
-
-def tls_handshake(conn: ssl.SSLSocket, deadline: float) -> bool:
-    """A server-side TLS handshake that ends by ``deadline`` (monotonic), however the peer trickles."""
-    conn.setblocking(False)
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            this: list[socket.socket] = [conn]
-            none: list[socket.socket] = []
-            try:
-                conn.do_handshake()
-                return True
-            except ssl.SSLWantReadError:
-                ready = select.select(this, none, none, left)
-            except ssl.SSLWantWriteError:
-                ready = select.select(none, this, none, left)
-            if not any(ready):
-                return False
-    except (ssl.SSLError, OSError):
-        return False
-    finally:
-        conn.setblocking(True)
 
 
 def _tune(sock: socket.socket) -> None:

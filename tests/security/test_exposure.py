@@ -30,7 +30,7 @@ from memcache_core.local import disk_record as rec
 from memcache_core.local.disk import DiskStore
 from memcache_core.memory import buffer_address
 from memcache_core.rpc import MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
-from memcache_core.testing import free_port, terminate, wait_for
+from memcache_core.testing import MetaServiceProcess, free_port, make_tls_files, terminate, wait_for
 from memcache_core.transfer.tcp import TcpClient
 from tests.integration.stores import StoreProcess
 from tests.security.wire import LAYOUT, addr_of, frame
@@ -423,3 +423,25 @@ def test_a_disk_tier_prepared_by_another_local_user_is_refused_and_planted_recor
     finally:
         reader.stop()
         provider.stop()
+
+
+def test_an_idle_connection_to_the_https_admin_port_does_not_freeze_health(tmp_path):
+    """Scenario: with ``tls_enable`` the admin server speaks HTTPS; one connection opens and sends
+    nothing. Before, the TLS handshake ran in the accept loop with no timeout: /health (the liveness
+    probe) timed out while it sat there. Now the handshake runs in the connection's own thread with a
+    deadline: /health answers at once, and the idle connection is closed after the deadline."""
+    ms = MetaServiceProcess(str(tmp_path), **make_tls_files(str(tmp_path)))
+    idle: list[socket.socket] = []
+    try:
+        ms.start()
+        for _ in range(3):
+            idle.append(socket.create_connection(addr_of(ms.metrics_url), timeout=5))
+        for _ in range(5):
+            assert ms.http("/health")["success"] is True   # urlopen's 5 s timeout: fails if frozen
+        for s in idle:
+            s.settimeout(15)
+            assert s.recv(1) == b""                          # closed by the server at its deadline
+    finally:
+        for s in idle:
+            s.close()
+        ms.stop()
