@@ -96,6 +96,7 @@ def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], wi
     """A table within ``width`` columns: every column but ``host`` keeps its whole text (ids are what
     ``memcache drain`` takes); hosts get the room left and are cut with an ellipsis."""
     from rich import box
+    from rich.text import Text
     from rich.table import Table
     table = Table(title=title, box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=wide)
     need = {c: max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)}
@@ -106,7 +107,7 @@ def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], wi
         table.add_column(c, justify="left" if left else "right", no_wrap=True, overflow="ellipsis",
                          max_width=room if c == "host" else None, min_width=None if c == "host" else need[c])
     for r in rows:
-        table.add_row(*r)
+        table.add_row(*(Text(cell) for cell in r))   # hosts and tiers come from members: text, never markup
     return table
 
 

@@ -445,3 +445,18 @@ def test_an_idle_connection_to_the_https_admin_port_does_not_freeze_health(tmp_p
         for s in idle:
             s.close()
         ms.stop()
+
+
+def test_memcache_status_prints_a_members_host_id_as_text_not_markup(meta):
+    """Scenario: a member joins with the host id ``[/]x[bold red]y[/bold red]``. Before, ``memcache
+    status`` crashed on it (rich's MarkupError) or rendered its markup. Now it prints it verbatim."""
+    host = "[/]x[bold red]y[/bold red]"
+    store = DistributedObjectStore()
+    assert store.setup(meta.local_config(host_id=host, protocol="host_tcp")) == 0 and store.init(0, True) == 0
+    try:
+        out = subprocess.run([sys.executable, "-m", "memcache_core.cli", "status", "--url", meta.metrics_url],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "300"})
+        assert out.returncode == 0, out.stderr
+        assert host in out.stdout, out.stdout
+    finally:
+        store.close()
