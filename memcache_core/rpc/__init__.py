@@ -35,6 +35,7 @@ from .client import (
 from .framing import FRAME_HEAD, MAX_FRAME, is_addr_in_use, seal_frame, take_frame
 from .server import (
     MAX_BUFFERED_INPUT,
+    MAX_PENDING_REPLIES,
     MAX_PENDING_REPLY,
     MAX_PREAUTH_PER_SOURCE,
     PREAUTH_TIMEOUT_S,
@@ -42,7 +43,8 @@ from .server import (
 )
 
 __all__ = [
-    "FRAME_HEAD", "MAX_BUFFERED_INPUT", "MAX_CLIENT_CONNECTIONS", "MAX_FRAME", "MAX_PENDING_REPLY", "MAX_PREAUTH_PER_SOURCE",
+    "FRAME_HEAD", "MAX_BUFFERED_INPUT", "MAX_CLIENT_CONNECTIONS", "MAX_FRAME", "MAX_PENDING_REPLIES", "MAX_PENDING_REPLY",
+    "MAX_PREAUTH_PER_SOURCE",
     "PREAUTH_TIMEOUT_S", "RETRY_DOWN_S", "SMALL_FRAME", "Backoff", "FrameServer", "RpcClient", "expect",
     "is_addr_in_use", "seal_frame", "take_frame",
 ]

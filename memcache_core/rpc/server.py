@@ -15,12 +15,14 @@ from ..auth import NO_SESSION, ServerHandshake, Session
 from ..errors import cannot_listen
 from .framing import FRAME_HEAD, is_addr_in_use, is_out_of_descriptors, take_frame
 
-__all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLY", "MAX_PREAUTH_PER_SOURCE", "PREAUTH_TIMEOUT_S", "FrameServer",
+__all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLIES", "MAX_PENDING_REPLY", "MAX_PREAUTH_PER_SOURCE", "PREAUTH_TIMEOUT_S", "FrameServer",
            "is_addr_in_use"]
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
+MAX_PENDING_REPLIES = 256 << 20  # ... and for all connections together (16 peers x 63 MiB grew a
+                                 # MetaService by 1 GB before)
 MAX_BUFFERED_INPUT = 512 << 20   # bytes of unfinished frames a server holds for all connections together
 PREAUTH_TIMEOUT_S = 5.0          # a deadline for the whole handshake (TLS and the pool's), from accept
 MAX_PREAUTH_PER_SOURCE = 64      # connections of one source address still in their handshake
@@ -51,7 +53,8 @@ class FrameServer:
     64 bytes); at most ``MAX_PREAUTH_PER_SOURCE`` connections of one address, and a quarter of
     ``max_connections`` in all, may be in their handshake at once, so the other slots stay for
     authenticated members; at most ``max_connections`` are open (more are refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
-    read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it; unfinished frames
+    read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it, or once the replies
+    waiting for all connections together would pass ``MAX_PENDING_REPLIES``; unfinished frames
     of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
     over is disconnected: a Join report of a million objects still fits); running out of
     file descriptors pauses accepting instead of spinning.
@@ -84,6 +87,8 @@ class FrameServer:
         self._peers: dict[socket.socket, _Peer] = {}
         self._buffered = 0   # bytes of unfinished frames held for all connections together
         self.max_buffered_input = MAX_BUFFERED_INPUT
+        self._pending = 0   # reply bytes waiting for all connections together
+        self.max_pending_replies = MAX_PENDING_REPLIES
         self._paused_until = 0.0
         self._next_sweep = time.monotonic() + 1.0
         self.refused = 0
@@ -250,11 +255,11 @@ class FrameServer:
                 out += head
                 out += reply
                 out += peer.session.seal(head, reply)
-                if waiting + len(out) > MAX_PENDING_REPLY:
+                if waiting + len(out) > MAX_PENDING_REPLY or self._pending + len(out) > self.max_pending_replies:
                     # one 64 KiB read can hold thousands of small requests for big replies: stop here,
                     # not after building all of them
-                    logger.warning("closing a connection that does not read its replies (%d bytes waiting)",
-                                   waiting + len(out))
+                    logger.warning("closing a connection that does not read its replies (%d bytes waiting for it, "
+                                   "%d for all connections)", waiting + len(out), self._pending + len(out))
                     self._close(conn)
                     return
         except ValueError:
@@ -269,9 +274,10 @@ class FrameServer:
     def _send(self, conn: socket.socket, peer: _Peer, data: bytearray) -> None:
         if peer.out is not None:
             peer.out += data
-            if len(peer.out) > MAX_PENDING_REPLY:
-                logger.warning("closing a connection that does not read its replies (%d bytes waiting)",
-                               len(peer.out))
+            self._pending += len(data)
+            if len(peer.out) > MAX_PENDING_REPLY or self._pending > self.max_pending_replies:
+                logger.warning("closing a connection that does not read its replies (%d bytes waiting for it, "
+                               "%d for all connections)", len(peer.out), self._pending)
                 self._close(conn)
             return
         try:
@@ -284,12 +290,14 @@ class FrameServer:
         if n < len(data):
             del data[:n]          # keep the rest in place: no second copy of a large reply
             peer.out = data
+            self._pending += len(data)
             self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
 
     def _flush(self, conn: socket.socket, peer: _Peer) -> None:
         data, peer.out = peer.out, None
         self.sel.modify(conn, selectors.EVENT_READ, "conn")
         assert data is not None
+        self._pending -= len(data)
         self._send(conn, peer, data)
 
     def _sweep(self, now: float) -> None:
@@ -304,6 +312,10 @@ class FrameServer:
         return len(self._peers)
 
     @property
+    def pending_replies(self) -> int:
+        return self._pending
+
+    @property
     def buffered_input(self) -> int:
         return self._buffered
 
@@ -315,6 +327,8 @@ class FrameServer:
         peer = self._peers.pop(conn, None)
         if peer is not None:
             self._buffered -= len(peer.inbuf)
+            if peer.out is not None:
+                self._pending -= len(peer.out)
             self._authenticated(peer)   # no longer in its handshake either way
         conn.close()
 

@@ -29,11 +29,11 @@ from memcache_core.errors import ConfigError
 from memcache_core.local import disk_record as rec
 from memcache_core.local.disk import DiskStore
 from memcache_core.memory import buffer_address
-from memcache_core.rpc import MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
+from memcache_core.rpc import MAX_PENDING_REPLIES, MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
 from memcache_core.testing import MetaServiceProcess, free_port, make_tls_files, terminate, wait_for
 from memcache_core.transfer.tcp import TcpClient
 from tests.integration.stores import StoreProcess
-from tests.security.wire import LAYOUT, addr_of, frame
+from tests.security.wire import LAYOUT, addr_of, ask, authed, frame
 
 pytestmark = pytest.mark.integration
 
@@ -460,3 +460,46 @@ def test_memcache_status_prints_a_members_host_id_as_text_not_markup(meta):
         assert host in out.stdout, out.stdout
     finally:
         store.close()
+
+
+def test_unread_replies_of_all_connections_share_one_budget(meta):
+    """Scenario: an insider stores a 1 MiB config value, then 16 connections each ask for it 63 times
+    and never read (63 MiB each: under the per-connection cap). Before, the MetaService grew by about
+    1 GB. Now the replies waiting for all connections together are capped at MAX_PENDING_REPLIES:
+    connections over it are cut, the RSS grows by about that much at most, and an honest client is
+    answered throughout."""
+    first = authed(addr_of(meta.config_store_url))
+    assert isinstance(ask(first, p.ConfigPut("blob", b"b" * (1 << 20))), p.Ok)
+    first.close()
+    before = _rss_mib(meta.pid)
+    peak = before
+    conns = []
+    try:
+        for _ in range(16):
+            s = authed(addr_of(meta.config_store_url))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conns.append(s)
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.sendall(b"".join(frame(p.ConfigGet("blob"), rid=i, s=s) for i in range(63)))
+            peak = max(peak, _rss_mib(meta.pid))
+        honest = authed(addr_of(meta.config_store_url))
+        assert isinstance(ask(honest, p.ConfigGet("blob")), p.Value)
+        honest.close()
+        for _ in range(20):   # sampled over the time the server spends on the replies
+            peak = max(peak, _rss_mib(meta.pid))
+            time.sleep(0.05)
+    finally:
+        for s in conns:
+            s.close()
+    grew = peak - before
+    print(f"MetaService RSS grew by {grew:.0f} MiB with 16 x 63 MiB of unread replies")
+    assert grew < (MAX_PENDING_REPLIES >> 20) + 150
+
+
+def _rss_mib(pid: int | None) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
