@@ -96,8 +96,8 @@ def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], wi
     """A table within ``width`` columns: every column but ``host`` keeps its whole text (ids are what
     ``memcache drain`` takes); hosts get the room left and are cut with an ellipsis."""
     from rich import box
-    from rich.text import Text
     from rich.table import Table
+    from rich.text import Text
     table = Table(title=title, box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=wide)
     need = {c: max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)}
     frame = 3 * len(columns) + 1                      # borders and padding, wide or not
