@@ -51,8 +51,10 @@ class FrameServer:
     Bounded: a connection must finish the pool handshake within ``PREAUTH_TIMEOUT_S`` of its accept,
     however it trickles its bytes (nothing it sends before is decoded, and it can make the server hold
     64 bytes); at most ``MAX_PREAUTH_PER_SOURCE`` connections of one address, and a quarter of
-    ``max_connections`` in all, may be in their handshake at once, so the other slots stay for
-    authenticated members; at most ``max_connections`` are open (more are refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
+    ``max_connections`` in all, may be in their handshake at once (a new one closes the oldest: an
+    honest handshake takes milliseconds, so idle or trickling connections cannot hold the slots), so
+    the other slots stay for authenticated members; at most ``max_connections`` are open (more are
+    refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
     read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it, or once the replies
     waiting for all connections together would pass ``MAX_PENDING_REPLIES``; unfinished frames
     of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
@@ -92,9 +94,11 @@ class FrameServer:
         self._paused_until = 0.0
         self._next_sweep = time.monotonic() + 1.0
         self.refused = 0
-        self._preauth: dict[str, int] = {}   # source address -> its connections still in their handshake
-        self._preauth_total = 0
+        # connections still in their handshake, oldest first: per source address, and all of them
+        self._preauth: dict[str, dict[socket.socket, None]] = {}
+        self._preauth_all: dict[socket.socket, None] = {}
         self.max_preauth = max(1, max_connections // PREAUTH_SHARE)
+        self.evicted = 0
         self._warned_at = 0.0
 
     def poll(self, timeout_s: float) -> int:
@@ -137,24 +141,25 @@ class FrameServer:
         if len(self._peers) >= self.max_connections:
             self._refuse(conn, f"all {self.max_connections} connections are in use")
             return
-        if self.secret is not None or self.tls is not None:
-            if self._preauth.get(source, 0) >= MAX_PREAUTH_PER_SOURCE:
-                self._refuse(conn, f"{source} has {MAX_PREAUTH_PER_SOURCE} connections still in their handshake")
-                return
-            if self._preauth_total >= self.max_preauth:
-                self._refuse(conn, f"{self._preauth_total} connections are in their handshake (the other slots "
-                                   f"are kept for authenticated members)")
-                return
-            self._preauth[source] = self._preauth.get(source, 0) + 1
-            self._preauth_total += 1
+        preauth = self.secret is not None or self.tls is not None
+        if preauth:   # room for this one: the oldest still in its handshake goes (an honest one takes ms)
+            mine = self._preauth.get(source, {})
+            if len(mine) >= MAX_PREAUTH_PER_SOURCE:
+                self._evict(next(iter(mine)), f"{source} has {MAX_PREAUTH_PER_SOURCE} connections in their handshake")
+            if len(self._preauth_all) >= self.max_preauth:
+                self._evict(next(iter(self._preauth_all)), f"{self.max_preauth} connections are in their handshake "
+                                                           f"(the other slots are kept for authenticated members)")
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
             conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         hs = ServerHandshake(self.secret) if self.secret is not None else None
         now = time.monotonic()
-        self._peers[conn] = peer = _Peer(hs, now, source, now, authenticated=self.secret is None and self.tls is None,
+        self._peers[conn] = peer = _Peer(hs, now, source, now, authenticated=not preauth,
                                          tls_pending=self.tls is not None)
+        if preauth:
+            self._preauth.setdefault(source, {})[conn] = None
+            self._preauth_all[conn] = None
         self.sel.register(conn, selectors.EVENT_READ, "conn")
         if peer.tls_pending:
             self._tls_step(conn, peer)
@@ -180,7 +185,7 @@ class FrameServer:
         if peer.handshake is not None:
             self._send(conn, peer, bytearray(peer.handshake.hello))
         else:
-            self._authenticated(peer)
+            self._authenticated(conn, peer)
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         """Close a new connection at once, saying why in the log (at most once a second)."""
@@ -191,16 +196,26 @@ class FrameServer:
             self._warned_at = now
             logger.warning("refusing connections: %s (%d refused so far)", why, self.refused)
 
-    def _authenticated(self, peer: _Peer) -> None:
-        """The peer passed its handshake: it no longer counts against the pre-auth limits."""
+    def _evict(self, conn: socket.socket, why: str) -> None:
+        """Close a connection still in its handshake to make room for a new one (logged once a second)."""
+        self.evicted += 1
+        self._close(conn)
+        now = time.monotonic()
+        if now - self._warned_at >= 1.0:
+            self._warned_at = now
+            logger.warning("closing the oldest connections still in their handshake: %s (%d closed so far)", why,
+                           self.evicted)
+
+    def _authenticated(self, conn: socket.socket, peer: _Peer) -> None:
+        """The peer passed its handshake (or left): it no longer counts against the pre-auth limits."""
         if not peer.authenticated:
             peer.authenticated = True
-            self._preauth_total -= 1
-            left = self._preauth[peer.source] - 1
-            if left:
-                self._preauth[peer.source] = left
-            else:
-                del self._preauth[peer.source]
+            self._preauth_all.pop(conn, None)
+            mine = self._preauth.get(peer.source)
+            if mine is not None:
+                mine.pop(conn, None)
+                if not mine:
+                    del self._preauth[peer.source]
 
     def _pause_accepting(self, seconds: float) -> None:
         if not self._paused_until:
@@ -233,7 +248,7 @@ class FrameServer:
                 return
             peer.session = peer.handshake.session
             peer.handshake = None
-            self._authenticated(peer)
+            self._authenticated(conn, peer)
             self._send(conn, peer, bytearray(proof))
             if conn not in self._peers:
                 return
@@ -329,7 +344,7 @@ class FrameServer:
             self._buffered -= len(peer.inbuf)
             if peer.out is not None:
                 self._pending -= len(peer.out)
-            self._authenticated(peer)   # no longer in its handshake either way
+            self._authenticated(conn, peer)   # no longer in its handshake either way
         conn.close()
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 Every connection first passes the pool's HMAC handshake (``auth.py``), TLS included, within
 ``HANDSHAKE_TIMEOUT_S`` of its accept: a peer without the secret cannot read or write a byte, and the
 server allocates nothing for it. At most ``MAX_PREAUTH_PER_SOURCE`` connections of one address, and
-a quarter of ``MAX_CONNECTIONS`` in all, may be in their handshake at once (as on the control plane). Bounded: at most
+a quarter of ``MAX_CONNECTIONS`` in all, may be in their handshake at once; a new one closes the
+oldest (as on the control plane). Bounded: at most
 ``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
@@ -81,8 +82,9 @@ class DataServer:
         self._stop = False
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self._preauth: dict[str, int] = {}   # source address -> its connections in their handshake
-        self._preauth_total = 0
+        # connections still in their handshake, oldest first: per source address, and all of them
+        self._preauth: dict[str, dict[_Handshaking, None]] = {}
+        self._preauth_all: dict[_Handshaking, None] = {}
         self.refused = 0
         self._warned_at = 0.0
         threading.Thread(target=self._accept, name="memcache-data-accept", daemon=True).start()
@@ -100,23 +102,41 @@ class DataServer:
                 time.sleep(ACCEPT_BACKOFF_S)
                 continue
             source = str(peer[0])
+            pending = _Handshaking(conn, source)
+            victims: list[_Handshaking] = []
             with self._lock:
                 why = ("server closing" if self._stop else
-                       f"all {MAX_CONNECTIONS} connections in use" if len(self._conns) >= MAX_CONNECTIONS else
-                       f"{source} has {MAX_PREAUTH_PER_SOURCE} connections in their handshake"
-                       if self._preauth.get(source, 0) >= MAX_PREAUTH_PER_SOURCE else
-                       f"{self._preauth_total} connections in their handshake (the other slots are kept for "
-                       f"authenticated peers)" if self._preauth_total >= MAX_CONNECTIONS // PREAUTH_SHARE else "")
-                if not why:
+                       f"all {MAX_CONNECTIONS} connections in use" if len(self._conns) >= MAX_CONNECTIONS else "")
+                if not why:   # room for this one: the oldest still in its handshake goes (an honest one takes ms)
+                    mine = self._preauth.setdefault(source, {})
+                    if len(mine) >= MAX_PREAUTH_PER_SOURCE:
+                        victims.append(self._forget_preauth(next(iter(mine))))
+                    if len(self._preauth_all) >= MAX_CONNECTIONS // PREAUTH_SHARE:
+                        victims.append(self._forget_preauth(next(iter(self._preauth_all))))
                     self._conns.add(conn)
-                    self._preauth[source] = self._preauth.get(source, 0) + 1
-                    self._preauth_total += 1
+                    self._preauth.setdefault(source, {})[pending] = None
+                    self._preauth_all[pending] = None
             if why:
                 conn.close()
                 self._refused(why)
                 continue
+            for v in victims:
+                v.cut()
+            if victims:
+                self._refused(f"closed {len(victims)} connection(s) still in their handshake to make room "
+                              f"({MAX_PREAUTH_PER_SOURCE} per address, {MAX_CONNECTIONS // PREAUTH_SHARE} in all)")
             _tune(conn)
-            threading.Thread(target=self._serve, args=(conn, source), name="memcache-data", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, pending), name="memcache-data", daemon=True).start()
+
+    def _forget_preauth(self, pending: _Handshaking) -> _Handshaking:
+        """Take ``pending`` out of the pre-auth counts (under the lock)."""
+        self._preauth_all.pop(pending, None)
+        mine = self._preauth.get(pending.source)
+        if mine is not None:
+            mine.pop(pending, None)
+            if not mine:
+                del self._preauth[pending.source]
+        return pending
 
     def _refused(self, why: str) -> None:
         self.refused += 1
@@ -126,9 +146,9 @@ class DataServer:
             logger.warning("data server %s refusing connections: %s (%d refused so far)", self.addr, why,
                            self.refused)
 
-    def _handshake(self, conn: socket.socket, source: str) -> tuple[socket.socket, Session | None]:
+    def _handshake(self, conn: socket.socket, pending: _Handshaking) -> tuple[socket.socket, Session | None]:
         """TLS (if on) and the pool's handshake, both within ``HANDSHAKE_TIMEOUT_S`` of the accept
-        however slowly the peer sends; then the peer no longer counts as pre-auth from ``source``."""
+        however slowly the peer sends; then the peer no longer counts as pre-auth."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
             if self.tls is not None:
@@ -136,23 +156,18 @@ class DataServer:
                 with self._lock:
                     self._conns.discard(conn)
                     self._conns.add(tls_conn)
-                conn = tls_conn
+                conn = pending.sock = tls_conn
                 if not tls_handshake(tls_conn, deadline):
                     return conn, None
             return conn, server_handshake(conn, self.secret, deadline - time.monotonic())
         finally:
             with self._lock:
-                self._preauth_total -= 1
-                left = self._preauth[source] - 1
-                if left:
-                    self._preauth[source] = left
-                else:
-                    del self._preauth[source]
+                self._forget_preauth(pending)
 
-    def _serve(self, conn: socket.socket, source: str) -> None:
+    def _serve(self, conn: socket.socket, pending: _Handshaking) -> None:
         head = bytearray(_HEAD.size)
         try:
-            conn, session = self._handshake(conn, source)
+            conn, session = self._handshake(conn, pending)
             if session is None:
                 return
             conn.settimeout(IDLE_TIMEOUT_S)
@@ -208,6 +223,19 @@ class DataServer:
             except OSError:
                 pass
             c.close()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Handshaking:
+    """A data-server connection still in its handshake (its socket is replaced once TLS wraps it)."""
+
+    sock: socket.socket
+    source: str
+
+    def cut(self) -> None:
+        """End the handshake now: its thread's next receive fails."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclasses.dataclass(slots=True, eq=False)

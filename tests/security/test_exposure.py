@@ -284,22 +284,15 @@ def test_a_relay_cannot_inject_a_data_plane_request():
         terminate(proc)
 
 
-def _trickle(addr: tuple[str, int], n: int) -> tuple[list[socket.socket], int]:
-    """``n`` connections from 127.0.0.2 that will never finish the handshake: (those the server took,
-    each after reading its hello; the number it refused at once)."""
-    took, refused = [], 0
+def _trickle(addr: tuple[str, int], n: int) -> list[socket.socket]:
+    """``n`` connections (from the honest members' own address) that will never finish the
+    handshake, each opened after the previous one read its hello."""
+    conns = []
     for _ in range(n):
-        s = socket.create_connection(addr, timeout=5, source_address=("127.0.0.2", 0))
-        try:
-            hello = recv_exact(s, len(MAGIC) + NONCE)
-        except (ConnectionError, OSError):
-            hello = b""
-        if hello.startswith(MAGIC):
-            took.append(s)
-        else:
-            refused += 1
-            s.close()
-    return took, refused
+        s = socket.create_connection(addr, timeout=5)
+        assert recv_exact(s, len(MAGIC) + NONCE).startswith(MAGIC)
+        conns.append(s)
+    return conns
 
 
 def _cut_within(held: list[socket.socket], limit_s: float) -> float:
@@ -325,15 +318,14 @@ def _cut_within(held: list[socket.socket], limit_s: float) -> float:
 
 
 def test_connections_trickling_their_handshake_are_cut_at_the_deadline_and_capped_per_address(meta):
-    """Scenario: an attacker without the secret opens 100 connections from one address to the
-    control plane, then to a data server, and sends one byte at a time so the connection is never
+    """Scenario: an attacker without the secret, on the members' own address, opens 100 connections to
+    the control plane, then to a data server, and sends one byte at a time so the connection is never
     idle. Before, each byte reset a 5 s idle timer: the slots were held for good and new members
-    failed ``init``. Now at most 64 connections of one address may be in their handshake (the rest are
-    refused at once), the handshake is a deadline from the accept (all are cut within it), and an
-    honest member connects meanwhile."""
-    held, refused = _trickle(addr_of(meta.meta_service_url), 100)
+    failed ``init``. Now at most 64 connections of one address may be in their handshake (a new one
+    closes the oldest: an honest handshake takes milliseconds), the handshake is a deadline from the
+    accept (all are cut within it), and an honest member from the same address connects meanwhile."""
+    held = _trickle(addr_of(meta.meta_service_url), 100)
     try:
-        assert (len(held), refused) == (MAX_PREAUTH_PER_SOURCE, 100 - MAX_PREAUTH_PER_SOURCE)
         honest = meta.rpc()
         try:
             assert honest.call(p.Exist(["k"]), idempotent=True) == p.Flags([False])
@@ -341,6 +333,7 @@ def test_connections_trickling_their_handshake_are_cut_at_the_deadline_and_cappe
             honest.close()
         longest = _cut_within(held, PREAUTH_TIMEOUT_S + 10)
         print(f"control plane: trickling connections cut after at most {longest:.1f} s")
+        assert f"{MAX_PREAUTH_PER_SOURCE} connections in their handshake" in meta.log_tail(20_000)
     finally:
         for s in held:
             s.close()
@@ -353,8 +346,7 @@ def test_connections_trickling_their_handshake_are_cut_at_the_deadline_and_cappe
         assert proc.stdout is not None
         addr = proc.stdout.readline().decode().strip()
         host, port = addr.rsplit(":", 1)
-        held, refused = _trickle((host, int(port)), 100)
-        assert (len(held), refused) == (MAX_PREAUTH_PER_SOURCE, 100 - MAX_PREAUTH_PER_SOURCE)
+        held = _trickle((host, int(port)), 100)
         out = np.zeros(4096, dtype=np.uint8)
         ptr, _, _keep = buffer_address(out)
         client.read(addr, [(0, [(ptr, 4096)])])
