@@ -39,6 +39,7 @@ from ..config import parse_url
 from ..errors import InvalidParameter, cannot_listen
 from ..tls import tls_handshake
 from . import disk, metrics, stats, status_page, validate
+from .http_guard import HeaderGuard
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore
@@ -60,11 +61,13 @@ class _BoundedServer(ThreadingHTTPServer):
         super().__init__(addr, handler)
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.tls = tls   # HTTPS: the handshake runs in the connection's thread, never in the accept loop
+        self.guard = HeaderGuard()   # slowloris: a deadline for the headers, a cap per address
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         if self.tls is None:
             return super().finish_request(request, client_address)
         conn = self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+        self.guard.wrapped(conn)
         try:
             # a peer that never finishes its handshake holds this one thread for 5 s at most
             if tls_handshake(conn, time.monotonic() + TLS_HANDSHAKE_TIMEOUT_S):
@@ -73,16 +76,22 @@ class _BoundedServer(ThreadingHTTPServer):
             conn.close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)   # too many connections at once: refuse this one
+        if not self._slots.acquire(blocking=False) and not (self.guard.make_room() and self._slots.acquire(timeout=1.0)):
+            self.shutdown_request(request)   # too many connections at once, all of them busy: refuse this one
             return
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        self.guard.start(request, str(client_address[0]))
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.guard.done()
             self._slots.release()
+
+    def server_close(self) -> None:
+        self.guard.close()
+        super().server_close()
 
 
 class AdminServer:
@@ -133,6 +142,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         logger.debug("http: " + format, *args)  # noqa: G003
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()   # reads the headers, under the guard's deadline
+        self.server.guard.done()   # type: ignore[attr-defined]  # the headers are in: no deadline any more
+        return ok
 
     def _authorized(self, basic: bool = True) -> bool:
         return admin_authorized(self.headers.get("Authorization", ""), self.token, basic)

@@ -29,6 +29,7 @@ from memcache_core.errors import ConfigError
 from memcache_core.local import disk_record as rec
 from memcache_core.local.disk import DiskStore
 from memcache_core.memory import buffer_address
+from memcache_core.meta.http_guard import HEADER_DEADLINE_S
 from memcache_core.rpc import MAX_PENDING_REPLIES, MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
 from memcache_core.testing import MetaServiceProcess, free_port, make_tls_files, terminate, wait_for
 from memcache_core.transfer.tcp import TcpClient
@@ -495,3 +496,25 @@ def _rss_mib(pid: int | None) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
+
+
+def test_connections_trickling_their_http_headers_do_not_keep_health_from_answering(meta):
+    """Scenario: 300 connections to the admin port (from the probes' own address) each send a header
+    byte now and then, never finishing. Before, each byte reset the socket timeout: 1,030 of them kept
+    /health failing for as long as they lasted. Now at most 64 of one address may be sending headers
+    (a new one closes the oldest), every connection must finish its headers within
+    HEADER_DEADLINE_S, and /health answers throughout."""
+    held = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(addr_of(meta.metrics_url), timeout=5)
+            s.sendall(b"GET /get_all_keys HTTP/1.1\r\nX: ")
+            held.append(s)
+        for _ in range(5):
+            assert meta.http("/health", authorized=False)["success"] is True
+        longest = _cut_within(held, HEADER_DEADLINE_S + 10)
+        print(f"admin: trickling connections cut after at most {longest:.1f} s")
+        assert meta.http("/health", authorized=False)["success"] is True
+    finally:
+        for s in held:
+            s.close()
