@@ -59,7 +59,7 @@ from typing import Any
 
 from memcache_core import protocol as p
 from memcache_core.auth import client_handshake, load_secret
-from memcache_core.rpc import FRAME_HEAD, take_frame
+from memcache_core.rpc import FRAME_HEAD, seal_frame, take_frame
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 KINDS = ("exist", "probe", "lookup", "put", "remove")
@@ -101,7 +101,7 @@ class Conn:
     def __init__(self, addr: tuple[str, int], secret: bytes | None) -> None:
         self.sock = socket.create_connection(addr, timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_handshake(self.sock, secret)
+        self.session = client_handshake(self.sock, secret)   # every frame carries its MAC
         self.inbuf = bytearray()
         self.out = bytearray()
         self.rid = 0
@@ -113,8 +113,7 @@ class Conn:
 
     def queue(self, kind: str, body: bytes, info: Any = None) -> None:
         self.rid += 1
-        self.out += FRAME_HEAD.pack(len(body), self.rid)
-        self.out += body
+        self.out += seal_frame(self.rid, body, self.session)
         self.inflight.append((kind, time.perf_counter_ns(), info))
 
     def flush(self) -> None:
@@ -135,7 +134,7 @@ class Conn:
             raise SystemExit("the MetaService closed a connection")
         self.inbuf += chunk
         bodies = []
-        while (frame := take_frame(self.inbuf)) is not None:
+        while (frame := take_frame(self.inbuf, self.session)) is not None:
             bodies.append(self._in_order(*frame))
         return bodies
 
@@ -145,17 +144,25 @@ class Conn:
             raise SystemExit(f"reply {rid} where {self.answered} was due")
         return body
 
+    def _whole_frame(self) -> bool:
+        """A whole reply (with its MAC) is buffered; checked without taking it (that would use up the
+        session's sequence number)."""
+        if len(self.inbuf) < FRAME_HEAD.size:
+            return False
+        n, _ = FRAME_HEAD.unpack_from(self.inbuf)
+        return len(self.inbuf) >= FRAME_HEAD.size + n + self.session.size
+
     def call(self, req: p.Request) -> p.Reply:
         """One request, waiting for its reply (set-up only: the socket is blocking until ``pipelined``)."""
         self.queue("call", p.request_encoder.encode(req))
         self.sock.sendall(self.out)
         self.out.clear()
-        while not self.inbuf or take_frame(bytearray(self.inbuf)) is None:
+        while not self._whole_frame():
             chunk = self.sock.recv(1 << 20)
             if not chunk:
                 raise SystemExit("the MetaService closed a connection")
             self.inbuf += chunk
-        frame = take_frame(self.inbuf)
+        frame = take_frame(self.inbuf, self.session)
         assert frame is not None
         self.inflight.popleft()
         reply = p.reply_decoder.decode(self._in_order(*frame))
