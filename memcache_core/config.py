@@ -117,6 +117,18 @@ class MetaConfig:
     """Tokens per block, carried in every BlockStored event."""
     kv_events_queue_size: int = 100000
     """Events waiting to be sent; past it new events are dropped and counted, never waited for."""
+    kv_events_replay_endpoint: str = ""
+    """ROUTER socket (tcp://HOST:PORT) that sends a late or lagging subscriber the batches it missed,
+    as vLLM's publisher does; empty = no replay."""
+    kv_events_buffer_steps: int = 10000
+    """Batches kept for replay."""
+    zmq_enable_curve: bool = False
+    """Encrypt and authenticate the KV-event sockets with ZeroMQ CURVE: only subscribers whose public
+    certificates are in ``zmq_curve_client_keys_dir`` get in."""
+    zmq_curve_server_key_file: str = ""
+    """The publisher's secret CURVE certificate (``zmq.auth.create_certificates`` writes one)."""
+    zmq_curve_client_keys_dir: str = ""
+    """Folder of the public CURVE certificates of the subscribers allowed in."""
     heartbeat_timeout_ms: int = 10000
     """A LocalService silent this long is declared dead and its objects leave the table."""
     pending_timeout_ms: int = 120000
@@ -213,9 +225,26 @@ class MetaConfig:
         _check_str("kv_events_model_name", self.kv_events_model_name)
         _check_range("kv_events_block_size", self.kv_events_block_size, 1, 1 << 20)
         _check_range("kv_events_queue_size", self.kv_events_queue_size, 1, 10_000_000)
+        _check_range("kv_events_buffer_steps", self.kv_events_buffer_steps, 1, 10_000_000)
+        _check_str("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
+        _check_bool("zmq_enable_curve", self.zmq_enable_curve)
+        _check_str("zmq_curve_server_key_file", self.zmq_curve_server_key_file)
+        _check_str("zmq_curve_client_keys_dir", self.zmq_curve_client_keys_dir)
         if not self.kv_events_enable:
             return
         parse_url(self.kv_events_endpoint, "kv_events_endpoint", ("tcp",))
+        if self.kv_events_replay_endpoint:
+            parse_url(self.kv_events_replay_endpoint, "kv_events_replay_endpoint", ("tcp",))
+            if self.kv_events_replay_endpoint == self.kv_events_endpoint:
+                raise ConfigError("kv_events_replay_endpoint: must differ from kv_events_endpoint "
+                                  f"({self.kv_events_endpoint}); give the replay socket its own port")
+        if self.zmq_enable_curve:
+            for key in ("zmq_curve_server_key_file", "zmq_curve_client_keys_dir"):
+                if not getattr(self, key):
+                    raise ConfigError(f"{key}: needed with zmq_enable_curve (docs/operations.md#kv-events)")
+            if not os.path.isdir(self.zmq_curve_client_keys_dir):
+                raise ConfigError(f"zmq_curve_client_keys_dir: {self.zmq_curve_client_keys_dir!r} is not a "
+                                  "folder; put the subscribers' public certificates (*.key) in one")
         try:
             import zmq  # noqa: F401
         except ImportError as e:

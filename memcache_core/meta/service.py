@@ -16,6 +16,7 @@ import random
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -25,7 +26,7 @@ from .. import protocol as p
 from ..config import MetaConfig
 from . import disk, generations, gva, placement, stats, validate
 from .drain import Drains
-from .events import EventPublisher
+from .events import EventPublisher, load_curve
 from .metrics import Metrics
 from .objects import PENDING_LEASE
 from .repair import Repairs
@@ -57,8 +58,11 @@ class MetaServiceCore:
         self.config = config
         self.publisher: EventPublisher | None = None
         if config.kv_events_enable:
+            curve = (load_curve(config.zmq_curve_server_key_file, config.zmq_curve_client_keys_dir)
+                     if config.zmq_enable_curve else None)
             self.publisher = EventPublisher(config.kv_events_endpoint, config.kv_events_model_name,
-                                            config.kv_events_block_size, config.kv_events_queue_size)
+                                            config.kv_events_block_size, config.kv_events_queue_size,
+                                            config.kv_events_replay_endpoint, config.kv_events_buffer_steps, curve)
         self.epoch = new_epoch()
         self.table = self.fresh_table()
         self.members: dict[int, Member] = {}
@@ -85,12 +89,13 @@ class MetaServiceCore:
         table = ObjectTable(c.evict_threshold_high, c.evict_threshold_low, c.lease_ttl_ms / 1000.0,
                             c.pending_timeout_ms / 1000.0, generations.clock_floor())
         if self.publisher is not None:
+            self.publisher.offer_cleared()   # subscribers forget what an earlier table told them
             table.listener = self._kv_event
         return table
 
-    def _kv_event(self, stored: bool, obj: Obj) -> None:
+    def _kv_event(self, stored: bool, obj: Obj, locations: Sequence[p.Location]) -> None:
         assert self.publisher is not None
-        for loc in obj.locations:
+        for loc in locations:
             seg = self.table.segments.get(loc.segment_id)
             self.publisher.offer(stored, obj.key, seg.info.host_id if seg else "", loc.segment_id)
 

@@ -77,7 +77,8 @@ class ObjectTable(Space):
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
         # committed objects with fewer replicas than asked for, in the order re-replication visits them
         self.under: collections.OrderedDict[str, Obj] = collections.OrderedDict()
-        self.listener: Callable[[bool, Obj], None] | None = None   # (stored?, object): KV events
+        # KV events: (stored?, object, the locations concerned); called before the table forgets them
+        self.listener: Callable[[bool, Obj, Sequence[Location]], None] | None = None
         self._next_gen = first_generation   # the last generation issued (or seen in a report)
         # generations are issued at or below a ceiling reserved ahead (``meta/generations.py``): in
         # memory without HA (members carry it), in etcd with HA (``ha.GenerationReservation``)
@@ -156,7 +157,7 @@ class ObjectTable(Space):
             else:
                 cur.locations = [*cur.locations, loc]
             if self.listener is not None:   # in the pool again: KV events say so, as for a commit
-                self.listener(True, cur)
+                self.listener(True, cur, [loc])
             cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported
             self._mark(cur)   # a holder declared dead that re-joins gives the object its replica back
             seg.lru[cur.key] = cur
@@ -164,9 +165,15 @@ class ObjectTable(Space):
 
     def drop_segment(self, segment_id: int) -> int:
         """Forget a dead segment: its objects lose that replica, and vanish if it was the last."""
-        seg = self.segments.pop(segment_id, None)
+        seg = self.segments.get(segment_id)
         if seg is None:
             return 0
+        if self.listener is not None:   # KV events: each copy there is removed (host still known here)
+            for obj in list(self.objects.values()):
+                copies = [loc for loc in obj.locations if loc.segment_id == segment_id]
+                if copies and obj.committed:
+                    self.listener(False, obj, copies)
+        del self.segments[segment_id]
         lost = 0
         gone = {(e.obj.key, e.obj.offset): e.obj.generation for e in seg.journal if not e.added}
         if gone:   # removals its owner never confirmed: refused if it re-joins with them (``add_segment``)
@@ -248,7 +255,7 @@ class ObjectTable(Space):
             self._mark(obj)
         self.counters.commits += 1
         if self.listener is not None:
-            self.listener(True, obj)
+            self.listener(True, obj, obj.locations)
         return errors.SUCCESS
 
     def abort(self, client_id: int, key: str, generation: int) -> None:
@@ -446,7 +453,7 @@ class ObjectTable(Space):
             if not obj.committed:
                 self.pending -= 1
             elif self.listener is not None:
-                self.listener(False, obj)
+                self.listener(False, obj, obj.locations)
             if obj.disk is not None:   # its disk tier deletes the record
                 self.disk_drops.setdefault(obj.disk[0], []).append(
                     ObjectReport(obj.key, 0, obj.size, obj.disk[1], obj.checksum))
@@ -513,4 +520,4 @@ class ObjectTable(Space):
         self.segments[loc.segment_id].lru[obj.key] = obj
         self._mark(obj)
         if self.listener is not None:   # KV events: the new replica is stored
-            self.listener(True, obj)
+            self.listener(True, obj, [loc])

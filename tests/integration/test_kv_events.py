@@ -1,71 +1,64 @@
-"""KV events of a real MetaService, seen by a real ZeroMQ SUB socket: put, remove and eviction."""
+"""KV events of a real MetaService, seen by a real ZeroMQ SUB socket: put, remove, eviction, replicas,
+member loss, restart, replay and CURVE. The raw msgpack is decoded here without our structs (the
+format is the contract); tests/engines/vllm/test_kv_events_vllm.py decodes the same with vLLM's own."""
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 import pytest
 import zmq
+import zmq.auth
 
 from memcache_core import DistributedObjectStore
 from memcache_core.config import MetaConfig
 from memcache_core.errors import ConfigError
-from memcache_core.testing import free_port, running_meta_service, wait_for
+from memcache_core.testing import KVEventSubscriber, free_port, running_meta_service, wait_for
+from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
 
+LAYOUT = [4096, 4096]
 
-class Events:
-    """A subscriber that decodes frames without our structs: the raw msgpack is the contract."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.stored: list[str] = []
-        self.removed: list[str] = []
-        self.topics: set[bytes] = set()
-        self.seqs: list[int] = []
+def raw_decode(payload: bytes) -> list[tuple[str, list[str], str | None]]:
+    """Decode a batch without our structs: maps, as vLLM 0.32 encodes them, are the contract."""
+    batch = msgspec.msgpack.decode(payload)
+    assert isinstance(batch, dict) and isinstance(batch["ts"], float)
+    out: list[tuple[str, list[str], str | None]] = []
+    for ev in batch["events"]:
+        assert isinstance(ev, dict)
+        if ev["type"] == "AllBlocksCleared":
+            assert set(ev) == {"type"}
+            out.append((ev["type"], [], None))
+            continue
+        if ev["type"] == "BlockStored":
+            assert ev["parent_block_hash"] is None and ev["token_ids"] == [] and ev["block_size"] == 32
+            assert ev["lora_id"] is None
+        assert ev["medium"] == "CPU"
+        out.append((ev["type"], [h.decode() for h in ev["block_hashes"]], ev["medium"]))
+    return out
 
-    def poll(self) -> None:
-        while self.sock.poll(50):
-            topic, seq, payload = self.sock.recv_multipart()
-            self.topics.add(topic)
-            self.seqs.append(int.from_bytes(seq, "big"))
-            ts, events = msgspec.msgpack.decode(payload)[:2]
-            assert isinstance(ts, float)
-            for ev in events:
-                if ev[0] == "BlockStored":
-                    tag, hashes, parent, tokens, block_size, lora, medium = ev
-                    assert parent is None and tokens == [] and block_size == 32 and lora is None
-                    self.stored += [h.decode() for h in hashes]
-                else:
-                    tag, hashes, medium = ev
-                    assert tag == "BlockRemoved"
-                    self.removed += [h.decode() for h in hashes]
-                assert medium == "DRAM"
 
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
+def events_config(**extra: object) -> dict[str, object]:
+    return {"kv_events_enable": True, "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "kv_events_model_name": "m1", "kv_events_block_size": 32, "heartbeat_timeout_ms": 1500, **extra}
+
+
+def joined_store(meta, **overrides: object) -> DistributedObjectStore:
+    s = DistributedObjectStore()
+    assert s.setup(meta.local_config(**{"dram_size": "8MB", **overrides})) == 0 and s.init(0, True) == 0
+    return s
 
 
 def test_put_remove_and_eviction_are_published():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with running_meta_service(kv_events_enable=True, kv_events_endpoint=endpoint, kv_events_model_name="m1",
-                              kv_events_block_size=32, heartbeat_timeout_ms=1500) as meta:
-        sub = Events(endpoint)
-        s = DistributedObjectStore()
-        assert s.setup(meta.local_config(dram_size="8MB")) == 0 and s.init(0, True) == 0
+    cfg = events_config(kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    with running_meta_service(**cfg) as meta:
+        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+        s = joined_store(meta)
         try:
-            n = [0]
-
-            def joined() -> bool:   # PUB drops what is sent before the subscription reaches it
-                assert s.put(f"probe-{n[0]}", b"p") == 0
-                n[0] += 1
-                sub.poll()
-                return bool(sub.stored)
-            wait_for(joined, 10, "the subscriber to see a first BlockStored")
+            sub.wait_until_subscribed(lambda k: s.put(k, b"p"))
             assert s.put("ns@block-1", b"x" * 1000) == 0
             assert s.remove("ns@block-1") == 0
             for i in range(40):                  # 40 x 400 KB into 8 MB: LRU eviction
@@ -75,62 +68,155 @@ def test_put_remove_and_eviction_are_published():
 
             def all_removed() -> bool:
                 sub.poll()
-                return len(sub.removed) == evictions + 1
+                return len(sub.keys("BlockRemoved")) == evictions + 1
             wait_for(all_removed, 10, "one BlockRemoved for the removal and one per eviction")
-            assert "ns@block-1" in sub.removed and any(k.startswith("ns@fill-") for k in sub.removed)
-            assert "ns@block-1" in sub.stored and sum(k.startswith("ns@fill-") for k in sub.stored) == 40
-            assert sub.topics == {f"m1|{h}|{s.get_local_service_id()}".encode()
-                                  for h in [meta.http("/get_all_segments")["segments"][0]["host_id"]]}
+            removed, stored = sub.keys("BlockRemoved"), sub.keys("BlockStored")
+            assert "ns@block-1" in removed and any(k.startswith("ns@fill-") for k in removed)
+            assert "ns@block-1" in stored and sum(k.startswith("ns@fill-") for k in stored) == 40
+            host = meta.http("/get_all_segments")["segments"][0]["host_id"]
+            assert sub.topics == {f"m1|{host}|{s.get_local_service_id()}".encode()}
             assert sub.seqs == sorted(sub.seqs)
-            metrics = meta.http("/metrics")
-            assert "memcache_kv_events_dropped_total 0.0" in metrics
+            assert meta.metric("kv_events_dropped_total") == 0
+
+            # A subscriber that joins now replays from sequence 0: the table's AllBlocksCleared first,
+            # then everything, the puts made before it existed included.
+            late = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+            try:
+                seqs = late.replay(str(cfg["kv_events_replay_endpoint"]), 0)
+                assert seqs == list(range(len(seqs))) and seqs[-1] >= sub.seqs[-1]
+                assert late.events[0] == ("AllBlocksCleared", "", None)
+                assert late.keys("BlockRemoved") == removed and late.keys("BlockStored") == stored
+                # and from a missed sequence on: exactly the batches from there
+                assert late.replay(str(cfg["kv_events_replay_endpoint"]), sub.seqs[-1]) == [sub.seqs[-1]]
+            finally:
+                late.close()
         finally:
             s.close()
             sub.close()
 
 
-def test_kv_events_config_is_validated():
-    with pytest.raises(ConfigError, match="kv_events_endpoint"):
-        MetaConfig(kv_events_enable=True, kv_events_endpoint="http://x")
-    with pytest.raises(ConfigError, match="kv_events_block_size"):
-        MetaConfig(kv_events_block_size=0)
-    with pytest.raises(ConfigError, match="kv_events_queue_size"):
-        MetaConfig(kv_events_queue_size=0)
+def test_replicas_and_a_killed_member_are_published():
+    """Scenario: two providers, 10 objects with 2 replicas: 20 BlockStored, one per replica on its
+    segment's topic. One provider is killed with -9: once it is declared dead, one BlockRemoved per
+    copy it held, on its topic; the objects stay in the pool on the survivor."""
+    cfg = events_config()
+    with running_meta_service(**cfg) as meta:
+        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+        s = joined_store(meta, dram_size="64MB")
+        victim = StoreProcess(meta, dram_size="64MB")
+        try:
+            sub.wait_until_subscribed(lambda k: s.put(k, b"p"))
+            keys = [f"ns@r-{i}" for i in range(10)]
+            assert victim("put", keys=keys, layout=LAYOUT, replicas=2)["codes"] == [0] * 10
+            vid = victim("id")["id"]
+
+            def stored_twice() -> bool:
+                sub.poll()
+                return all(sub.keys("BlockStored").count(k) == 2 for k in keys)
+            wait_for(stored_twice, 10, "a BlockStored per replica")
+            host = meta.http("/get_all_segments")["segments"][0]["host_id"]
+            assert {f"m1|{host}|{vid}".encode(), f"m1|{host}|{s.get_local_service_id()}".encode()} <= sub.topics
+            sub.topics.clear()
+            victim.kill()
+
+            def removed_once() -> bool:
+                sub.poll()
+                return all(sub.keys("BlockRemoved").count(k) == 1 for k in keys)
+            wait_for(removed_once, 15, "a BlockRemoved per copy the killed member held")
+            assert sub.topics == {f"m1|{host}|{vid}".encode()}
+            assert s.batch_is_exist(keys) == [1] * 10
+        finally:
+            victim.stop()
+            s.close()
+            sub.close()
 
 
 def test_objects_recovered_after_a_restart_are_published_again():
-    """A restarted MetaService learns the pool's objects from the LocalServices that re-join: each
-    one recovered is a BlockStored again, so a router that follows the events (and saw the pool go
-    quiet) learns they are there."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    with running_meta_service(kv_events_enable=True, kv_events_endpoint=endpoint, kv_events_model_name="m1",
-                              kv_events_block_size=32, heartbeat_timeout_ms=1500) as meta:
-        sub = Events(endpoint)
-        s = DistributedObjectStore()
-        assert s.setup(meta.local_config(dram_size="8MB", heartbeat_interval_ms=500)) == 0 and s.init(0, True) == 0
+    """A restarted MetaService publishes AllBlocksCleared, then learns the pool's objects from the
+    LocalServices that re-join: each one recovered is a BlockStored again. A subscriber that missed
+    the clear (it reconnects after the new MetaService sent it) gets it from the replay socket."""
+    cfg = events_config(kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    with running_meta_service(**cfg) as meta:
+        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+        s = joined_store(meta, heartbeat_interval_ms=500)
         try:
-            n = [0]
-
-            def joined() -> bool:
-                assert s.put(f"probe-{n[0]}", b"p") == 0
-                n[0] += 1
-                sub.poll()
-                return bool(sub.stored)
-            wait_for(joined, 10, "the subscriber to see a first BlockStored")
+            sub.wait_until_subscribed(lambda k: s.put(k, b"p"))
             keys = [f"ns@kept-{i}" for i in range(5)]
             for k in keys:
                 assert s.put(k, b"k" * 5000) == 0
 
             def published(want: list[str]) -> bool:
                 sub.poll()
-                return all(k in sub.stored for k in want)
+                return all(k in sub.keys("BlockStored") for k in want)
             wait_for(lambda: published(keys), 10, "BlockStored of the first puts")
             meta.stop()
-            sub.stored.clear()
+            sub.events.clear()
             meta.start()                                # same endpoints: the subscriber reconnects by itself
             wait_for(lambda: published(keys), 20, "BlockStored of the recovered objects")
-            assert sorted(k for k in sub.stored if k.startswith("ns@")) == keys
+            assert sorted(k for k in sub.keys("BlockStored") if k.startswith("ns@")) == keys
             assert s.get("ns@kept-3") == b"k" * 5000
+            sub.events.clear()
+            sub.replay(str(cfg["kv_events_replay_endpoint"]), 0)
+            assert sub.events[0] == ("AllBlocksCleared", "", None)
+            assert sorted(k for k in sub.keys("BlockStored") if k.startswith("ns@")) == keys
         finally:
             s.close()
             sub.close()
+
+
+def test_curve_lets_in_only_the_subscribers_it_knows(tmp_path):
+    """zmq_enable_curve: a subscriber with an allowed key pair gets the events (and replays); one
+    with an unknown key pair, and one speaking plain ZeroMQ, get nothing."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server_pub, server_sec = zmq.auth.create_certificates(str(tmp_path), "server")
+    client_pub, client_sec = zmq.auth.create_certificates(str(tmp_path), "router")
+    stranger_pub, stranger_sec = zmq.auth.create_certificates(str(tmp_path), "stranger")
+    os.replace(client_pub, allowed / "router.key")
+    server_key = zmq.auth.load_certificate(server_pub)[0]
+    cfg = events_config(kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}", zmq_enable_curve=True,
+                        zmq_curve_server_key_file=server_sec, zmq_curve_client_keys_dir=str(allowed))
+    with running_meta_service(**cfg) as meta:
+        ours = zmq.auth.load_certificate(client_sec)
+        theirs = zmq.auth.load_certificate(stranger_sec)
+        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode, (*ours, server_key))  # type: ignore[arg-type]
+        stranger = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode, (*theirs, server_key))  # type: ignore[arg-type]
+        plain = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+        s = joined_store(meta)
+        try:
+            sub.wait_until_subscribed(lambda k: s.put(k, b"p"))
+            assert s.put("ns@secret", b"s" * 100) == 0
+
+            def seen() -> bool:
+                sub.poll()
+                return "ns@secret" in sub.keys("BlockStored")
+            wait_for(seen, 10, "the allowed subscriber's event")
+            stranger.poll()
+            plain.poll()
+            assert stranger.events == [] and plain.events == []
+            sub.events.clear()
+            sub.replay(str(cfg["kv_events_replay_endpoint"]), 0)
+            assert "ns@secret" in sub.keys("BlockStored")
+            with pytest.raises(AssertionError, match="no end of replay"):
+                stranger.replay(str(cfg["kv_events_replay_endpoint"]), 0, timeout_s=1.0)
+        finally:
+            s.close()
+            for x in (sub, stranger, plain):
+                x.close()
+
+
+def test_kv_events_config_is_validated(tmp_path):
+    with pytest.raises(ConfigError, match="kv_events_endpoint"):
+        MetaConfig(kv_events_enable=True, kv_events_endpoint="http://x")
+    with pytest.raises(ConfigError, match="kv_events_block_size"):
+        MetaConfig(kv_events_block_size=0)
+    with pytest.raises(ConfigError, match="kv_events_queue_size"):
+        MetaConfig(kv_events_queue_size=0)
+    with pytest.raises(ConfigError, match="kv_events_replay_endpoint: must differ"):
+        MetaConfig(kv_events_enable=True, kv_events_endpoint="tcp://127.0.0.1:5557",
+                   kv_events_replay_endpoint="tcp://127.0.0.1:5557")
+    with pytest.raises(ConfigError, match="zmq_curve_server_key_file: needed with zmq_enable_curve"):
+        MetaConfig(kv_events_enable=True, zmq_enable_curve=True)
+    with pytest.raises(ConfigError, match="zmq_curve_client_keys_dir: .* is not a folder"):
+        MetaConfig(kv_events_enable=True, zmq_enable_curve=True, zmq_curve_server_key_file="x",
+                   zmq_curve_client_keys_dir=str(tmp_path / "missing"))
