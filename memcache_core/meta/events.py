@@ -2,13 +2,13 @@
 
 The wire format is vLLM's own KV-event format (``vllm/distributed/kv_events.py``), checked by a test
 that decodes every batch with the installed vLLM's decoder: each message is three frames, ``topic |
-sequence (8 bytes, big endian) | msgpack(KVEventBatch)``; a batch is a map ``{"ts", "events"}`` and
-an event a map tagged by its class name, ``{"type": "BlockStored", "block_hashes": [...], ...}``.
-The structs below carry every field vLLM's decoder requires; fields it added later are optional
-there and left out here.
+sequence (8 bytes, big endian) | msgpack(KVEventBatch)``; a batch is an array ``[ts, [event, ...], data_parallel_rank (null)]``
+and each event a map tagged by its class name, ``{"type": "BlockStored", "block_hashes": [...], ...}``.
+The structs below carry every field vLLM's decoder requires (``lora_name`` included, as null);
+the optional ones it added (``extra_keys``, ``group_idx``, the cache-spec fields) are left out.
 
 What goes in: ``block_hashes`` holds the object's key (UTF-8 bytes; the key carries the engine's
-namespace and block hash), ``medium`` is ``"CPU"`` (vLLM's name for host memory: the pool's DRAM),
+namespace and block hash), ``medium`` is ``"CPU"`` (vLLM's ``MEDIUM_CPU``, host memory: the pool's DRAM),
 ``block_size`` is ``kv_events_block_size``, ``token_ids`` is empty (the pool never sees tokens). The
 topic names the model and where the block lives: ``<kv_events_model_name>|<host>|<segment id>`` (a
 subscriber filters by prefix; ``""`` takes everything). A new object table (a MetaService that
@@ -60,7 +60,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None   # required by vLLM's decoder: sent even as None (omit_defaults leaves it)
 
 
 class BlockRemoved(KVCacheEvent):
@@ -72,7 +72,7 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
@@ -213,7 +213,7 @@ class EventPublisher:
             else:
                 host = self._hosts.get(sid, "")
             h: list[bytes | int] = [key.encode()]
-            ev = BlockStored(h, None, [], self.block_size, None, MEDIUM) if kind == STORED else BlockRemoved(h, MEDIUM)
+            ev = BlockStored(h, None, [], self.block_size, None, MEDIUM, None) if kind == STORED else BlockRemoved(h, MEDIUM)
             by_place.setdefault((host, sid), []).append(ev)
         import zmq
         for (host, sid), events in by_place.items():

@@ -1,10 +1,12 @@
 """KV events of a real MetaService, seen by a real ZeroMQ SUB socket: put, remove, eviction, replicas,
 member loss, restart, replay and CURVE. The raw msgpack is decoded here without our structs (the
-format is the contract); tests/engines/vllm/test_kv_events_vllm.py decodes the same with vLLM's own."""
+format is the contract); tests/engines/vllm/test_kv_events_vllm.py runs the same scenarios with
+vLLM's own structs and decoder (the ``decode`` fixture)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -23,11 +25,12 @@ LAYOUT = [4096, 4096]
 
 
 def raw_decode(payload: bytes) -> list[tuple[str, list[str], str | None]]:
-    """Decode a batch without our structs: maps, as vLLM 0.32 encodes them, are the contract."""
+    """Decode a batch without our structs: an array ``[ts, events, dp rank]`` of maps, as vLLM 0.32 encodes
+    them, is the contract."""
     batch = msgspec.msgpack.decode(payload)
-    assert isinstance(batch, dict) and isinstance(batch["ts"], float)
+    assert isinstance(batch, list) and isinstance(batch[0], float) and batch[2:] in ([], [None])
     out: list[tuple[str, list[str], str | None]] = []
-    for ev in batch["events"]:
+    for ev in batch[1]:
         assert isinstance(ev, dict)
         if ev["type"] == "AllBlocksCleared":
             assert set(ev) == {"type"}
@@ -41,6 +44,15 @@ def raw_decode(payload: bytes) -> list[tuple[str, list[str], str | None]]:
     return out
 
 
+Decode = Callable[[bytes], list[tuple[str, list[str], str | None]]]
+
+
+@pytest.fixture
+def decode() -> Decode:
+    """How a batch is read; the vLLM suite imports these scenarios and gives vLLM's own decoder."""
+    return raw_decode
+
+
 def events_config(**extra: object) -> dict[str, object]:
     return {"kv_events_enable": True, "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
             "kv_events_model_name": "m1", "kv_events_block_size": 32, "heartbeat_timeout_ms": 1500, **extra}
@@ -52,10 +64,10 @@ def joined_store(meta, **overrides: object) -> DistributedObjectStore:
     return s
 
 
-def test_put_remove_and_eviction_are_published():
+def test_put_remove_and_eviction_are_published(decode: Decode) -> None:
     cfg = events_config(kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     with running_meta_service(**cfg) as meta:
-        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), decode)
         s = joined_store(meta)
         try:
             sub.wait_until_subscribed(lambda k: s.put(k, b"p"))
@@ -80,7 +92,7 @@ def test_put_remove_and_eviction_are_published():
 
             # A subscriber that joins now replays from sequence 0: the table's AllBlocksCleared first,
             # then everything, the puts made before it existed included.
-            late = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+            late = KVEventSubscriber(str(cfg["kv_events_endpoint"]), decode)
             try:
                 seqs = late.replay(str(cfg["kv_events_replay_endpoint"]), 0)
                 assert seqs == list(range(len(seqs))) and seqs[-1] >= sub.seqs[-1]
@@ -95,13 +107,13 @@ def test_put_remove_and_eviction_are_published():
             sub.close()
 
 
-def test_replicas_and_a_killed_member_are_published():
+def test_replicas_and_a_killed_member_are_published(decode: Decode) -> None:
     """Scenario: two providers, 10 objects with 2 replicas: 20 BlockStored, one per replica on its
     segment's topic. One provider is killed with -9: once it is declared dead, one BlockRemoved per
     copy it held, on its topic; the objects stay in the pool on the survivor."""
     cfg = events_config()
     with running_meta_service(**cfg) as meta:
-        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), decode)
         s = joined_store(meta, dram_size="64MB")
         victim = StoreProcess(meta, dram_size="64MB")
         try:
@@ -131,13 +143,13 @@ def test_replicas_and_a_killed_member_are_published():
             sub.close()
 
 
-def test_objects_recovered_after_a_restart_are_published_again():
+def test_objects_recovered_after_a_restart_are_published_again(decode: Decode) -> None:
     """A restarted MetaService publishes AllBlocksCleared, then learns the pool's objects from the
     LocalServices that re-join: each one recovered is a BlockStored again. A subscriber that missed
-    the clear (it reconnects after the new MetaService sent it) gets it from the replay socket."""
+    them (it reconnects after the new MetaService sent them) gets them from the replay socket."""
     cfg = events_config(kv_events_replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     with running_meta_service(**cfg) as meta:
-        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), raw_decode)
+        sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), decode)
         s = joined_store(meta, heartbeat_interval_ms=500)
         try:
             sub.wait_until_subscribed(lambda k: s.put(k, b"p"))
@@ -149,16 +161,19 @@ def test_objects_recovered_after_a_restart_are_published_again():
                 sub.poll()
                 return all(k in sub.keys("BlockStored") for k in want)
             wait_for(lambda: published(keys), 10, "BlockStored of the first puts")
+            n_objects = meta.metric("commits_total")    # the probes and the keys: nothing was removed
             meta.stop()
-            sub.events.clear()
             meta.start()                                # same endpoints: the subscriber reconnects by itself
-            wait_for(lambda: published(keys), 20, "BlockStored of the recovered objects")
-            assert sorted(k for k in sub.keys("BlockStored") if k.startswith("ns@")) == keys
-            assert s.get("ns@kept-3") == b"k" * 5000
+            # The member re-joins as soon as the new MetaService answers, maybe before the SUB socket
+            # has reconnected (PUB drops what precedes it): the replay socket has every batch.
+            wait_for(lambda: meta.metric("recovered_objects_total") == n_objects
+                     and meta.metric("kv_events_published_total") == 1 + n_objects, 20,
+                     lambda: f"the recovered objects to be published; log: {meta.log_tail()}")
             sub.events.clear()
             sub.replay(str(cfg["kv_events_replay_endpoint"]), 0)
             assert sub.events[0] == ("AllBlocksCleared", "", None)
             assert sorted(k for k in sub.keys("BlockStored") if k.startswith("ns@")) == keys
+            assert s.get("ns@kept-3") == b"k" * 5000
         finally:
             s.close()
             sub.close()
