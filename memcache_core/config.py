@@ -343,7 +343,9 @@ class LocalConfig:
     objects leave the pool with it)."""
     metrics_port: int = 0
     """Serve this LocalService's Prometheus metrics (transfer bytes and latency per path) on this
-    port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md)."""
+    port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md). Inside an engine
+    it is a base: each rank serves on ``metrics_port + rank`` (``for_rank``). A port that cannot be
+    bound is a warning, never a failed start."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics port binds (``metrics_port``)."""
     transfer_engine: str = "builtin"
@@ -374,6 +376,18 @@ class LocalConfig:
     segment_hugepages: bool = True
     """Ask for transparent huge pages on the segment (MADV_HUGEPAGE) where the host's
     ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them; otherwise one log line."""
+
+    def for_rank(self, rank: int) -> LocalConfig:
+        """This config for an engine's ``rank`` on this host: ``metrics_port`` is a base, and each
+        rank serves on its own ``metrics_port + rank`` (one port shared by tensor-parallel ranks
+        would leave all but the first without metrics)."""
+        if self.metrics_port and rank:
+            port = self.metrics_port + rank
+            if port > 65535:
+                raise ConfigError(f"metrics_port: {self.metrics_port} + rank {rank} is past 65535; "
+                                  "choose a lower base port")
+            return dataclasses.replace(self, metrics_port=port)
+        return self
 
     def __post_init__(self) -> None:
         self.validate()

@@ -29,6 +29,7 @@ class SegmentInfo(msgspec.Struct, frozen=True):
     data_addr: str         # "host:port" of the owner's data server (TCP transfers)
     tag: str = ""
     nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
+    metrics_addr: str = ""  # "host:port" of the owner's own /metrics (metrics_port); "" = none
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle

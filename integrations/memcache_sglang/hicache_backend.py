@@ -95,6 +95,8 @@ class NpuMemcacheStore(HiCacheStorage):
         sc = self.storage_config
         device_id = self.config.device_id(sc.tp_rank, sc.tp_size)
         place_disk_tier(local_cfg, self.config.init_bm, self._rank_shard())
+        # each rank of the server its own metrics port: metrics_port + rank
+        local_cfg = local_cfg.for_rank(sc.tp_rank + sc.tp_size * (sc.pp_rank + sc.pp_size * sc.attn_cp_rank))
         self._promoter = DiskPromoter() if self.config.disk_prefetch else None
         try:
             store = open_store(local_cfg, device_id, self.config.init_bm)

@@ -229,7 +229,8 @@ class MemCacheWorker:
     def _join_pool(self, layout: BlockLayout) -> _Mover:
         from memcache_core import open_store
 
-        local = self._cfg.worker_local_config(self.tp_rank, self.pp_rank)
+        # each worker on this host its own metrics port: metrics_port + local rank
+        local = self._cfg.worker_local_config(self.tp_rank, self.pp_rank).for_rank(self._local_rank)
         # dram_size 0: this instance contributes no memory; its blocks go to the other segments of
         # the pool (e.g. standalone ``memcache local-service`` processes) and outlive it.
         contributes = local.dram_bytes > 0

@@ -39,6 +39,12 @@ class LocalMetrics:
                                  buckets=TRANSFER_BUCKETS, registry=self.registry)
         self.failures = Counter("memcache_local_transfer_failures", "Copies that failed, per path and direction.",
                                 labels, registry=self.registry)
+        self.served = Counter("memcache_local_served_bytes", "Payload bytes peers moved to or from this "
+                              "LocalService's segment through its data server (the serving side of host_tcp: a "
+                              "provider's traffic), per path and direction (read: peers read from it).", labels,
+                              registry=self.registry)
+        for d in ("read", "write"):   # present from the start: an idle provider shows 0, not nothing
+            self.served.labels("host_tcp", d)
         self.meta_restarts = Counter("memcache_local_meta_restarts", "MetaService restarts this LocalService "
                                      "saw (a new epoch) and re-joined after.", registry=self.registry)
         self.rejoins = Counter("memcache_local_rejoins", "Re-joins (after a MetaService restart or being "
@@ -54,6 +60,9 @@ class LocalMetrics:
         self.seconds.labels(path, d).observe(seconds)
         if failed:
             self.failures.labels(path, d).inc(failed)
+
+    def serve(self, path: str, reading: bool, nbytes: int) -> None:
+        self.served.labels(path, "read" if reading else "write").inc(nbytes)
 
     def watch_disk(self, counters: Callable[[], dict[str, int]]) -> None:
         """Export this provider's disk tier (``local/tier.py`` ``DiskTier.counters``) at each scrape."""

@@ -33,6 +33,7 @@ from ..rpc.framing import raise_fd_limit
 from ..transfer import TransferEngine, native
 from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
+from ..values import WILDCARD_HOSTS
 from . import tier
 from .drain import Drainer
 from .gva import Gva, GvaBook
@@ -113,20 +114,21 @@ class LocalService(Writes, Reads, Gva):
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
                 raise_fd_limit()   # every peer's connection is a descriptor
                 self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg),
-                                              self.disk)
+                                              self.disk, self.metrics.serve)
             nixl = self._start_nixl()
+            self._start_metrics_server()
             if self.segment is not None and self.data_server is not None:
                 self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
                                                        self._advertised(self.data_server.addr),
                                                        cfg.tag or f"device{device_id}",
-                                                       nixl.descriptor if nixl is not None else b"")
+                                                       nixl.descriptor if nixl is not None else b"",
+                                                       self._metrics_addr())
             threads = max(1, min(os.cpu_count() or 1, 8))
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
                                          self._tls_client, self.metrics, copy_threads(cfg), nixl,
                                          cfg.shm_copy_loop)
-            self._start_metrics_server()
             self._join(recover=False)
         except BaseException:
             self.close()
@@ -153,12 +155,29 @@ class LocalService(Writes, Reads, Gva):
             self.engine.nixl.unregister(ptr, size)
 
     def _start_metrics_server(self) -> None:
+        """Metrics never stop a LocalService (an engine) from starting: a port that cannot be bound
+        is a warning naming the key and the remedy, and this LocalService runs without it."""
         cfg = self.config
         if cfg.metrics_port:
             from ..auth import admin_token
             token = admin_token(self.secret) if self.secret is not None else None
-            self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port, token)
+            try:
+                self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port, token)
+            except OSError as e:
+                logger.warning("metrics_port: cannot serve metrics on %s:%d (%s); running without them. Give "
+                               "each LocalService on a host its own port (the engine plugins add the rank to "
+                               "metrics_port) or free that port", cfg.metrics_host, cfg.metrics_port, e)
+                return
             logger.info("LocalService metrics on http://%s/metrics", self.metrics_server.addr)
+
+    def _metrics_addr(self) -> str:
+        """Where the MetaService's /get_all_segments and status page say this segment's metrics are."""
+        if self.metrics_server is None:
+            return ""
+        host, port = self.metrics_server.addr.rsplit(":", 1)
+        if host in WILDCARD_HOSTS and self.data_server is not None:
+            host = self._advertised(self.data_server.addr).rsplit(":", 1)[0]
+        return f"{host}:{port}"
 
     def _advertised(self, bound: str) -> str:
         """The data address peers should use: ``hcom_advertise_url`` when set, else the bound one."""

@@ -307,7 +307,7 @@ def _from_snapshot(path: str, q: dict[str, str], snap: stats.Snapshot) -> dict[s
 
 def _segment(g: stats.SegmentStats) -> dict[str, Any]:
     return {"segment_id": g.segment_id, "host_id": g.host_id, "tag": g.tag, "data_addr": g.data_addr,
-            "pid": g.pid, "capacity_bytes": g.capacity_bytes, "used_bytes": g.used_bytes, "objects": g.objects,
+            "metrics_addr": g.metrics_addr, "pid": g.pid, "capacity_bytes": g.capacity_bytes, "used_bytes": g.used_bytes, "objects": g.objects,
             "largest_free_bytes": g.largest_free_bytes, "accepts_new_objects": g.accepts_new_objects_in_s == 0.0,
             "accepts_new_objects_in_s": g.accepts_new_objects_in_s, "draining": g.draining}
 

@@ -53,9 +53,10 @@ def segment(info: p.SegmentInfo) -> None:
         raise InvalidParameter(f"segment.nixl: {len(info.nixl)} bytes; at most {MAX_NIXL_BYTES}")
     if not SEGMENT_NAME.match(info.shm_path) or "/../" in info.shm_path:
         raise InvalidParameter(f"segment.shm_path: {info.shm_path!r} is not a segment file path")
-    host, sep, port = info.data_addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or host in WILDCARD_HOSTS:
-        raise InvalidParameter(f"segment.data_addr: {info.data_addr!r} is not a reachable host:port")
+    for name, addr in (("data_addr", info.data_addr), ("metrics_addr", info.metrics_addr or "x:1")):
+        host, sep, port = addr.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or host in WILDCARD_HOSTS or len(addr) > 300:
+            raise InvalidParameter(f"segment.{name}: {addr!r} is not a reachable host:port")
 
 
 def join(req: p.Join) -> None:

@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, Session, client_handshake, server_handshake
 from ..errors import MemCacheError, PeerUnavailable, TransferFailed
@@ -65,8 +65,10 @@ class DataServer:
     """Serves one segment to peers; one thread per connection."""
 
     def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
-                 tls: ssl.SSLContext | None = None, disk: object = None) -> None:
+                 tls: ssl.SSLContext | None = None, disk: object = None,
+                 served: Callable[[str, bool, int], None] | None = None) -> None:
         self.mapping = mapping
+        self.served = served      # (path, read?, bytes): the owner's count of what peers moved here
         self.disk = disk          # the owner's disk tier (local/tier.py), for disk_wire requests
         self.secret = secret
         self.tls = tls
@@ -201,6 +203,8 @@ class DataServer:
                     for off, length in ranges:
                         recv_exact(conn, self.mapping.view(off, length))
                     conn.sendall(sealed(session, _ANSWER.pack(0, total)))
+                if self.served is not None:
+                    self.served("host_tcp", op == OP_READ, total)
         except (OSError, ConnectionError):
             pass
         finally:

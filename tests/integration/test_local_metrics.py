@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 
@@ -40,8 +41,67 @@ def test_transfer_metrics_per_path(meta):
         b.close()
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_provider_counts_the_bytes_it_served(meta):
+    """Scenario: a provider holds 8 MiB that a peer reads over host_tcp; the provider did nothing
+    itself, yet its own metrics show the 8 MiB served (and the writes peers made into it)."""
+    port = free_port()
+    provider, reader = DistributedObjectStore(), DistributedObjectStore()
+    assert provider.setup(meta.local_config(metrics_port=port, dram_size="64MB")) == 0 and provider.init(0, True) == 0
+    assert reader.setup(meta.local_config(protocol="host_tcp", dram_size="0")) == 0 and reader.init(0, False) == 0
+    try:
+        before = scrape_metrics(port, meta.admin_headers())
+        rd = 'memcache_local_served_bytes_total{direction="read",path="host_tcp"}'
+        wr = 'memcache_local_served_bytes_total{direction="write",path="host_tcp"}'
+        assert before[rd] == 0 and before[wr] == 0
+        value = bytes(range(256)) * (8 << 12)             # 8 MiB
+        assert reader.put("served-1", value) == 0          # the pure client writes into the provider over TCP
+        assert reader.get("served-1") == value
+        after = scrape_metrics(port, meta.admin_headers())
+        assert after[rd] >= 8 << 20 and after[wr] >= 8 << 20, after
+        assert 'memcache_local_transfer_bytes_total{direction="read",path="host_tcp"}' not in after
+    finally:
+        reader.close()
+        provider.close()
+
+
+def test_each_rank_serves_its_own_metrics_port_and_a_taken_port_never_stops_a_start(meta):
+    """Scenario: two TP ranks of one engine get the same config (one metrics_port); each serves on
+    metrics_port + rank, and the MetaService lists each segment's metrics address. A third
+    LocalService whose port is taken starts all the same, without metrics."""
+    base = free_port()
+    while not port_is_free(base + 1):
+        base = free_port()
+    cfg = meta.local_config(metrics_port=base)
+    ranks = [DistributedObjectStore(), DistributedObjectStore(), DistributedObjectStore()]
+    try:
+        for rank, s in enumerate(ranks[:2]):
+            assert s.setup(cfg.for_rank(rank)) == 0 and s.init(rank, True) == 0
+        assert ranks[2].setup(cfg) == 0 and ranks[2].init(0, True) == 0   # base is rank 0's: a warning only
+        for rank in (0, 1):
+            assert "memcache_local_meta_restarts_total" in scrape_metrics(base + rank, meta.admin_headers())
+        by_id = {g["segment_id"]: g for g in meta.http("/get_all_segments")["segments"]}
+        assert [by_id[s.get_local_service_id()]["metrics_addr"] for s in ranks] == \
+            [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}", ""]
+    finally:
+        for s in ranks:
+            s.close()
+
+
 def test_metrics_port_is_validated():
     with pytest.raises(ConfigError, match="metrics_port"):
         LocalConfig(metrics_port=70000)
     with pytest.raises(ConfigError, match="metrics_host"):
         LocalConfig(metrics_port=9000, metrics_host="")
+    assert LocalConfig(metrics_port=9000).for_rank(3).metrics_port == 9003
+    assert LocalConfig().for_rank(3).metrics_port == 0           # off stays off
+    with pytest.raises(ConfigError, match="metrics_port: 65535 \\+ rank 1 is past 65535"):
+        LocalConfig(metrics_port=65535).for_rank(1)
