@@ -83,10 +83,20 @@ class Leave(msgspec.Struct, tag=True):
     token: bytes
 
 
+class SegmentBytes(msgspec.Struct, array_like=True, frozen=True):
+    """Payload bytes a member moved through shared memory out of (``read``) and into (``written``)
+    one segment since its last heartbeat: the segment's owner never sees such copies, so the
+    MetaService passes the sums on to it (``HeartbeatReply.served``)."""
+    segment_id: int
+    read: int
+    written: int
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     client_id: int
     token: bytes
     journal_ack: int = 0
+    moved: list[SegmentBytes] = []
 
 
 class Alloc(msgspec.Struct, tag=True):
@@ -333,6 +343,8 @@ class HeartbeatReply(_Reply):
     repair: bool = False           # copies of objects in the member's segment are wanted elsewhere (RepairNext)
     disk_tiers: int = 0            # segments of the pool with a disk tier (none: no disk-held object to promote)
     generation_ceiling: int = 0    # generations are issued at or below it (the member carries it)
+    served: list[int] = []         # [read, written]: bytes members moved out of / into the member's segment
+                                   # through shared memory since its last heartbeat
 
 
 class DrainMove(msgspec.Struct, array_like=True, frozen=True):

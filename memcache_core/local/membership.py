@@ -112,7 +112,8 @@ class Membership:
                     next_refresh = time.monotonic() + SEGMENT_REFRESH_S
                     self._refresh_segments()   # unmap peers that left even if nobody asks for them
                 s = self.session
-                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack), timeout_s=timeout,
+                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack,
+                                                     self.metrics.take_moved()), timeout_s=timeout,
                                          probe=True), p.HeartbeatReply)
                 if not r.known or r.meta_epoch != s.epoch:
                     if r.meta_epoch != s.epoch:
@@ -125,6 +126,9 @@ class Membership:
                 self.drainer.on_heartbeat(r.drain)
                 self.drainer.on_repair(r.repair)
                 self.pool_disk_tiers = r.disk_tiers
+                if r.served:
+                    self.metrics.serve("host_shm", True, r.served[0])
+                    self.metrics.serve("host_shm", False, r.served[1])
             except MetaServiceUnavailable:
                 continue
             except MemCacheError as e:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from ..auth import admin_authorized
 from ..errors import cannot_listen
+from ..protocol import SegmentBytes
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,11 @@ class LocalMetrics:
                               "LocalService's segment through its data server (the serving side of host_tcp: a "
                               "provider's traffic), per path and direction (read: peers read from it).", labels,
                               registry=self.registry)
-        for d in ("read", "write"):   # present from the start: an idle provider shows 0, not nothing
-            self.served.labels("host_tcp", d)
+        for path in ("host_shm", "host_tcp"):   # present from the start: an idle provider shows 0
+            for d in ("read", "write"):
+                self.served.labels(path, d)
+        self._moved: dict[int, list[int]] = {}   # segment -> [read, written] through shm, for the heartbeat
+        self._moved_lock = threading.Lock()
         self.meta_restarts = Counter("memcache_local_meta_restarts", "MetaService restarts this LocalService "
                                      "saw (a new epoch) and re-joined after.", registry=self.registry)
         self.rejoins = Counter("memcache_local_rejoins", "Re-joins (after a MetaService restart or being "
@@ -60,6 +64,18 @@ class LocalMetrics:
         self.seconds.labels(path, d).observe(seconds)
         if failed:
             self.failures.labels(path, d).inc(failed)
+
+    def moved_shm(self, reading: bool, per_segment: list[tuple[int, int]]) -> None:
+        """Bytes this LocalService copied out of / into segments through shared memory."""
+        with self._moved_lock:
+            for sid, n in per_segment:
+                self._moved.setdefault(sid, [0, 0])[0 if reading else 1] += n
+
+    def take_moved(self) -> list[SegmentBytes]:
+        """The shm byte counts since the last call, as the heartbeat carries them."""
+        with self._moved_lock:
+            moved, self._moved = self._moved, {}
+        return [SegmentBytes(sid, r, w) for sid, (r, w) in moved.items()]
 
     def serve(self, path: str, reading: bool, nbytes: int) -> None:
         self.served.labels(path, "read" if reading else "write").inc(nbytes)

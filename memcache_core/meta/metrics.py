@@ -86,13 +86,18 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
     used = _gauge("segment_used_bytes", "Bytes allocated in a segment.", labels=labels)
     free = _gauge("segment_free_bytes", "Bytes not allocated in a segment.", labels=labels)
     objs = _gauge("segment_objects", "Committed objects in a segment.", labels=labels)
+    served = CounterMetricFamily("memcache_segment_served_bytes", "Payload bytes members copied out of (read) "
+                                 "and into (write) a segment through shared memory (host_shm), as their "
+                                 "heartbeats report them.", labels=[*labels, "direction"])
     for g in s.segments:
         lv = [str(g.segment_id), g.host_id, g.tier]
+        served.add_metric([*lv, "read"], g.served_read_bytes)
+        served.add_metric([*lv, "write"], g.served_written_bytes)
         cap.add_metric(lv, g.capacity_bytes)
         used.add_metric(lv, g.used_bytes)
         free.add_metric(lv, g.capacity_bytes - g.used_bytes)
         objs.add_metric(lv, g.objects)
-    yield from (cap, used, free, objs)
+    yield from (cap, used, free, objs, served)
     tiers: dict[str, list[int]] = {}
     for g in s.segments:
         t = tiers.setdefault(g.tier, [0, 0])

@@ -77,6 +77,8 @@ class MetaServiceCore:
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
         self.member_events: collections.Counter[str] = collections.Counter()
         self.http_calls: collections.Counter[str] = collections.Counter()   # admin routes counted (get_all_keys)
+        # segment -> [read, written] not yet told its owner, [read, written] since it joined (shm copies)
+        self.served: dict[int, list[int]] = {}
         self.history = stats.History(config.stats_sample_interval_seconds)
         self.lock = threading.Lock()   # the HTTP thread reads under it
         self.started = time.monotonic()
@@ -116,8 +118,9 @@ class MetaServiceCore:
                 return p.Flags([o is not None and o.lease_until is not PENDING_LEASE for o in map(objs.get, keys)])
             case p.Lookup(keys=keys, lease=lease):
                 return p.LookupReply(t.lookup_many(keys, now, lease), self.config.lease_ttl_ms)
-            case p.Heartbeat(client_id=cid, token=token, journal_ack=ack):
-                return self._heartbeat(cid, token, ack, now)
+            case p.Heartbeat(client_id=cid, token=token, journal_ack=ack, moved=moved):
+                validate.moved(moved)
+                return self._heartbeat(cid, token, ack, now, moved)
             case p.Join():
                 validate.join(req)
                 return self._join(req, now)
@@ -300,17 +303,28 @@ class MetaServiceCore:
         return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token,
                         generation_ceiling=self.table.gen_ceiling)
 
-    def _heartbeat(self, cid: int, token: bytes, ack: int, now: float) -> p.Reply:
+    def _heartbeat(self, cid: int, token: bytes, ack: int, now: float, moved: list[p.SegmentBytes]) -> p.Reply:
         m = self.members.get(cid)
         if m is None or not hmac.compare_digest(m.token, token):
             return p.HeartbeatReply(self.epoch, known=False)
         m.last_seen = now
+        for r in moved:   # held for each segment's owner until its next heartbeat; totals for /metrics
+            if r.segment_id in self.table.segments:
+                held = self.served.setdefault(r.segment_id, [0, 0, 0, 0])
+                held[0] += r.read
+                held[1] += r.written
+                held[2] += r.read
+                held[3] += r.written
         journal: list[p.JournalEntry] = []
+        served: list[int] = []
         if m.segment_id is not None:
             journal = self.table.segments[m.segment_id].journal_since(ack)
+            mine = self.served.get(m.segment_id)
+            if mine is not None and (mine[0] or mine[1]):
+                served, mine[0], mine[1] = mine[:2], 0, 0
         return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id),
                                 repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers),
-                                generation_ceiling=self.table.gen_ceiling)
+                                generation_ceiling=self.table.gen_ceiling, served=served)
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""
@@ -331,6 +345,8 @@ class MetaServiceCore:
             self.repairs.segment_left(m.segment_id, time.monotonic())
         self.member_events["leaves" if why == "left" else "deaths" if "dead" in why else "rejoins"] += 1
         lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
+        if m.segment_id is not None:
+            self.served.pop(m.segment_id, None)
         self.table.reclaim(time.monotonic(), {cid})
         if why != "re-joined":                # (a re-joining member reports its objects next)
             self.repairs.plan(time.monotonic())   # the survivors learn it on their next heartbeat

@@ -39,6 +39,8 @@ class SegmentStats(msgspec.Struct):
     tag: str
     data_addr: str
     metrics_addr: str
+    served_read_bytes: int        # what members copied out of / into it through shared memory
+    served_written_bytes: int
     pid: int | None
     tier: str
     capacity_bytes: int
@@ -115,7 +117,9 @@ def take(core: MetaServiceCore) -> Snapshot:
     now = time.monotonic()
     t = core.table
     owners = {m.segment_id: m.pid for m in core.members.values() if m.segment_id is not None}
-    segments = [SegmentStats(i, s.info.host_id, s.info.tag, s.info.data_addr, s.info.metrics_addr, owners.get(i), "dram",
+    segments = [SegmentStats(i, s.info.host_id, s.info.tag, s.info.data_addr, s.info.metrics_addr,
+                             core.served.get(i, [0, 0, 0, 0])[2], core.served.get(i, [0, 0, 0, 0])[3],
+                             owners.get(i), "dram",
                              s.allocator.size, s.allocator.used, len(s.lru), s.allocator.largest_free,
                              None if math.isinf(s.alloc_after) else round(max(0.0, s.alloc_after - now), 3),
                              math.isinf(s.alloc_after))

@@ -80,6 +80,16 @@ def join(req: p.Join) -> None:
     disk_reports(req.disk_objects)
 
 
+def moved(reports: list[p.SegmentBytes]) -> None:
+    """A heartbeat's shared-memory byte counts: a bounded list of non-negative sums."""
+    if len(reports) > MAX_BATCH:
+        raise InvalidParameter(f"{len(reports)} segments' byte counts in one heartbeat; at most {MAX_BATCH}")
+    for r in reports:
+        _int("moved.segment_id", r.segment_id, 0, MAX_U63)
+        _int("moved.read", r.read, 0, MAX_U63)
+        _int("moved.written", r.written, 0, MAX_U63)
+
+
 def disk_reports(reports: list[p.ObjectReport]) -> None:
     """Records a provider says its disk tier holds: bounded like DRAM objects."""
     if len(reports) > MAX_BATCH:

@@ -165,6 +165,7 @@ class TransferEngine:
             if self.metrics is not None:
                 self.metrics.transfer("host_shm", reading, sum(op.nbytes for op in ops if op.error is None),
                                       time.perf_counter() - t0, sum(op.error is not None for op in ops))
+                self.metrics.moved_shm(reading, [(op.segment.segment_id, op.nbytes) for op in ops if op.error is None])
 
     def _job(self, job: tuple[str, list[CopyOp]], reading: bool) -> None:
         t0 = time.perf_counter()

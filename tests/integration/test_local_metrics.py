@@ -11,7 +11,7 @@ import pytest
 from memcache_core import DistributedObjectStore
 from memcache_core.config import LocalConfig
 from memcache_core.errors import ConfigError
-from memcache_core.testing import free_port, scrape_metrics
+from memcache_core.testing import free_port, scrape_metrics, start_local_service, terminate, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -71,6 +71,34 @@ def test_a_provider_counts_the_bytes_it_served(meta):
     finally:
         reader.close()
         provider.close()
+
+
+def test_a_provider_read_through_shared_memory_counts_it_too(meta, tmp_path):
+    """Scenario: a standalone provider (``memcache local-service``) holds 8 MiB that an engine's
+    store on the same host writes and reads through shared memory: the provider never touches those
+    copies, yet its metrics show them (the reader's heartbeats carry the counts through the
+    MetaService), and so do the MetaService's per-segment series."""
+    port = free_port()
+    conf = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
+            "protocol": "host_shm", "dram_size": "64MB", "heartbeat_interval_ms": 200, "metrics_port": port}
+    proc, sid = start_local_service(conf, tmp_path, lambda: meta.http("/get_all_segments")["segments"])
+    engine = DistributedObjectStore()
+    try:
+        assert engine.setup(meta.local_config(dram_size="0", heartbeat_interval_ms=200)) == 0
+        assert engine.init(0, False) == 0
+        value = bytes(range(256)) * (8 << 12)             # 8 MiB, into the provider: the only segment
+        assert engine.put("shm-served", value) == 0 and engine.get("shm-served") == value
+        rd = 'memcache_local_served_bytes_total{direction="read",path="host_shm"}'
+        wr = 'memcache_local_served_bytes_total{direction="write",path="host_shm"}'
+        wait_for(lambda: (m := scrape_metrics(port, meta.admin_headers()))[rd] >= 8 << 20 and m[wr] >= 8 << 20,
+                 15, "the provider's metrics to show the 8 MiB read and written through shared memory")
+        text = meta.http("/metrics")
+        served = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("memcache_segment_served_bytes_total{") and f'segment="{sid}"' in line]
+        assert len(served) == 2 and min(served) >= 8 << 20, text
+    finally:
+        engine.close()
+        terminate(proc)
 
 
 def test_each_rank_serves_its_own_metrics_port_and_a_taken_port_never_stops_a_start(meta):
