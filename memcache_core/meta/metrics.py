@@ -9,9 +9,10 @@ on the hottest path) and exported as a histogram family.
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -20,6 +21,7 @@ from .stats import Snapshot
 
 BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PROCESS = ProcessCollector(registry=None)   # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
 COUNTERS = (   # (metric name, Counters field, help)
     ("puts_total", "allocs", "Objects asked to be put (alloc)."),
@@ -185,6 +187,12 @@ def _drains(s: Snapshot) -> Iterator[Metric]:
         yield CounterMetricFamily(f"memcache_{name}", help_, value=s.drains.get(field, 0))
 
 
+def op_label(request: str) -> str:
+    """The ``op`` label of a request type, snake_case like every other ``op`` value (``Exist`` ->
+    ``exist``, ``GetSegments`` -> ``get_segments``): one spelling per op across the families."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", request).lower()
+
+
 def _requests(s: Snapshot) -> Iterator[Metric]:
     h = HistogramMetricFamily("memcache_request_seconds", "Time the MetaService spent on a request.",
                               labels=["op"])
@@ -194,8 +202,9 @@ def _requests(s: Snapshot) -> Iterator[Metric]:
         for le, n in zip((*map(str, BUCKETS), "+Inf"), r.buckets, strict=True):
             cum += n
             buckets.append((le, cum))
-        h.add_metric([r.op], buckets, r.total_s)
-        f.add_metric([r.op], r.failures)
+        op = op_label(r.op)
+        h.add_metric([op], buckets, r.total_s)
+        f.add_metric([op], r.failures)
     yield from (h, f)
 
 
@@ -236,4 +245,5 @@ def render(snap: Snapshot) -> bytes:
     """Prometheus text exposition of a snapshot."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Once(snap))
+    registry.register(PROCESS)
     return generate_latest(registry)

@@ -104,7 +104,7 @@ def test_http_admin_endpoints(meta):
     for name in ("memcache_segment_capacity_bytes", "memcache_segment_used_bytes", "memcache_objects 1",
                  "memcache_puts_total 1", "memcache_gets_total", "memcache_exists_total",
                  "memcache_evictions_total", "memcache_put_failures_total",
-                 'memcache_request_seconds_count{op="Exist"}', 'memcache_request_seconds_bucket{le="+Inf",op="Lookup"}'):
+                 'memcache_request_seconds_count{op="exist"}', 'memcache_request_seconds_bucket{le="+Inf",op="lookup"}'):
         assert name in text, name
     s.close()
 

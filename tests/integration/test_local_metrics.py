@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -30,6 +31,12 @@ def test_transfer_metrics_per_path(meta):
         assert ma[wr] >= 300_000 and mb[rd] >= 300_000, (ma, mb)
         assert mb['memcache_local_transfer_seconds_count{direction="read",path="host_tcp"}'] >= 1
         assert "memcache_local_meta_restarts_total" in ma
+        # label hygiene: no *_created series, the process's own metrics, one spelling per op
+        assert not [k for k in (*ma, *mb) if "_created" in k] and ma["process_resident_memory_bytes"] > 0
+        text = meta.http("/metrics")
+        assert "process_cpu_seconds_total" in text and "_created" not in text
+        ops = set(re.findall(r'\bop="([^"]*)"', text))
+        assert {"alloc", "commit", "lookup"} <= ops and ops == {o.lower() for o in ops}, ops
         if meta.admin_headers():
             with pytest.raises(urllib.error.HTTPError) as e:
                 scrape_metrics(ports[0], {})
