@@ -60,5 +60,24 @@ def test_every_dashboard_query_names_an_exported_metric(meta):
     missing = sorted(m for m in used if m not in names)
     assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for topic in ("segment", "tier", "hit ratio", "throughput", "latency", "evictions", "members"):
+    for topic in ("segment", "tier", "hit ratio", "throughput", "latency", "evictions", "members", "disk tier",
+                  "served"):
         assert topic in titles, topic
+    for family in ("memcache_disk_used_bytes", "memcache_disk_events_total", "memcache_disk_drops_total",
+                   "memcache_local_served_bytes_total", "memcache_segment_served_bytes_total"):
+        assert family in used, family
+
+
+def test_every_query_follows_the_job_and_instance_variables():
+    """Three MetaServices under HA (and providers under their own job): each query is scoped by the
+    dashboard's job variable, and the MetaService's series by its instance variable too."""
+    with open(DASHBOARD, encoding="utf-8") as f:
+        dash = json.load(f)
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"datasource", "job", "instance"} <= set(variables)
+    assert variables["instance"]["includeAll"] and variables["instance"]["multi"]
+    assert "$job" in variables["instance"]["definition"]
+    for e in queries(dash):
+        for name, sel in re.findall(r"\b(memcache_[a-z0-9_]+)(\{[^}]*\})?", e):
+            assert 'job=~"$job"' in sel, (name, e)
+            assert name.startswith("memcache_local_") or 'instance=~"$instance"' in sel, (name, e)
