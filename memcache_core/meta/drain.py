@@ -334,6 +334,10 @@ class Drains:
                                                  if h.segment_id == segment_id), None)
         return d.snapshot(now) if d is not None else None
 
+    def in_progress(self, now: float) -> list[dict[str, Any]]:
+        """The drains still running, as ``/drain/<id>`` shows each (the status page lists them)."""
+        return [d.snapshot(now) for d in self.active.values() if d.state == "draining"]
+
     def all(self, now: float) -> list[dict[str, Any]]:
         return [d.snapshot(now) for d in [*self.history, *self.active.values()]]
 

@@ -13,7 +13,7 @@ import math
 import operator
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -102,6 +102,8 @@ class Snapshot(msgspec.Struct):
     requests: list[RequestStats]
     history: list[Sample]
     disk_tiers: list[DiskTierStats] = []
+    drains_in_progress: list[dict[str, Any]] = []   # Drains.in_progress(): one per segment being drained
+    sample_interval_s: float = 0.0
 
     @property
     def capacity_bytes(self) -> int:
@@ -145,7 +147,8 @@ def take(core: MetaServiceCore) -> Snapshot:
                     term, members, segments, len(t.objects) - t.pending, t.pending, t.under_replicated,
                     {**core.drains.stats(), **core.repairs.stats()},
                     {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, events,
-                    requests, list(core.history.samples), _disk_tiers(core))
+                    requests, list(core.history.samples), _disk_tiers(core), core.drains.in_progress(now),
+                    core.history.interval_s)
 
 
 def _disk_tiers(core: MetaServiceCore) -> list[DiskTierStats]:
