@@ -9,6 +9,7 @@ on the hottest path) and exported as a histogram family.
 from __future__ import annotations
 
 import bisect
+import collections
 import re
 from collections.abc import Iterator
 
@@ -82,8 +83,18 @@ def _gauge(name: str, help_: str, value: float | None = None, labels: tuple[str,
     return GaugeMetricFamily(f"memcache_{name}", help_, value=value)
 
 
+def segment_names(s: Snapshot) -> dict[int, str]:
+    """The ``segment`` label of each segment: its LocalService's ``tag`` where that names it alone on
+    its host (a stable provider name: its series survive restarts, which draw new segment ids), else
+    the segment id (two segments never share a series)."""
+    seen = collections.Counter((g.host_id, g.tag) for g in s.segments)
+    return {g.segment_id: g.tag if g.tag and seen[g.host_id, g.tag] == 1 and not g.tag.isdigit() else str(g.segment_id)
+            for g in s.segments}
+
+
 def _segments(s: Snapshot) -> Iterator[Metric]:
     labels = ("segment", "host", "tier")
+    names = segment_names(s)
     cap = _gauge("segment_capacity_bytes", "Bytes a segment contributes to the pool.", labels=labels)
     used = _gauge("segment_used_bytes", "Bytes allocated in a segment.", labels=labels)
     free = _gauge("segment_free_bytes", "Bytes not allocated in a segment.", labels=labels)
@@ -92,7 +103,7 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
                                  "and into (write) a segment through shared memory (host_shm), as their "
                                  "heartbeats report them.", labels=[*labels, "direction"])
     for g in s.segments:
-        lv = [str(g.segment_id), g.host_id, g.tier]
+        lv = [names[g.segment_id], g.host_id, g.tier]
         served.add_metric([*lv, "read"], g.served_read_bytes)
         served.add_metric([*lv, "write"], g.served_written_bytes)
         cap.add_metric(lv, g.capacity_bytes)
@@ -126,8 +137,9 @@ def _disk(s: Snapshot) -> Iterator[Metric]:
                              "written, write errors (disk full, I/O), writes skipped (queue full), writes "
                              "stale (the DRAM copy changed first), reads, bytes read, read errors, integrity "
                              "failures, records dropped to make room, promotions.", labels=["segment", "event"])
+    names = segment_names(s)
     for d in s.disk_tiers:
-        lv = [str(d.segment_id)]
+        lv = [names.get(d.segment_id, str(d.segment_id))]
         cap.add_metric(lv, d.capacity_bytes)
         used.add_metric(lv, d.used_bytes)
         objs.add_metric(lv, d.objects)

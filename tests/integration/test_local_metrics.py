@@ -88,7 +88,7 @@ def test_a_provider_read_through_shared_memory_counts_it_too(meta, tmp_path):
     port = free_port()
     conf = {"meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url,
             "protocol": "host_shm", "dram_size": "64MB", "heartbeat_interval_ms": 200, "metrics_port": port}
-    proc, sid = start_local_service(conf, tmp_path, lambda: meta.http("/get_all_segments")["segments"])
+    proc, _ = start_local_service(conf, tmp_path, lambda: meta.http("/get_all_segments")["segments"])
     engine = DistributedObjectStore()
     try:
         assert engine.setup(meta.local_config(dram_size="0", heartbeat_interval_ms=200)) == 0
@@ -101,11 +101,35 @@ def test_a_provider_read_through_shared_memory_counts_it_too(meta, tmp_path):
                  15, "the provider's metrics to show the 8 MiB read and written through shared memory")
         text = meta.http("/metrics")
         served = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith("memcache_segment_served_bytes_total{") and f'segment="{sid}"' in line]
+                  if line.startswith("memcache_segment_served_bytes_total{")]   # the provider's: the only segment
         assert len(served) == 2 and min(served) >= 8 << 20, text
     finally:
         engine.close()
         terminate(proc)
+
+
+def test_a_named_provider_keeps_its_series_across_restarts(meta):
+    """Scenario: a provider with a ``tag`` restarts (a new segment id): its per-segment series keep
+    the label ``segment="<tag>"``, so no new series is minted; two LocalServices sharing a tag on one
+    host are told apart by their ids instead (never one series for two segments)."""
+    def series(text: str) -> set[str]:
+        return {m for m in re.findall(r'memcache_segment_used_bytes\{[^}]*segment="([^"]+)"', text)}
+
+    first = DistributedObjectStore()
+    assert first.setup(meta.local_config(tag="provider-a")) == 0 and first.init(0, True) == 0
+    old_id = first.get_local_service_id()
+    assert series(meta.http("/metrics")) == {"provider-a"}
+    first.close()
+    again, twin = DistributedObjectStore(), DistributedObjectStore()
+    try:
+        assert again.setup(meta.local_config(tag="provider-a")) == 0 and again.init(0, True) == 0
+        assert again.get_local_service_id() != old_id
+        assert series(meta.http("/metrics")) == {"provider-a"}
+        assert twin.setup(meta.local_config(tag="provider-a")) == 0 and twin.init(0, True) == 0
+        assert series(meta.http("/metrics")) == {str(again.get_local_service_id()), str(twin.get_local_service_id())}
+    finally:
+        again.close()
+        twin.close()
 
 
 def test_each_rank_serves_its_own_metrics_port_and_a_taken_port_never_stops_a_start(meta):
