@@ -25,7 +25,7 @@ def _local_service(path: str) -> int:
         if config.segment_prefault == "auto":
             config.segment_prefault = "on"   # a provider's segment is the pool: fault it in at start
         svc = LocalService(config)
-        svc.start(0, with_segment=True)
+        svc.start(0, with_segment=True, metrics_required=True)   # its metrics are a provider's only view
     except (MemCacheError, OSError) as e:   # one line naming the setting, never a traceback
         configure_logging("info")
         logger.error("LocalService cannot start: %s", e)

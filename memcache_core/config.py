@@ -345,7 +345,7 @@ class LocalConfig:
     """Serve this LocalService's Prometheus metrics (transfer bytes and latency per path) on this
     port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md). Inside an engine
     it is a base: each rank serves on ``metrics_port + rank`` (``for_rank``). A port that cannot be
-    bound is a warning, never a failed start."""
+    bound is a warning inside an engine, never a failed start (``memcache local-service`` refuses)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics port binds (``metrics_port``)."""
     transfer_engine: str = "builtin"

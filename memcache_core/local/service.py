@@ -25,7 +25,7 @@ from .. import errors, tls
 from .. import protocol as p
 from ..auth import load_secret
 from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
-from ..errors import InvalidParameter, MemCacheError, check_key, check_keys
+from ..errors import CannotListen, InvalidParameter, MemCacheError, check_key, check_keys
 from ..etcd import EtcdAuth
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
@@ -99,7 +99,10 @@ class LocalService(Writes, Reads, Gva):
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
-    def start(self, device_id: int, with_segment: bool) -> None:
+    def start(self, device_id: int, with_segment: bool, metrics_required: bool = False) -> None:
+        """Create the segment (``with_segment``) and join. A ``metrics_port`` that cannot be bound
+        fails the start only with ``metrics_required`` (a standalone provider, whose metrics are its
+        only view); inside an engine it is a warning and the engine starts without them."""
         cfg = self.config
         try:
             if with_segment:
@@ -116,7 +119,7 @@ class LocalService(Writes, Reads, Gva):
                 self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg),
                                               self.disk, self.metrics.serve)
             nixl = self._start_nixl()
-            self._start_metrics_server()
+            self._start_metrics_server(metrics_required)
             if self.segment is not None and self.data_server is not None:
                 self._segment_template = p.SegmentInfo(0, self.segment.size, self.host_id, self.segment.path,
                                                        self._advertised(self.data_server.addr),
@@ -154,19 +157,20 @@ class LocalService(Writes, Reads, Gva):
         if self.engine is not None and self.engine.nixl is not None:
             self.engine.nixl.unregister(ptr, size)
 
-    def _start_metrics_server(self) -> None:
-        """Metrics never stop a LocalService (an engine) from starting: a port that cannot be bound
-        is a warning naming the key and the remedy, and this LocalService runs without it."""
+    def _start_metrics_server(self, required: bool) -> None:
+        """Metrics never stop an engine's LocalService from starting: a port that cannot be bound is
+        a warning naming the key and the remedy, and this LocalService runs without it."""
         cfg = self.config
         if cfg.metrics_port:
             from ..auth import admin_token
             token = admin_token(self.secret) if self.secret is not None else None
             try:
                 self.metrics_server = MetricsServer(self.metrics, cfg.metrics_host, cfg.metrics_port, token)
-            except OSError as e:
-                logger.warning("metrics_port: cannot serve metrics on %s:%d (%s); running without them. Give "
-                               "each LocalService on a host its own port (the engine plugins add the rank to "
-                               "metrics_port) or free that port", cfg.metrics_host, cfg.metrics_port, e)
+            except CannotListen as e:
+                if required:
+                    raise
+                logger.warning("%s; this LocalService runs without its metrics port (the engine plugins give "
+                               "each rank metrics_port + rank)", e)
                 return
             logger.info("LocalService metrics on http://%s/metrics", self.metrics_server.addr)
 

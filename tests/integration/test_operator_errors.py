@@ -77,10 +77,12 @@ def test_auth_on_here_and_off_at_the_metaservice_says_so(caplog):
 
 
 def test_a_taken_metrics_port_names_metrics_port(meta, taken_port, tmp_path, caplog):
+    """Inside an engine a taken port is a warning (metrics never stop an engine's start); a
+    standalone provider, whose metrics are its only view, refuses to start. Both name the setting."""
     s = DistributedObjectStore()
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.WARNING):
         assert s.setup(meta.local_config(metrics_port=taken_port)) == 0
-        assert s.init(0, True) == -3003
+        assert s.init(0, True) == 0
     s.close()
     want = (f"metrics_port: cannot listen on 127.0.0.1:{taken_port}: the port is in use by another process "
             f"(stop it, or choose a free port in metrics_port)")
