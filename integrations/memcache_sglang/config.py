@@ -161,6 +161,13 @@ class BackendConfig:
         return int(raw)
 
 
+def rank_index(sc: Any) -> int:
+    """This rank's place in the server's TP x PP x attention-CP grid, 0..size-1: with ``metrics_port``
+    set, each rank serves its metrics on ``metrics_port + rank_index`` (one port for all would leave
+    every rank but the first without metrics)."""
+    return int(sc.tp_rank + sc.tp_size * (sc.pp_rank + sc.pp_size * getattr(sc, "attn_cp_rank", 0)))
+
+
 def place_disk_tier(local_cfg: Any, init_bm: bool, rank_dir: str) -> None:
     """Give this rank its own directory under ``disk_path`` (a disk tier serves one LocalService,
     and every rank of a server gets the same extra config). A disk tier lies under this process's

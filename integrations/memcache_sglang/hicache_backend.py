@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from memcache_sglang import copy_path, kv_pool
-from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag, place_disk_tier
+from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag, place_disk_tier, rank_index
 from memcache_sglang.disk_prefetch import DiskPromoter
 from memcache_sglang.keys import KeyScheme, shard_suffix
 from memcache_sglang.namespace import Namespace, build_layout, model_config_digests
@@ -95,8 +95,7 @@ class NpuMemcacheStore(HiCacheStorage):
         sc = self.storage_config
         device_id = self.config.device_id(sc.tp_rank, sc.tp_size)
         place_disk_tier(local_cfg, self.config.init_bm, self._rank_shard())
-        # each rank of the server its own metrics port: metrics_port + rank
-        local_cfg = local_cfg.for_rank(sc.tp_rank + sc.tp_size * (sc.pp_rank + sc.pp_size * sc.attn_cp_rank))
+        local_cfg = local_cfg.for_rank(rank_index(sc))   # each rank its own metrics port: metrics_port + rank
         self._promoter = DiskPromoter() if self.config.disk_prefetch else None
         try:
             store = open_store(local_cfg, device_id, self.config.init_bm)

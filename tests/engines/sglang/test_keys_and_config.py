@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from memcache_sglang.config import CONFIG_PATH_ENV, BackendConfig, place_disk_tier
+from memcache_sglang.config import CONFIG_PATH_ENV, BackendConfig, place_disk_tier, rank_index
 from memcache_sglang.keys import KeyScheme, LayoutIdentity
 
 from memcache_core.config import LocalConfig
@@ -118,3 +119,13 @@ def test_disk_keys_reach_local_config_one_directory_per_rank(monkeypatch: pytest
     BackendConfig.from_sources({**extra, "disk_write_policy": "eager"}).apply_to(local)
     with pytest.raises(ConfigError, match="^disk_write_policy:"):
         local.validate()
+
+
+def test_each_rank_gets_its_own_metrics_port() -> None:
+    """Scenario: a server of TP 2 x PP 2 x CP 2 gets one extra config with metrics_port 9100: its
+    eight ranks serve on 9100..9107, one each."""
+    local = LocalConfig(metrics_port=9100)
+    grid = [SimpleNamespace(tp_rank=t, tp_size=2, pp_rank=p, pp_size=2, attn_cp_rank=c)
+            for t in range(2) for p in range(2) for c in range(2)]
+    assert sorted(local.for_rank(rank_index(sc)).metrics_port for sc in grid) == list(range(9100, 9108))
+    assert LocalConfig().for_rank(rank_index(grid[-1])).metrics_port == 0   # off stays off
