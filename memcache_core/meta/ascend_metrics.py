@@ -117,13 +117,14 @@ def _tiers(s: Snapshot) -> Iterator[Metric]:
 
 def _kv_events(s: Snapshot) -> Iterator[Metric]:
     published, stored = s.events.get("kv_events_published", 0), s.events.get("kv_events_published_stored", 0)
+    cleared = s.events.get("kv_events_published_cleared", 0)
     by_type = CounterMetricFamily("memcache_kv_events_published_by_type", "KV events sent, by type "
-                                  "(cleared is never sent here).", labels=["type"])
-    for t, n in (("stored", stored), ("removed", published - stored), ("cleared", 0)):
+                                  "(cleared: a new object table, at each start).", labels=["type"])
+    for t, n in (("stored", stored), ("removed", published - stored - cleared), ("cleared", cleared)):
         by_type.add_metric([t], n)
     by_medium = CounterMetricFamily("memcache_kv_events_published_by_medium", "KV events sent, by medium "
-                                    "(every object here is in DRAM).", labels=["medium"])
-    for m, n in (("hbm", 0), ("dram", published), ("ssd", 0), ("unknown", 0)):
+                                    "(every object here is in DRAM; AllBlocksCleared has none).", labels=["medium"])
+    for m, n in (("hbm", 0), ("dram", published - cleared), ("ssd", 0), ("unknown", 0)):
         by_medium.add_metric([m], n)
     yield from (by_type, by_medium)
     yield _counter("kv_events_dropped_stored", "BlockStored events dropped (queue or socket full).",

@@ -139,6 +139,7 @@ def take(core: MetaServiceCore) -> Snapshot:
         events["kv_events_published"] = core.publisher.published
         events["kv_events_dropped"] = core.publisher.dropped
         events["kv_events_published_stored"] = core.publisher.published_stored
+        events["kv_events_published_cleared"] = core.publisher.by_type["AllBlocksCleared"]
         events["kv_events_dropped_stored"] = core.publisher.dropped_stored
     events.update({f"http_{k}": n for k, n in core.http_calls.items()})
     leading = core.ha is None or core.ha.serving()

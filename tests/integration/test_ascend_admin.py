@@ -70,11 +70,11 @@ def test_routes_and_metric_families_as_ascend_answers_them():
 
             assert call(ms, "/livez", authorized=False) == (200, b"ok")
             assert call(ms, "/kv_events/status", authorized=False)[0] == 401
-            wait_for(lambda: json.loads(call(ms, "/kv_events/status")[1])["published_events"] == 6, 10,
-                     "5 stored and 1 removed event published")
+            wait_for(lambda: json.loads(call(ms, "/kv_events/status")[1])["published_events"] == 7, 10,
+                     "the start's AllBlocksCleared, 5 stored and 1 removed event published")
             status: dict[str, Any] = json.loads(call(ms, "/kv_events/status")[1])
             assert KV_STATUS_FIELDS <= set(status) and status["enabled"] and status["publisher_active"]
-            assert status["published_by_type"] == {"stored": 5, "removed": 1, "cleared": 0}
+            assert status["published_by_type"] == {"stored": 5, "removed": 1, "cleared": 1}
 
             text = ms.http("/metrics")
             families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
@@ -97,6 +97,7 @@ def test_routes_and_metric_families_as_ascend_answers_them():
             assert series(text, "memcache_stored_keys") == 4
             assert series(text, "memcache_segment_allocated_bytes") == series(text, "memcache_segment_used_bytes") > 0
             assert series(text, "memcache_kv_events_published_by_type_total", 'type="stored"') == 5
+            assert series(text, "memcache_kv_events_published_by_type_total", 'type="cleared"') == 1
             assert series(text, "memcache_kv_events_published_by_medium_total", 'medium="dram"') == 6
 
             for route in ("/memory/evict", "/memory/prefetch?keys=asc-0"):
