@@ -58,10 +58,11 @@ class _BoundedServer(ThreadingHTTPServer):
                                 # connections made honest ones wait for SYN retransmits)
 
     def __init__(self, addr: tuple[str, int], handler: type, tls: ssl.SSLContext | None = None) -> None:
-        super().__init__(addr, handler)
+        # set before binding: a bind that fails (port in use) calls server_close, which closes the guard
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.tls = tls   # HTTPS: the handshake runs in the connection's thread, never in the accept loop
         self.guard = HeaderGuard()   # slowloris: a deadline for the headers, a cap per address
+        super().__init__(addr, handler)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         if self.tls is None:
