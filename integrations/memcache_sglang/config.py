@@ -26,7 +26,7 @@ CONFIG_PATH_ENV = "SGLANG_HICACHE_MEMCACHE_CONFIG_PATH"
 WARMUP_ENV = "SGLANG_NPU_MEMCACHE_ENABLE_WARMUP"
 
 #: Keys the backend reads; never applied to LocalConfig. The first seven are the built-in
-#: backend's; ``clear_scope`` and ``disk_prefetch`` are ours (see docs/sglang.md).
+#: backend's; ``clear_scope``, ``disk_prefetch`` and ``weights_full_hash`` are ours (see docs/sglang.md).
 CONTROL_KEYS = frozenset(
     {
         "device_id",
@@ -38,6 +38,7 @@ CONTROL_KEYS = frozenset(
         "extra_backend_tag",
         "clear_scope",
         "disk_prefetch",
+        "weights_full_hash",
     }
 )
 
@@ -101,6 +102,7 @@ class BackendConfig:
         if scope not in CLEAR_SCOPES:
             raise ValueError(f"clear_scope must be one of {CLEAR_SCOPES}, got {scope!r}")
         parse_bool("disk_prefetch", ctrl.get("disk_prefetch", True))  # a bad value fails now, naming the key
+        parse_bool("weights_full_hash", ctrl.get("weights_full_hash", False))
         return cls(local_fields=local, ctrl=ctrl)
 
     def apply_to(self, local_cfg: Any) -> list[str]:
@@ -133,6 +135,12 @@ class BackendConfig:
     @property
     def disk_prefetch(self) -> bool:
         return parse_bool("disk_prefetch", self.ctrl.get("disk_prefetch", True))
+
+    @property
+    def weights_full_hash(self) -> bool:
+        """Identify weight files by the SHA-256 of their bytes (read once per load), not by size,
+        modification time and safetensors header."""
+        return parse_bool("weights_full_hash", self.ctrl.get("weights_full_hash", False))
 
     @property
     def clear_scope(self) -> str:

@@ -18,6 +18,11 @@ Data moves zero-copy between SGLang's host KV pool (registered with the store) a
 
 The keys follow the weights served at the time of each call (:mod:`memcache_sglang.namespace`).
 
+A server that cannot join the pool at start-up (MetaService down) starts anyway: it logs it once,
+serves misses, and joins in the background with backoff (:mod:`memcache_sglang.pool_join`); the
+buffers SGLang registered meanwhile are registered when it joins. ``join_attempts`` /
+``join_failures`` count the attempts.
+
 Every failure - MetaService down, a peer gone, an object evicted between exists and get, an
 exception inside the store - is reported as a miss or a failed write, never raised into SGLang's
 IO threads and never a hit: a page is a hit only when every piece of it was read in full.
@@ -49,12 +54,15 @@ from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag, place_di
 from memcache_sglang.disk_prefetch import DiskPromoter
 from memcache_sglang.keys import KeyScheme, shard_suffix
 from memcache_sglang.namespace import Namespace, build_layout, model_config_digests
+from memcache_sglang.pool_join import BackgroundJoin
 from memcache_sglang.side_pools import exists_v2, io_v2, pool_object_key_prefix
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head", "page_first_kv_split")
 CHECK_SERVER_TIMEOUT_S = 600.0
+# A MetaService that does not answer costs a call this long (the core's default is a minute).
+CLIENT_TIMEOUT_S = 5.0
 LEGACY_POOL = "flat"
 
 
@@ -86,9 +94,11 @@ class NpuMemcacheStore(HiCacheStorage):
         self.copy_path = bool(extra.get("module_path")) and not extra.get("interface_v1")
         self._stats_lock = threading.Lock()
         self._state_lock = threading.Lock()
+        self._join_closed = False
         self._reset_stats()
 
         local_cfg = LocalConfig()
+        local_cfg.client_timeout_seconds = CLIENT_TIMEOUT_S
         unknown = self.config.apply_to(local_cfg)
         if unknown:
             logger.warning("ignoring unknown MemCache LocalConfig keys: %s", unknown)
@@ -97,15 +107,50 @@ class NpuMemcacheStore(HiCacheStorage):
         place_disk_tier(local_cfg, self.config.init_bm, self._rank_shard())
         local_cfg = local_cfg.for_rank(rank_index(sc))   # each rank its own metrics port: metrics_port + rank
         self._promoter = DiskPromoter() if self.config.disk_prefetch else None
-        try:
-            store = open_store(local_cfg, device_id, self.config.init_bm)
-        except MemCacheError as e:
-            raise RuntimeError(f"MemCache store cannot join the pool: {e}") from e
-        self.store: Any = store
-        logger.info("MemCache store ready (tp_rank=%s pp_rank=%s cp_rank=%s device_id=%s init_bm=%s)",
-                    sc.tp_rank, sc.pp_rank, sc.attn_cp_rank, device_id, self.config.init_bm)
+        self.store: Any = None
+        self._buffers: list[tuple[int, int]] = []
+        """Every buffer SGLang registered (registered again with a store that joins late)."""
+        self._join: BackgroundJoin | None = None
         if self.config.check_server:
             self._wait_for_meta_service()
+        join = partial(open_store, local_cfg, device_id, self.config.init_bm)
+        try:
+            self.store = join()
+        except MemCacheError as e:
+            logger.warning("npu_memcache: cannot join the pool at start-up (%s); serving misses and "
+                           "joining in the background", e)
+            self._join = BackgroundJoin(join, self._joined).start()
+            return
+        logger.info("MemCache store ready (tp_rank=%s pp_rank=%s cp_rank=%s device_id=%s init_bm=%s)",
+                    sc.tp_rank, sc.pp_rank, sc.attn_cp_rank, device_id, self.config.init_bm)
+
+    @property
+    def join_attempts(self) -> int:
+        """Background attempts to join the pool (0 when it joined at start-up)."""
+        return self._join.attempts if self._join is not None else 0
+
+    @property
+    def join_failures(self) -> int:
+        return self._join.failures if self._join is not None else 0
+
+    def _joined(self, store: Any) -> None:
+        """The background join succeeded: register the buffers, then serve from the pool."""
+        with self._state_lock:
+            closed = self._join_closed
+            if not closed:
+                try:
+                    for ptr, size in self._buffers:
+                        rc = store.register_buffer(ptr, size)
+                        if rc != 0:
+                            raise RuntimeError(f"register_buffer({ptr:#x}, {size}) failed with code {rc}")
+                except Exception:
+                    logger.exception("npu_memcache: the pool was joined but a buffer cannot be "
+                                     "registered; serving misses")
+                    closed = True
+                else:
+                    self.store = store
+        if closed:
+            store.close()
 
     # ------------------------------------------------------------------ setup
 
@@ -129,7 +174,13 @@ class NpuMemcacheStore(HiCacheStorage):
     def _register(self, tensor: torch.Tensor | None) -> None:
         if tensor is None or tensor.numel() == 0:
             return
-        rc = self.store.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        buf = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        with self._state_lock:
+            self._buffers.append(buf)
+            store = self.store
+            if store is None:
+                return  # registered when the background join succeeds
+            rc = store.register_buffer(*buf)
         if rc != 0:
             raise RuntimeError(f"MemCache register_buffer failed (rc={rc})")
 
@@ -145,11 +196,12 @@ class NpuMemcacheStore(HiCacheStorage):
         _, sizes = self._page_meta(torch.arange(mem_pool_host.page_size, dtype=torch.int64))
         identity, shard_ids = build_layout(self.storage_config, mem_pool_host, sizes)
         tag = self.config.extra_backend_tag
-        self._namespace = Namespace(identity, shard_ids, model_config_digests(), tag)
+        self._namespace = Namespace(identity, shard_ids, model_config_digests(), tag,
+                                    self.config.weights_full_hash)
         keys = self._scheme()
         page_bytes = sum(keys.identity.piece_sizes) * keys.objects_per_page
         self.gb_per_page = page_bytes / (1 << 30)
-        if env_flag(WARMUP_ENV) and self.config.init_bm:
+        if env_flag(WARMUP_ENV) and self.config.init_bm and self.store is not None:
             self._warmup()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -368,7 +420,10 @@ class NpuMemcacheStore(HiCacheStorage):
 
     def close(self) -> None:
         with self._state_lock:
+            self._join_closed = True
             store, self.store = self.store, None
+        if self._join is not None:
+            self._join.stop()
         if store is None:
             return
         if self._promoter is not None:

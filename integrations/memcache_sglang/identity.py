@@ -7,8 +7,11 @@ objects only when all of these agree (:class:`ModelIdentity`):
 * ``checkpoint`` - where the weights come from: the resolved local directory (``realpath``), or
   the hub id plus the revision (the snapshot's commit when the local hub cache resolves it).
   SGLang's ``--served-model-name`` is a label and never enters.
-* ``files`` - a digest of the checkpoint's ``config.json`` bytes and of the name and size of every
-  weight file (cheap: ``stat`` only), so a directory whose files changed shape is another model.
+* ``files`` - the checkpoint's content identity, taken when the weights are loaded (at start-up
+  and after each weight update): the config/index files' bytes and every weight file by its hub
+  blob hash, or its size, modification time and safetensors header (``weights_full_hash``: the
+  SHA-256 of its bytes; see :mod:`memcache_core.checkpoint`). Other weights replaced in place at
+  the same path are another model from the next load on.
 * ``config`` - a digest of the *effective* model configuration, as SGLang loads it: the HF config
   with ``--json-model-override-args`` applied (rope scaling, window, ...), plus the SGLang
   settings that change the computed KV: ``--dtype``, ``--quantization``, ``--revision``, the
@@ -28,11 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from memcache_core.checkpoint import manifest_digest
+
 logger = logging.getLogger(__name__)
 
-WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
-INDEX_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json",
-               "quantize_config.json", "quant_config.json", "hf_quant_config.json")
 LORA_HASH_CHUNK = 1 << 20
 
 
@@ -71,19 +73,16 @@ def resolve_checkpoint(model_path: str, revision: str | None) -> str:
     return f"hub:{model_path}@{commit or revision or 'default'}"
 
 
-def checkpoint_files_digest(model_path: str) -> str:
-    """Digest of the config/index files' bytes and every weight file's name and size."""
-    root = Path(model_path)
-    if not root.is_dir():
+def checkpoint_files_digest(model_path: str, full: bool = False) -> str:
+    """The checkpoint's content identity (:func:`memcache_core.checkpoint.manifest_digest`):
+    config/index bytes, and every weight file by its hub blob hash, or its size, modification
+    time and safetensors header (``full``: the SHA-256 of its bytes)."""
+    if not Path(model_path).is_dir():
         return "remote"
-    entries: list[list[Any]] = []
-    for path in sorted(root.rglob("*")):
-        rel = str(path.relative_to(root))
-        if path.name in INDEX_FILES:
-            entries.append([rel, hashlib.sha256(path.read_bytes()).hexdigest()])
-        elif path.suffix in WEIGHT_FILE_SUFFIXES and path.is_file():
-            entries.append([rel, path.stat().st_size])
-    return _digest(entries)
+    try:
+        return manifest_digest(model_path, full)
+    except FileNotFoundError:
+        return "empty"
 
 
 def effective_config_digest(model: Any) -> str:

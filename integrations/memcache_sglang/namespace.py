@@ -77,8 +77,9 @@ class Namespace:
     """
 
     def __init__(self, layout: LayoutIdentity, shard_ids: list[str], model_digests: dict[str, str],
-                 tag: str | None) -> None:
+                 tag: str | None, weights_full_hash: bool = False) -> None:
         self.layout = layout
+        self.weights_full_hash = weights_full_hash
         self.shard_ids = shard_ids
         self.model_digests = model_digests
         self.tag = tag
@@ -96,7 +97,7 @@ class Namespace:
                 return current[1]
             model = ModelIdentity(
                 checkpoint=resolve_checkpoint(state.model_path, self.model_digests["revision"] or None),
-                files=checkpoint_files_digest(state.model_path),
+                files=checkpoint_files_digest(state.model_path, self.weights_full_hash),
                 config=self.model_digests["config"],
                 lora=self.model_digests["lora"],
                 weights=state.label,

@@ -78,6 +78,10 @@ class ConnectorConfig:
     """Also save blocks filled by generated tokens (default: prompt blocks only)."""
     cache_prefix: str = ""
     """Extra namespace in front of every key, to separate tenants or experiments sharing a pool."""
+    weights_full_hash: bool = False
+    """Identify the checkpoint's weight files by the SHA-256 of their bytes (read once at start-up)
+    instead of their size, modification time and safetensors header: the same checkpoint copied
+    to other hosts without its modification times then still shares blocks."""
     lookup_retry_s: float = 5.0
     """After the pool could not be reached, lookups answer "miss" at once for this long."""
     store_config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -97,7 +101,8 @@ class ConnectorConfig:
             elif key in ("lookup_rpc_port", "mooncake_rpc_port"):
                 cfg.lookup_rpc_port = int(_as_float(key, value, 0))
             elif key in ("load_async", "save_async", "use_layerwise", "consumer_is_to_put",
-                         "consumer_is_to_load", "discard_partial_chunks", "save_decode_cache"):
+                         "consumer_is_to_load", "discard_partial_chunks", "save_decode_cache",
+                         "weights_full_hash"):
                 setattr(cfg, key, _as_bool(key, value))
             elif key == "lookup_retry_s":
                 cfg.lookup_retry_s = _as_float(key, value, 0.0)
@@ -134,13 +139,15 @@ class ConnectorConfig:
         except TypeError as exc:
             raise ValueError(f"kv_connector_extra_config: {exc}") from exc
 
-    def worker_local_config(self, tp_rank: int, pp_rank: int) -> Any:
+    def worker_local_config(self, tp_rank: int, pp_rank: int, pcp_rank: int = 0) -> Any:
         """The worker's store config: with a disk tier, each rank keeps it in its own directory
-        ``disk_path/r{tp_rank}p{pp_rank}`` (every worker gets the same extra config, and a disk tier
-        serves one LocalService)."""
+        ``disk_path/r{tp_rank}p{pp_rank}`` (``c{pcp_rank}`` appended for prefill-context-parallel
+        ranks above 0; every worker gets the same extra config, and a disk tier serves one
+        LocalService)."""
         local = self.local_config()
         if local.disk_path:
-            local.disk_path = os.path.join(local.disk_path, f"r{tp_rank}p{pp_rank}")
+            rank_dir = f"r{tp_rank}p{pp_rank}" + (f"c{pcp_rank}" if pcp_rank else "")
+            local.disk_path = os.path.join(local.disk_path, rank_dir)
         return local
 
 

@@ -2,18 +2,23 @@
 
 A key names one block of one rank, all layers of that rank:
 
-    mc@<tenant>@<label>@<namespace digest>@e<epoch>@tp<r>of<n>@pp<r>of<n>@<block name>
+    mc@<tenant>@<label>@<namespace digest>@e<epoch>@tp<r>of<n>@pp<r>of<n>[@pcp<r>of<n>]@<block name>
+
+(``pcp``: prefill context parallelism, only when its size is above 1: ranks that share a TP and
+PP rank hold other token shards of each block.)
 
 * ``<block name>`` is vLLM's chained block hash in hex (it identifies the whole token prefix up
   to and including the block, plus LoRA name and path, cache salt and multimodal inputs), followed
-  by ``.l<digest>`` of the LoRA adapter's files for requests with an adapter (vLLM hashes only
-  the adapter's name and path, not its contents).
+  by ``.l<digest>`` of the LoRA adapter's files as the engine loaded them (``AdapterDigests``;
+  vLLM hashes only the adapter's name and path, not its contents).
 * ``<namespace digest>`` is a SHA-256 over everything else that decides the bytes of a block
-  (``Namespace.factors``): the checkpoint's identity (resolved directory, or hub id and resolved
-  revision), the effective model config after ``hf_overrides`` (rope, window, ...), model dtype,
+  (``Namespace.factors``): the checkpoint's identity (resolved directory and the content digest
+  of its files, taken once when the worker has loaded them; or hub id and resolved revision), the effective model config after ``hf_overrides`` (rope, window, ...), model dtype,
   quantization, the logical KV-cache dtype, block size, KV shape, the KV-cache layout the workers
-  really hold (attention backend, resolved stride order, tensor shapes and strides), the block
-  hash algorithm, the device type, the parallel layout and the full ``cache_prefix``.
+  really hold (attention backend, resolved stride order, tensor shapes and strides), the
+  speculative-decoding method and draft model, the block
+  hash algorithm, the device type, the parallel layout (TP, PP, prefill and decode context
+  parallel sizes) and the full ``cache_prefix``.
 * ``<tenant>`` (the ``cache_prefix``, sanitized, at most 32 characters) and ``<label>`` (the last
   part of the model path, at most 32 characters) are for people reading keys; they are not
   identity (the digest is). A served model name never enters the key.
@@ -33,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memcache_core.checkpoint import manifest_digest
+
 logger = logging.getLogger("vllm." + __name__)
 
 MAX_KEY_BYTES = 255
@@ -45,11 +52,17 @@ def _sanitize(text: str, limit: int) -> str:
     return _UNSAFE.sub("_", text)[:limit]
 
 
-def checkpoint_identity(model: str, revision: str | None) -> str:
-    """What names the weights: a local directory by its resolved path, a hub model by its id and
-    resolved revision (the snapshot's commit when the hub cache has it)."""
+def checkpoint_identity(model: str, revision: str | None, full_hash: bool = False) -> str:
+    """What names the weights: a local directory by its resolved path and its content
+    (:func:`memcache_core.checkpoint.manifest_digest`, taken once, when the worker has loaded the
+    weights), a hub model by its id and resolved revision (the snapshot's commit when the hub cache
+    has it)."""
     if os.path.isdir(model):
-        return "dir:" + str(Path(model).resolve())
+        try:
+            content = manifest_digest(model, full_hash)
+        except FileNotFoundError:
+            content = "empty"
+        return f"dir:{Path(model).resolve()}#{content}"
     rev = revision or "main"
     try:
         from huggingface_hub import snapshot_download
@@ -63,7 +76,7 @@ def checkpoint_identity(model: str, revision: str | None) -> str:
     return f"hub:{model}@{rev}"
 
 
-def model_config_factors(mc: Any) -> dict[str, Any]:
+def model_config_factors(mc: Any, full_hash: bool = False) -> dict[str, Any]:
     """The model settings that change KV bytes, from a vLLM ``ModelConfig``.
 
     Not ``ModelConfig.compute_hash()``: it also hashes settings that never change a block's bytes
@@ -81,7 +94,7 @@ def model_config_factors(mc: Any) -> dict[str, Any]:
             text.pop(key, None)
     quant_cfg = getattr(mc, "quantization_config", None)
     return {
-        "checkpoint": checkpoint_identity(str(mc.model), getattr(mc, "revision", None)),
+        "checkpoint": checkpoint_identity(str(mc.model), getattr(mc, "revision", None), full_hash),
         "model_weights": str(getattr(mc, "model_weights", "") or ""),
         "code_revision": str(getattr(mc, "code_revision", None)),
         "hf_config": cfg,
@@ -93,6 +106,23 @@ def model_config_factors(mc: Any) -> dict[str, Any]:
         "disable_sliding_window": bool(getattr(mc, "disable_sliding_window", False)),
         "model_impl": str(getattr(mc, "model_impl", "auto")),
     }
+
+
+def logical_kv_cache_dtype(cache_dtype: str, model_dtype: Any) -> str:
+    """The KV-cache dtype as stored: ``auto`` is the model dtype, so ``--kv-cache-dtype auto``
+    and an explicit ``bfloat16`` on a bfloat16 model share blocks."""
+    if cache_dtype == "auto":
+        return str(model_dtype).removeprefix("torch.")
+    return cache_dtype
+
+
+def speculative_factors(spec: Any) -> dict[str, Any] | None:
+    """What speculative decoding adds to the KV cache (a draft model's layers, MTP heads): the
+    method, the draft model and the number of speculative tokens."""
+    if spec is None:
+        return None
+    return {"method": str(getattr(spec, "method", None)), "model": str(getattr(spec, "model", None)),
+            "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None)}
 
 
 def _digest(obj: Any) -> str:
@@ -109,16 +139,20 @@ class Namespace:
     """Digest of ``factors`` (model identity and config, KV dtype, block size, layout, ...)."""
     tp_size: int = 1
     pp_size: int = 1
+    pcp_size: int = 1
 
     @classmethod
-    def build(cls, vllm_config: Any, block_size: int, cache_prefix: str, layout: str) -> Namespace:
-        """``layout``: the workers' KV-cache layout signature (``layout.layout_signature``)."""
+    def build(cls, vllm_config: Any, block_size: int, cache_prefix: str, layout: str,
+              weights_full_hash: bool = False) -> Namespace:
+        """``layout``: the workers' KV-cache layout signature (``layout.layout_signature``);
+        ``weights_full_hash``: identify weight files by the SHA-256 of their bytes."""
         mc = vllm_config.model_config
         cc = vllm_config.cache_config
         pc = vllm_config.parallel_config
         factors: dict[str, Any] = {
-            "model": model_config_factors(mc),
-            "kv_cache_dtype": str(cc.cache_dtype),
+            "model": model_config_factors(mc, weights_full_hash),
+            "kv_cache_dtype": logical_kv_cache_dtype(str(cc.cache_dtype), mc.dtype),
+            "speculative": speculative_factors(getattr(vllm_config, "speculative_config", None)),
             "calculate_kv_scales": bool(getattr(cc, "calculate_kv_scales", False)),
             "block_size": int(block_size),
             "num_kv_heads": int(mc.get_total_num_kv_heads()),
@@ -128,11 +162,14 @@ class Namespace:
             "layout": layout,
             "tp_size": int(pc.tensor_parallel_size),
             "pp_size": int(pc.pipeline_parallel_size),
+            "pcp_size": int(getattr(pc, "prefill_context_parallel_size", 1) or 1),
+            "dcp_size": int(getattr(pc, "decode_context_parallel_size", 1) or 1),
             "cache_prefix": cache_prefix,
         }
         return cls(label=_sanitize(str(mc.model).rstrip("/").split("/")[-1], 32),
                    tenant=_sanitize(cache_prefix, 32), factors_digest=_digest(factors),
-                   tp_size=factors["tp_size"], pp_size=factors["pp_size"])
+                   tp_size=factors["tp_size"], pp_size=factors["pp_size"],
+                   pcp_size=factors["pcp_size"])
 
     @property
     def head(self) -> str:
@@ -141,20 +178,23 @@ class Namespace:
         return f"mc@{tenant}{self.label}@{self.factors_digest[:20]}@"
 
     @property
-    def ranks(self) -> list[tuple[int, int]]:
-        """Every (tp_rank, pp_rank) that stores a share of each block."""
-        return [(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+    def ranks(self) -> list[tuple[int, int, int]]:
+        """Every (tp_rank, pp_rank, pcp_rank) that stores a share of each block."""
+        return [(t, p, c) for c in range(self.pcp_size) for p in range(self.pp_size)
+                for t in range(self.tp_size)]
 
     def epoch_head(self, epoch: str) -> str:
         return f"{self.head}e{epoch}@"
 
-    def rank_prefix(self, epoch: str, tp_rank: int, pp_rank: int) -> str:
+    def rank_prefix(self, epoch: str, tp_rank: int, pp_rank: int, pcp_rank: int = 0) -> str:
         """Everything of a key but the block name, for one rank."""
-        return f"{self.epoch_head(epoch)}tp{tp_rank}of{self.tp_size}@pp{pp_rank}of{self.pp_size}@"
+        pcp = f"pcp{pcp_rank}of{self.pcp_size}@" if self.pcp_size > 1 else ""
+        return f"{self.epoch_head(epoch)}tp{tp_rank}of{self.tp_size}@pp{pp_rank}of{self.pp_size}@{pcp}"
 
-    def keys(self, epoch: str, names: Sequence[str], tp_rank: int, pp_rank: int) -> list[str]:
+    def keys(self, epoch: str, names: Sequence[str], tp_rank: int, pp_rank: int,
+             pcp_rank: int = 0) -> list[str]:
         """Keys of the blocks ``names`` (``block_names``) for one rank."""
-        head = self.rank_prefix(epoch, tp_rank, pp_rank)
+        head = self.rank_prefix(epoch, tp_rank, pp_rank, pcp_rank)
         out = [head + n for n in names]
         for key in out:
             if len(key.encode()) > MAX_KEY_BYTES:
@@ -172,29 +212,46 @@ def block_hashes_hex(request_hashes: Sequence[bytes], start: int, end: int, rati
     return [bytes(request_hashes[(i + 1) * ratio - 1]).hex() for i in range(start, end)]
 
 
+class AdapterChanged(OSError):
+    """A LoRA adapter's files changed on disk since the engine loaded it."""
+
+
 class AdapterDigests:
-    """Digests of LoRA adapters' files, cached while their names, sizes and mtimes are unchanged."""
+    """Content digests of LoRA adapters as the engine loaded them, not as their files are now.
+
+    An adapter's digest (all its files' bytes, :func:`memcache_core.checkpoint.manifest_digest`)
+    is taken when the scheduler first sees its ``lora_int_id`` (vLLM's workers load it for that
+    very request) and again when a request reloads it (``load_inplace``). When its files change
+    on disk in between, the engine serves the contents it loaded, or the new ones if it evicted
+    the adapter and loaded it again: which, the scheduler cannot tell, so ``tag`` raises
+    :class:`AdapterChanged` and the adapter's blocks are neither looked up nor saved until a
+    request reloads it.
+    """
 
     def __init__(self) -> None:
-        self._cache: dict[str, tuple[tuple, str]] = {}
+        self._loaded: dict[int, tuple[tuple, str]] = {}
+        """lora_int_id -> (the files' names, sizes and mtimes when loaded, digest)."""
 
-    def tag(self, lora_path: str) -> str:
+    @staticmethod
+    def _stamp(lora_path: str) -> tuple:
         root = Path(lora_path)
         files = sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file())
-        stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
         if not files:
             raise FileNotFoundError(f"LoRA adapter {lora_path}: no files to identify it by")
-        hit = self._cache.get(lora_path)
-        if hit is not None and hit[0] == stamp:
+        return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+    def tag(self, lora_int_id: int, lora_path: str, reload: bool = False) -> str:
+        """The digest of adapter ``lora_int_id`` as loaded; ``reload``: the engine loads it again
+        now (``load_inplace``)."""
+        stamp = self._stamp(lora_path)
+        hit = self._loaded.get(lora_int_id)
+        if hit is not None and not reload:
+            if hit[0] != stamp:
+                raise AdapterChanged(f"LoRA adapter {lora_int_id} ({lora_path}) changed on disk since "
+                                     f"it was loaded; reload it with load_inplace=True")
             return hit[1]
-        h = hashlib.sha256()
-        for p in files:
-            h.update(str(p.relative_to(root) if p != root else p.name).encode() + b"\0")
-            with open(p, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-        digest = h.hexdigest()[:16]
-        self._cache[lora_path] = (stamp, digest)
+        digest = manifest_digest(lora_path, full=True)[:16]
+        self._loaded[lora_int_id] = (stamp, digest)
         return digest
 
 

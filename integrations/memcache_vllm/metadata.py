@@ -60,8 +60,8 @@ class MemCacheConnectorMetadata(KVConnectorMetadata):
     before the forward that may overwrite those blocks."""
     epoch: str = "0"
     """The namespace epoch of this step's keys (changes on ``reset_cache``)."""
-    handled_failures: dict[tuple[int, int], int] = field(default_factory=dict)
-    """Per (tp_rank, pp_rank): the last load-failure epoch the scheduler has handled (vLLM has
+    handled_failures: dict[tuple[int, ...], int] = field(default_factory=dict)
+    """Per (tp_rank, pp_rank, pcp_rank): the last load-failure epoch the scheduler has handled (vLLM has
     rescheduled the affected requests); the rank lifts the fence on failures up to it."""
     remove: dict[str, list[str]] = field(default_factory=dict)
     """Block names (per request) saved from steps that may have read a failed block: every rank
@@ -74,8 +74,8 @@ class MemCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class MemCacheWorkerMetadata(KVConnectorWorkerMetadata):
-    failure_epochs: dict[tuple[int, int], int] = field(default_factory=dict)
-    """Per (tp_rank, pp_rank): the epoch of the last load failure the rank reported."""
+    failure_epochs: dict[tuple[int, ...], int] = field(default_factory=dict)
+    """Per (tp_rank, pp_rank, pcp_rank): the epoch of the last load failure the rank reported."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, MemCacheWorkerMetadata):

@@ -18,7 +18,16 @@ the next forward can overwrite the freed blocks.
 Load failures: when workers report blocks that did not load, vLLM reschedules every request whose
 computed blocks include one; afterwards (``update_connector_output``) this side acknowledges the
 ranks' failure epochs (lifting their save fences), rewinds those requests' saves to the first
-failed block, and names the blocks already handed to saves after it for removal.
+failed block, and names the blocks already handed to saves after it for removal. The failed
+blocks and every block computed over them are poisoned (:mod:`memcache_vllm.poison`) until they
+are rewritten: they are evicted from vLLM's prefix cache at once (vLLM keeps them there under
+``recompute``, and a request that is aborted or preempted before recomputing them would leave
+them to the next request with that prefix), and no save is issued over them.
+
+``kv_load_failure_policy``: under ``recompute`` a block that does not load is a miss that vLLM
+recomputes. Under ``fail`` (vLLM's default) it ends its request with an error, so a block evicted
+from the pool between the lookup and the load fails the user's request: a warning at start-up
+says so.
 
 ``reset_cache`` (``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update) moves to a
 new random namespace epoch, so no block written before is ever read again, and removes the old
@@ -43,6 +52,7 @@ from memcache_vllm.metadata import (
     MemCacheWorkerMetadata,
     SaveJob,
 )
+from memcache_vllm.poison import PoisonedBlocks, Write
 from memcache_vllm.pool_client import PoolClient
 from memcache_vllm.stats import StatsRecorder
 
@@ -98,17 +108,29 @@ class MemCacheScheduler:
         """Key heads of epochs left by ``reset_cache`` whose keys are not yet removed."""
         self._client = PoolClient(cfg)
         self._adapters = AdapterDigests()
+        self._reloaded: set[str] = set()
+        """Requests whose adapter reload (``load_inplace``) is already accounted for."""
         self._null_block_id = 0
         self._requests: dict[str, Request] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._trackers: dict[str, _SaveTracker] = {}
         self._pending_loads: list[LoadJob] = []
-        self._handled_failures: dict[tuple[int, int], int] = {}
+        self._handled_failures: dict[tuple[int, ...], int] = {}
         self._pending_removals: dict[str, list[str]] = {}
+        self._poisoned = PoisonedBlocks(self.block_size)
+        self._block_pool: Any = None
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
+        if policy.can_load and self.load_failure_policy != "recompute":
+            logger.warning("MemCacheConnector: kv_load_failure_policy is %r: a block evicted from "
+                           "the pool between lookup and load ends its request with an error; set "
+                           "kv_load_failure_policy='recompute' in kv_transfer_config to recompute "
+                           "it instead", self.load_failure_policy)
         logger.info("MemCacheConnector scheduler: load=%s save=%s load_async=%s save_async=%s",
                     policy.can_load, policy.can_save, cfg.load_async, cfg.save_async)
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
+        self._block_pool = block_pool
         null = getattr(block_pool, "null_block", None)
         if null is not None:
             self._null_block_id = int(null.block_id)
@@ -132,7 +154,12 @@ class MemCacheScheduler:
         lora = getattr(request, "lora_request", None)
         if not lora:
             return None
-        return self._adapters.tag(str(lora.lora_path))
+        # A load_inplace request makes the workers load the adapter's files again: once per request.
+        reload = bool(getattr(lora, "load_inplace", False)) and request.request_id not in self._reloaded
+        tag = self._adapters.tag(int(lora.lora_int_id), str(lora.lora_path), reload)
+        if reload:
+            self._reloaded.add(request.request_id)
+        return tag
 
     def _names(self, request: Request, start: int, end: int) -> list[str]:
         return block_names(block_hashes_hex(request.block_hashes, start, end, self._ratio),
@@ -171,8 +198,8 @@ class MemCacheScheduler:
             return 0
         ranks = self.namespace.ranks
         keys: list[str] = []
-        for tp_rank, pp_rank in ranks:
-            keys.extend(self.namespace.keys(self.epoch, names, tp_rank, pp_rank))
+        for rank in ranks:
+            keys.extend(self.namespace.keys(self.epoch, names, *rank))
         codes = self._client.exists(keys)
         n = len(names)
         if codes is None:
@@ -207,6 +234,7 @@ class MemCacheScheduler:
             raise RuntimeError(f"MemCacheConnector: request {rid} would load into vLLM's null block")
         self._pending_loads.append(LoadJob(rid, block_ids, self._names(request, start, end),
                                            self._cfg.load_async))
+        self._poisoned.loaded(block_ids)
         tracker = self._trackers.setdefault(rid, _SaveTracker())
         tracker.block_ids = list(blocks.get_block_ids()[0])
         tracker.next_block = max(tracker.next_block, end)
@@ -217,9 +245,13 @@ class MemCacheScheduler:
 
         Their saves restart at the first failed block (they are saved again once recomputed),
         blocks already handed to saves after it are named for removal, and the ranks' failure
-        epochs are acknowledged so that their save fences lift from the next step on.
+        epochs are acknowledged so that their save fences lift from the next step on. The failed
+        blocks, and every block after one in a request holding it, are poisoned and evicted from
+        vLLM's prefix cache.
         """
         if invalid_block_ids:
+            self._evict(self._poisoned.failed(
+                invalid_block_ids, [t.block_ids for t in self._trackers.values()]))
             for rid, tracker in self._trackers.items():
                 for i, block_id in enumerate(tracker.block_ids[:tracker.next_block]):
                     if block_id in invalid_block_ids:
@@ -248,15 +280,18 @@ class MemCacheScheduler:
                 # The workers finish its in-flight saves before this step's forward.
                 tracker.has_saves = False
                 tracker.block_ids = []
-        if not self._policy.can_save or self.namespace is None:
-            return meta
+        # Every scheduled request's blocks are tracked (saves, and the blocks poisoned by a
+        # failed load), then what the step computes is applied to the poisoned blocks.
         scheduled = scheduler_output.num_scheduled_tokens
+        steps: list[tuple[str, _SaveTracker, int]] = []
+        writes: list[Write] = []
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.setdefault(new.req_id, _SaveTracker())
             tracker.block_ids = list(new.block_ids[0])
             tracker.next_block = max(tracker.next_block, new.num_computed_tokens // self.block_size)
-            self._add_save(meta, new.req_id, tracker,
-                           new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            steps.append((new.req_id, tracker, end))
+            writes.append(Write(tracker.block_ids, new.num_computed_tokens, end))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             tracker = self._trackers.get(rid)
@@ -267,8 +302,33 @@ class MemCacheScheduler:
                 tracker.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 tracker.block_ids.extend(new_ids[0])
-            self._add_save(meta, rid, tracker, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+            end = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+            steps.append((rid, tracker, end))
+            writes.append(Write(tracker.block_ids, cached.num_computed_tokens[i], end))
+        if len(self._poisoned) and self._block_pool is not None:
+            # Poisoned blocks are out of the prefix cache; once nobody holds one, its next owner
+            # writes it in full before reading it.
+            blocks = self._block_pool.blocks
+            self._poisoned.forget(lambda b: blocks[b].ref_cnt > 0)
+        self._evict(self._poisoned.step(writes))
+        if not self._policy.can_save or self.namespace is None:
+            return meta
+        for rid, tracker, end in steps:
+            self._add_save(meta, rid, tracker, end)
         return meta
+
+    def _evict(self, block_ids: set[int]) -> None:
+        """Evict poisoned blocks from vLLM's prefix cache: no request gets a local hit on them."""
+        if not block_ids:
+            return
+        if self._block_pool is None:
+            logger.error("MemCacheConnector: %d poisoned blocks cannot be evicted from the prefix "
+                         "cache: vLLM bound no block pool", len(block_ids))
+            return
+        self._block_pool.evict_blocks(block_ids)
+        self._stats.add(poisoned_evicted=len(block_ids))
+        logger.warning("MemCacheConnector: evicted %d blocks from the prefix cache: they failed to "
+                       "load or were computed over one that did", len(block_ids))
 
     def _add_save(self, meta: MemCacheConnectorMetadata, rid: str, tracker: _SaveTracker,
                   computed_after_step: int) -> None:
@@ -280,6 +340,11 @@ class MemCacheScheduler:
         if not self._cfg.save_decode_cache:
             limit = min(limit, request.num_prompt_tokens // self.block_size)
         if limit <= tracker.next_block:
+            return
+        if self._poisoned.any(tracker.block_ids[:limit]):
+            # Computed over a block that failed to load and is not rewritten yet: not saved now,
+            # tried again once the request computes further (it may be rewritten by then).
+            self._stats.add(save_poisoned_blocks=limit - tracker.next_block)
             return
         start = tracker.next_block
         block_ids = tracker.block_ids[start:limit]
@@ -304,6 +369,7 @@ class MemCacheScheduler:
         rid = request.request_id
         self._requests.pop(rid, None)
         self._lookups.pop(rid, None)
+        self._reloaded.discard(rid)
         tracker = self._trackers.pop(rid, None)
         delay_free = bool(tracker and tracker.has_saves and self._cfg.save_async)
         return delay_free, None

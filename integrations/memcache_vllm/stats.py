@@ -33,6 +33,9 @@ FIELDS: tuple[str, ...] = (
     "save_time_s",
     "save_fenced_blocks",   # blocks not saved: computed over a block that failed to load
     "poisoned_removed",     # keys removed: saved from a step that read a block that failed to load
+    "poisoned_evicted",     # blocks evicted from vLLM's prefix cache: they failed to load, or were
+                            # computed over such a block
+    "save_poisoned_blocks", # blocks not saved (scheduler): computed over a poisoned block
     "resets",               # reset_cache calls (namespace epoch changes)
 )
 

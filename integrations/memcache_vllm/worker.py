@@ -56,15 +56,16 @@ STAGING_BYTES = 256 << 20
 STORE_RETRY_S = 5.0
 
 
-def _parallel_ranks() -> tuple[int, int]:
-    """(TP rank, PP rank) of this worker. Without parallel groups (single-process use) it is rank 0 of
-    1; any other failure propagates and the worker refuses to start: guessing rank 0 would make every
-    rank write rank 0's keys over each other's."""
+def _parallel_ranks(pcp_size: int) -> tuple[int, int, int]:
+    """(TP rank, PP rank, prefill-context-parallel rank) of this worker. Without parallel groups
+    (single-process use) it is rank 0 of 1; any other failure propagates and the worker refuses to
+    start: guessing rank 0 would make every rank write rank 0's keys over each other's."""
     from vllm.distributed import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        return 0, 0
-    return int(ps.get_tensor_model_parallel_rank()), int(ps.get_pp_group().rank_in_group)
+        return 0, 0, 0
+    pcp = int(ps.get_pcp_group().rank_in_group) if pcp_size > 1 else 0
+    return int(ps.get_tensor_model_parallel_rank()), int(ps.get_pp_group().rank_in_group), pcp
 
 
 class _Mover:
@@ -163,7 +164,9 @@ class MemCacheWorker:
         self._stats = stats
         self._kv_cache_config = kv_cache_config
         self.block_size, _ = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        self.tp_rank, self.pp_rank = _parallel_ranks()
+        pc = vllm_config.parallel_config
+        self.tp_rank, self.pp_rank, self.pcp_rank = _parallel_ranks(
+            int(getattr(pc, "prefill_context_parallel_size", 1) or 1))
         self.namespace: Namespace | None = None
         self.epoch = "0"
         self._local_rank = int(getattr(vllm_config.parallel_config, "local_rank", 0) or 0)
@@ -184,16 +187,16 @@ class MemCacheWorker:
         self._begun: MemCacheConnectorMetadata | None = None
 
     @property
-    def rank(self) -> tuple[int, int]:
-        return self.tp_rank, self.pp_rank
+    def rank(self) -> tuple[int, int, int]:
+        return self.tp_rank, self.pp_rank, self.pcp_rank
 
     def key_prefix(self) -> str:
         assert self.namespace is not None
-        return self.namespace.rank_prefix(self.epoch, self.tp_rank, self.pp_rank)
+        return self.namespace.rank_prefix(self.epoch, *self.rank)
 
     def keys(self, names: list[str]) -> list[str]:
         assert self.namespace is not None
-        return self.namespace.keys(self.epoch, names, self.tp_rank, self.pp_rank)
+        return self.namespace.keys(self.epoch, names, *self.rank)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -203,7 +206,7 @@ class MemCacheWorker:
         self._layout = describe(kv_caches, num_blocks)
         signature = current_layout_signature(self._vllm_config, kv_caches, num_blocks)
         self.namespace = Namespace.build(self._vllm_config, self.block_size, self._cfg.cache_prefix,
-                                         signature)
+                                         signature, self._cfg.weights_full_hash)
         logger.info("MemCacheConnector worker tp%d pp%d: KV layout %s, keys %s<block>",
                     self.tp_rank, self.pp_rank, signature, self.key_prefix())
         self._mover_or_none()
@@ -230,7 +233,7 @@ class MemCacheWorker:
         from memcache_core import open_store
 
         # each worker on this host its own metrics port: metrics_port + local rank
-        local = self._cfg.worker_local_config(self.tp_rank, self.pp_rank).for_rank(self._local_rank)
+        local = self._cfg.worker_local_config(*self.rank).for_rank(self._local_rank)
         # dram_size 0: this instance contributes no memory; its blocks go to the other segments of
         # the pool (e.g. standalone ``memcache local-service`` processes) and outlive it.
         contributes = local.dram_bytes > 0

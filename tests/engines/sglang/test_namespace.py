@@ -5,6 +5,7 @@ A writer server (the tiny model, ``--served-model-name tiny``) stores a prompt's
 not hit those pages, each under the same served name:
 
 * another checkpoint (same architecture, other weights);
+* another checkpoint copied over the files of the writer's path while it runs (same path);
 * the same checkpoint with a rope override (``--json-model-override-args``);
 * the writer itself after ``/update_weights_from_disk`` to the other checkpoint (with a
   ``weight_version``), then after an update that names no version.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Iterator
@@ -93,6 +95,39 @@ def test_same_served_name_other_checkpoint(writer: tuple, meta: harness.MetaHand
         assert own["text"] != written["text"], "the two checkpoints compute the same output: no test"
     finally:
         server.stop()
+
+
+def test_other_weights_swapped_in_at_the_same_path(meta: harness.MetaHandle, model: str, model_b: str,
+                                                   tmp_path: Path) -> None:
+    """Scenario (issue 21, item 3): a server serves the checkpoint at a path and stores a prompt's
+    pages (it stays up: they stay in its segment). Another checkpoint of the same shape is copied
+    over the files at that path (same names, sizes and safetensors headers; new modification
+    times). A server started at that path must not hit the old pages, and restores its own."""
+    swap = tmp_path / "model"
+    shutil.copytree(model, swap)
+    ids = prompt(43)
+    first = start(meta, str(swap), tmp_path, "swap_old", extra_args=SERVED)
+    try:
+        before = pool_keys(meta)
+        old = generate(first, ids)
+        wait_for_new_keys(meta, before, FULL_PAGES)
+        for src in Path(model_b).iterdir():
+            if src.is_file():
+                shutil.copyfile(src, swap / src.name)
+        second = start(meta, str(swap), tmp_path, "swap_new", extra_args=SERVED)
+        try:
+            before = pool_keys(meta)
+            own = generate(second, ids)
+            assert own["storage"] == own["device"] == own["host"] == 0, \
+                f"hit pages of the weights that were at this path before: {own}"
+            assert own["text"] != old["text"], "the two checkpoints compute the same output: no test"
+            wait_for_new_keys(meta, before, FULL_PAGES)
+            flush(second)
+            assert generate_from_storage(second, ids)["text"] == own["text"]
+        finally:
+            second.stop()
+    finally:
+        first.stop()
 
 
 def test_rope_override(writer: tuple, meta: harness.MetaHandle, model: str, tmp_path: Path) -> None:

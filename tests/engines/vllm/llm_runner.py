@@ -14,6 +14,11 @@ STEP: {"generate": [[token ids], ...], "max_tokens": N, "batch": false}
       {"reset_prefix_cache": {"reset_connector": bool}}     -> the call's return value
       {"scale_weights": {"match": "v_proj", "factor": F}}   -> multiplies every matching weight
                                                                 by F in the workers (a weight update)
+      {"failed_load": {"first": [ids], "then": "abort" | "preempt" | "share",
+                       "second": [ids] | null}, "max_tokens": N}
+                                                            -> A loads (part fails), is aborted,
+                                                               preempted or left running, C joins
+                                                               (engine_in_process only)
 A STEP with "lora": [name, int id, path] generates with that LoRA adapter.
 SPEC may also carry "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank", and
 "engine_in_process": true (vLLM's engine core in this process, not its own: the requests of a batch
@@ -50,6 +55,50 @@ def _metrics(llm: Any) -> dict[str, float]:
         if isinstance(value, (int, float)):
             out[m.name] = out.get(m.name, 0) + float(value)
     return out
+
+
+def _output(out: Any, elapsed: float) -> dict[str, Any]:
+    comp = out.outputs[0]
+    return {
+        "token_ids": list(comp.token_ids),
+        "logprobs": [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], comp.token_ids, strict=False)],
+        "num_cached_tokens": out.num_cached_tokens,
+        "finish_reason": comp.finish_reason,
+        "elapsed_s": elapsed,
+    }
+
+
+def _failed_load(llm: Any, case: dict[str, Any], params: Any) -> list[dict[str, Any]]:
+    """Request "A" (``first``) runs one step, the one that loads its blocks (the faulty connector
+    makes part of the load fail; vLLM reschedules A). Then, per ``then``: "abort" A, "preempt" A
+    (as vLLM's scheduler does when it runs out of blocks), or nothing; request "C" (``second``,
+    if any) is added, and the engine steps until every request is done. Needs
+    ``engine_in_process``. Returns the outputs of A (unless aborted), then of C."""
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    done: dict[str, Any] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+
+    t = time.perf_counter()
+    engine.add_request("A", {"prompt_token_ids": case["first"]}, params)
+    step()
+    assert "A" not in done, "A must still run after the step that loaded its blocks"
+    if case["then"] == "abort":
+        engine.abort_request(["A"])
+    elif case["then"] == "preempt":
+        (req,) = list(sched.running)
+        sched.running.remove(req)
+        sched._preempt_request(req, time.monotonic(), drop_stale_output=True)
+        sched.prev_step_scheduled_req_ids.discard(req.request_id)
+    if case.get("second"):
+        engine.add_request("C", {"prompt_token_ids": case["second"]}, params)
+    while engine.has_unfinished_requests():
+        step()
+    return [_output(done[rid], time.perf_counter() - t) for rid in ("A", "C") if rid in done]
 
 
 def main() -> None:
@@ -103,6 +152,11 @@ def main() -> None:
 
             result["steps"].append(llm.apply_model(functools.partial(scale_weights, **step["scale_weights"])))
             continue
+        if "failed_load" in step:
+            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=1,
+                             ignore_eos=True)
+            result["steps"].append(_failed_load(llm, step["failed_load"], params))
+            continue
         lora = None
         if step.get("lora"):
             from vllm.lora.request import LoRARequest
@@ -110,7 +164,6 @@ def main() -> None:
             lora = LoRARequest(*step["lora"])
         params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, logprobs=1,
                                 ignore_eos=True)
-        outs = []
         batches = [step["generate"]] if step.get("batch") else [[p] for p in step["generate"]]
         produced: list[tuple[Any, float]] = []
         for batch in batches:
@@ -118,16 +171,7 @@ def main() -> None:
             got = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False,
                                lora_request=lora)
             produced.extend((out, time.perf_counter() - t) for out in got)
-        for out, elapsed in produced:
-            comp = out.outputs[0]
-            outs.append({
-                "token_ids": list(comp.token_ids),
-                "logprobs": [lp[tok].logprob for lp, tok in zip(comp.logprobs, comp.token_ids, strict=False)],
-                "num_cached_tokens": out.num_cached_tokens,
-                "finish_reason": comp.finish_reason,
-                "elapsed_s": elapsed,
-            })
-        result["steps"].append(outs)
+        result["steps"].append([_output(out, elapsed) for out, elapsed in produced])
     result["metrics"] = _metrics(llm)
     Path(sys.argv[2]).write_text(json.dumps(result))
     del llm

@@ -15,9 +15,17 @@ import pytest
 import torch
 from memcache_vllm.config import ConnectorConfig, RolePolicy
 from memcache_vllm.fence import LoadFailureFence
-from memcache_vllm.keys import MAX_KEY_BYTES, AdapterDigests, Namespace, block_hashes_hex, block_names
+from memcache_vllm.keys import (
+    MAX_KEY_BYTES,
+    AdapterChanged,
+    AdapterDigests,
+    Namespace,
+    block_hashes_hex,
+    block_names,
+)
 from memcache_vllm.layout import BlockLayout, DeviceStager, layout_signature
 from memcache_vllm.metadata import MemCacheWorkerMetadata
+from memcache_vllm.poison import PoisonedBlocks, Write
 
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core.testing import running_meta_service
@@ -119,6 +127,43 @@ def test_namespace_names_the_checkpoint_not_its_name(vllm_configs, tiny_model: s
     assert Path(tiny_model).name[:20] in base, "the readable label stays"
 
 
+def test_namespace_names_the_checkpoint_by_its_content(vllm_configs, tiny_model: str,
+                                                       tmp_path: Path) -> None:
+    """Scenario (issue 21, item 3): other weights of the same shape written over the checkpoint's
+    file at one path (same name, size and safetensors header; a new modification time) give
+    another namespace; with weights_full_hash the bytes decide (a copy with new times is the same
+    checkpoint, other bytes with the old time put back are not)."""
+    import os
+
+    swap = tmp_path / "model"
+    shutil.copytree(tiny_model, swap)
+    cfg = vllm_configs(model=str(swap))
+    before = Namespace.build(cfg, 32, "", LAYOUT)
+    before_full = Namespace.build(cfg, 32, "", LAYOUT, weights_full_hash=True)
+    weights = next(swap.glob("*.safetensors"))
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(64)  # the last tensor's last bytes: same size, same header
+    weights.write_bytes(bytes(data))
+    assert Namespace.build(cfg, 32, "", LAYOUT).head != before.head
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert Namespace.build(cfg, 32, "", LAYOUT).head == before.head, "stat and header only"
+    assert Namespace.build(cfg, 32, "", LAYOUT, weights_full_hash=True).head != before_full.head
+
+
+def test_prefill_context_parallel_ranks_have_their_own_keys() -> None:
+    """Scenario (issue 21, item 4): ranks of prefill context parallelism that share a TP and a PP
+    rank hold other token shards of each block: each has its own key; with PCP 1 keys are as
+    before (no pcp part)."""
+    ns = Namespace(label="m", tenant="", factors_digest="d" * 64, tp_size=2, pp_size=1, pcp_size=2)
+    assert ns.ranks == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+    keys = {k for rank in ns.ranks for k in ns.keys("0", ["ab"], *rank)}
+    assert len(keys) == 4
+    assert "@pcp1of2@" in ns.rank_prefix("0", 0, 0, 1)
+    one = Namespace(label="m", tenant="", factors_digest="d" * 64, tp_size=2)
+    assert one.rank_prefix("0", 1, 0) == "mc@m@" + "d" * 20 + "@e0@tp1of2@pp0of1@"
+
+
 def test_namespace_covers_settings_that_change_kv_bytes(vllm_configs) -> None:
     """Scenario (items 4 and 6): rope overrides, the model dtype, the KV-cache dtype (each fp8
     variant apart) and the block size each give another namespace; settings that never change a
@@ -137,6 +182,7 @@ def test_namespace_covers_settings_that_change_kv_bytes(vllm_configs) -> None:
     assert Namespace.build(vllm_configs(), 64, "", LAYOUT).head != Namespace.build(
         vllm_configs(), 32, "", LAYOUT).head
     assert head(vllm_configs(max_model_len=1024, seed=7)) == base
+    assert head(vllm_configs(kv_cache_dtype="bfloat16")) == base, "auto is the model dtype"
 
 
 def test_tenant_prefix_is_identity_in_full(vllm_configs) -> None:
@@ -185,23 +231,29 @@ def test_block_byte_order_of_the_backend_is_keyed(vllm_configs, heads: int, bloc
         assert BlockLayout(kv, 10).pieces_per_block == 2
 
 
-def test_lora_adapter_contents_are_keyed(tmp_path: Path) -> None:
-    """Scenario (item 11): vLLM's block hash carries a LoRA adapter's name and path only; the
-    connector adds a digest of the adapter's files, so new contents under the same name and path
-    get new keys, and the digest is cached while the files are unchanged."""
+def test_lora_adapter_is_keyed_by_what_was_loaded(tmp_path: Path) -> None:
+    """Scenario (issue 21, item 2): vLLM's block hash carries a LoRA adapter's name and path only;
+    the connector adds a digest of the adapter's files taken when the engine loaded it. The files
+    are then replaced on disk while the engine still serves the loaded adapter: the adapter has no
+    blocks (AdapterChanged: neither lookups nor saves) until a request reloads it
+    (load_inplace), and from then on the new contents' digest."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 8}')
     (adapter / "adapter_model.safetensors").write_bytes(b"\x01" * 1000)
     digests = AdapterDigests()
-    first = digests.tag(str(adapter))
-    assert digests.tag(str(adapter)) == first
-    (adapter / "adapter_model.safetensors").write_bytes(b"\x02" * 1000)
-    assert digests.tag(str(adapter)) != first
+    first = digests.tag(1, str(adapter))
+    assert digests.tag(1, str(adapter)) == first
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x02" * 1001)
+    with pytest.raises(AdapterChanged):
+        digests.tag(1, str(adapter))
+    reloaded = digests.tag(1, str(adapter), reload=True)
+    assert reloaded != first and digests.tag(1, str(adapter)) == reloaded
+    assert digests.tag(2, str(adapter)) == reloaded, "the digest names contents, not the id"
     assert block_names(["ab"], None) == ["ab"]
     assert block_names(["ab"], first) == [f"ab.l{first}"]
     with pytest.raises(FileNotFoundError):
-        digests.tag(str(tmp_path / "empty-dir-that-does-not-exist"))
+        digests.tag(3, str(tmp_path / "empty-dir-that-does-not-exist"))
 
 
 # -- the load-failure fence --------------------------------------------------------------------
@@ -236,6 +288,55 @@ def test_fence_async_scheduling_keeps_the_in_flight_step_fenced() -> None:
     assert not fence.fenced([5, 7]) and fence.fenced([8])
     fence.acknowledge(2)
     assert not fence.fenced([8])
+
+
+# -- poisoned blocks (scheduler side) ------------------------------------------------------------
+
+def test_poison_spreads_down_the_chain_and_clears_when_rewritten() -> None:
+    """Scenario (issue 21, item 1): request A holds blocks [10..15]; blocks 13 and 14 did not load.
+    13, 14 and 15 (computed over them) are poisoned, and so is C's block 30 (C shares A's first
+    four blocks through the local prefix cache and computed block 30 after them). A is then
+    aborted before recomputing: C, whose context still holds block 13, computes block 31 over
+    it (poisoned too). A block freed and given to another request is clean once rewritten in full
+    over a clean context."""
+    p = PoisonedBlocks(block_size=4)
+    a, c = [10, 11, 12, 13, 14, 15], [10, 11, 12, 13, 30]
+    assert p.failed({13, 14}, [a, c]) == {13, 14, 15, 30}
+    assert p.any([10, 11, 13]) and not p.any([10, 11, 12])
+    assert p.step([Write(c + [31], 20, 24)]) == {31}
+    # block 14 reused by another request, rewritten from its first token over clean blocks
+    assert p.step([Write([40, 41, 14], 8, 12)]) == set()
+    assert 14 not in p and 13 in p
+
+
+def test_poison_cleared_by_a_recompute_in_the_same_step_as_its_readers() -> None:
+    """Scenario: vLLM reschedules A (truncated to its first failed block, 3) and B, which shares
+    A's blocks and was reverted to its own tokens; both run in one step. A rewrites blocks 13..15
+    over its clean first three; B reads them in that same forward (every layer writes before it
+    reads), so B's blocks are clean too. A chunked rewrite that stops half-way through a block
+    leaves the rest of the block poisoned until the next chunk."""
+    p = PoisonedBlocks(block_size=4)
+    a, b = [10, 11, 12, 13, 14, 15], [10, 11, 12, 13, 14, 15, 20, 21]
+    p.failed({13}, [a, b])
+    assert p.step([Write(b, 24, 32), Write(a, 12, 24)]) == set()
+    assert len(p) == 0
+    p.failed({13}, [a])
+    assert p.step([Write(a, 12, 14)]) == set() and 13 in p
+    assert p.step([Write(a, 14, 24)]) == set() and len(p) == 0
+
+
+def test_poison_clears_on_load_and_never_on_a_write_over_poison() -> None:
+    """Scenario: a block that a load rewrites is clean (a failure would report it again); a block
+    rewritten by a request whose earlier blocks are poisoned stays poisoned, and is returned again
+    (vLLM cached it anew when it allocated it for this step). A block nobody holds is forgotten."""
+    p = PoisonedBlocks(block_size=4)
+    p.failed({5}, [[5, 6]])
+    p.loaded([5])
+    assert 5 not in p and 6 in p
+    p.failed({5}, [])
+    assert p.step([Write([5, 6], 4, 8)]) == {6} and p.any([6]), "written again over poison: evict again"
+    p.forget(lambda b: b != 6)
+    assert len(p) == 1 and 5 in p
 
 
 def test_worker_metadata_aggregates_ranks() -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +24,10 @@ from vllm_harness import (
     BLOCK,
     MAX_TOKENS,
     P1,
+    P3,
+    P4,
     P5,
+    PROMPTS,
     REPO,
     Engine,
     Pool,
@@ -114,6 +118,61 @@ def test_blocks_computed_over_a_failed_load_never_stay_in_the_pool(pool: Pool, e
         assert_same_output(out, baseline["P5"], f"{variant}: P5 restored by a fresh instance")
 
 
+def test_failed_blocks_are_never_hit_again_after_abort_preemption_or_sharing(
+        pool: Pool, engines, baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scenario (issue 21, item 1): instance E saves P1, P3 and P4, clears its local prefix cache,
+    then, one case after the other, request A loads a prompt's blocks from the pool and they
+    disappear before the load (fault injection; all of them, so that every correct answer is
+    computed from scratch, bit for bit the baseline's). vLLM (policy recompute) reschedules A;
+    before A runs again:
+    * abort: A (P1) is aborted; C, the same prompt, arrives. vLLM kept A's failed blocks in its
+      prefix cache: C must not hit them, and its output is the baseline's;
+    * preempt: A (P3) is preempted and resumes: it must not hit its own failed blocks;
+    * share: A (P4) keeps running and C = P4 arrives in the next step: both get the baseline.
+    A fresh instance then loads P1, P3 and P4 in full from the pool and gets exactly the
+    baseline's tokens and logprobs: nothing computed over a failed block was saved. (The same
+    prompts run alone, so that every answer is bit for bit the baseline's: a longer prompt, run
+    alone with the local prefix cache on, differs from it in the last bits of its logprobs.)"""
+    monkeypatch.setenv("MEMCACHE_TEST_DROP_FROM", "0")
+    kv = pool.kv_transfer_config(module="faulty_connector", cache_prefix="poison")
+    cases = [{"first": P1, "then": "abort", "second": P1}, {"first": P3, "then": "preempt"},
+             {"first": P4, "then": "share", "second": P4}]
+    e = engines("poison_writer", [gen(P1, P3, P4), {"reset_prefix_cache": {"reset_connector": False}}]
+                + [{"failed_load": c, "max_tokens": MAX_TOKENS} for c in cases],
+                kv, enable_prefix_caching=True, engine_in_process=True)
+    res = e.result()
+    assert res["steps"][1] is True
+    (c_abort,), (a_preempt,), (a_share, c_share) = res["steps"][2:]
+    assert metric(res, "memcache_load_failed_blocks") > 0, "the loads must fail"
+    assert metric(res, "memcache_poisoned_evicted") > 0
+    assert c_abort["num_cached_tokens"] == 0, "C hit none of the blocks that failed to load"
+    assert_same_output(c_abort, baseline["P1"], "abort: C")
+    assert_same_output(a_preempt, baseline["P3"], "preempt: A resumed")
+    assert_same_output(a_share, baseline["P4"], "share: A")
+    assert_same_output(c_share, baseline["P4"], "share: C in the next step")
+    reader = engines("poison_reader", [gen(P1, P3, P4)], pool.kv_transfer_config(cache_prefix="poison"))
+    for out, name in zip(reader.result()["steps"][0], ("P1", "P3", "P4"), strict=True):
+        assert out["num_cached_tokens"] == full_hit(PROMPTS[name]), f"the pool holds all of {name}"
+        assert_same_output(out, baseline[name], f"{name} restored by a fresh instance")
+
+
+def test_load_failure_policy_fail_ends_the_request_and_is_warned_about(pool: Pool, engines) -> None:
+    """Scenario (issue 21, item 4): vLLM's default kv_load_failure_policy is "fail". The connector
+    warns at start-up that a block evicted between lookup and load then fails the user's request,
+    naming the remedy; and so it does: the request whose load fails ends with an error instead of
+    an answer (under "recompute", the other tests here, it is recomputed)."""
+    kv = pool.kv_transfer_config(module="faulty_connector", cache_prefix="policy-fail")
+    kv["kv_load_failure_policy"] = "fail"
+    e = engines("policy_fail", [gen(P1), {"reset_prefix_cache": {"reset_connector": False}}, gen(P1)],
+                kv, enable_prefix_caching=True, engine_in_process=True)
+    res = e.result()
+    assert "kv_load_failure_policy is 'fail'" in e.log.read_text()
+    assert "kv_load_failure_policy='recompute'" in e.log.read_text()
+    assert res["steps"][0][0]["finish_reason"] == "length"
+    assert metric(res, "memcache_load_failed_blocks") > 0, "the load must fail"
+    assert res["steps"][2][0]["finish_reason"] == "error"
+
+
 def test_sliding_window_model_is_refused(pool: Pool, tiny_model: str, tmp_path: Path) -> None:
     """Scenario: every layer of the model uses a 64-token sliding window, so vLLM keeps only the
     blocks inside the window and pads the block table with its shared null block. The connector
@@ -179,6 +238,33 @@ def test_other_checkpoint_rope_override_and_tenant_get_their_own_blocks(
     assert again["token_ids"] == first["token_ids"]
     assert r_tenant["steps"][1][0]["num_cached_tokens"] == 0, "tenant_a is not tenant/a"
     assert r_tenant["steps"][1][0]["token_ids"] == first["token_ids"]
+
+
+def test_other_weights_swapped_in_at_the_same_path(pool: Pool, engines, baseline, tiny_model: str,
+                                                   other_checkpoint: str, tmp_path: Path) -> None:
+    """Scenario (issue 21, item 3): an instance serves the checkpoint at a path and saves P1. Then
+    another checkpoint of the same shape is copied over the files at that path (same names, sizes
+    and safetensors headers; new modification times). An instance started at that path must not
+    load the old weights' blocks (its output is the other checkpoint's); it then loads its own."""
+    swap = tmp_path / "model"
+    shutil.copytree(tiny_model, swap)
+    kv = pool.kv_transfer_config(cache_prefix="swap")
+    old = engines("swap_old", [gen(P1)], kv, model=str(swap)).result()["steps"][0][0]
+    assert_same_output(old, baseline["P1"], "the checkpoint first at the path")
+    for src in Path(other_checkpoint).iterdir():
+        if src.is_file():
+            shutil.copyfile(src, swap / src.name)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    e = engines("swap_new", [gen(P1), {"signal_file": str(ready)}, {"wait_for_file": str(go)}, gen(P1)],
+                kv, model=str(swap))
+    release_when_saved(pool, e, ready, go, lambda keys: sum(
+        k.startswith("mc@swap@") for k in keys) >= 2 * P1_BLOCKS)
+    res = e.result()
+    first, again = res["steps"][0][0], res["steps"][3][0]
+    assert first["num_cached_tokens"] == 0, "blocks of the weights that were at this path were loaded"
+    assert first["token_ids"] != baseline["P1"]["token_ids"], "the weights change the output"
+    assert again["num_cached_tokens"] == full_hit(P1)
+    assert again["token_ids"] == first["token_ids"]
 
 
 def test_reset_cache_after_a_weight_update(pool: Pool, engines, baseline, tmp_path: Path) -> None:
