@@ -292,6 +292,11 @@ class LocalConfig:
     """Extra time idempotent calls (lookup, exist) keep retrying after a failure."""
     client_timeout_seconds: float = 60
     """Longest wait for the MetaService; past it calls fail with -3017."""
+    read_deadline_ms: int = 1000
+    """A read from a peer's data server (TCP) that has another replica, or a disk record, to go to
+    waits for the peer at most this long plus its bytes at 64 MiB/s (the progress deadline), then
+    reads the next copy; the peer is read last for 10 s after. A read of the last copy waits up to
+    ``client_timeout_seconds``. 0: every read waits that long (docs/design.md, "A frozen peer")."""
     read_thread_pool_size: int = 32
     """Threads that copy payload for reads (capped at the host's CPU count)."""
     write_thread_pool_size: int = 4
@@ -414,6 +419,7 @@ class LocalConfig:
             raise ConfigError(f"hbm_size: must be 0 with protocol {self.protocol}")
         _check_range("client_timeout_seconds", self.client_timeout_seconds, 0.01, 86400)
         _check_range("client_retry_milliseconds", self.client_retry_milliseconds, 0, 3_600_000)
+        _check_int("read_deadline_ms", self.read_deadline_ms, 0, 3_600_000)
         _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
         _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
         _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)

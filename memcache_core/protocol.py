@@ -345,6 +345,7 @@ class HeartbeatReply(_Reply):
     generation_ceiling: int = 0    # generations are issued at or below it (the member carries it)
     served: list[int] = []         # [read, written]: bytes members moved out of / into the member's segment
                                    # through shared memory since its last heartbeat
+    departures: int = 0            # members that left, died or re-joined so far: a change means re-read the segments
 
 
 class DrainMove(msgspec.Struct, array_like=True, frozen=True):

@@ -64,6 +64,7 @@ class Membership:
     _journal_ack: int
     generation_ceiling: int         # the highest the MetaService said it issues below: carried into a re-join
     pool_disk_tiers: int            # from the last heartbeat: segments of the pool with a disk tier
+    _departures: int                # from the last heartbeat: members that left the pool so far
     _lock: threading.Lock
     _join_lock: threading.Lock
     _stop: threading.Event
@@ -129,6 +130,10 @@ class Membership:
                 if r.served:
                     self.metrics.serve("host_shm", True, r.served[0])
                     self.metrics.serve("host_shm", False, r.served[1])
+                if r.departures != self._departures:   # a peer left or was declared dead: forget it now, so
+                    self._departures = r.departures    # that reads waiting on it move on (TcpClient.forget)
+                    if self._segments:
+                        self._refresh_segments()
             except MetaServiceUnavailable:
                 continue
             except MemCacheError as e:

@@ -3,7 +3,9 @@
 Get leases: ``Lookup`` leases the objects for ``lease_ttl``; a read that finishes later than that is
 confirmed with ``Validate`` before it counts; a read whose bytes fail their checksum is a miss,
 reported to the MetaService, which drops the object. Replicas are read nearest first; a disk record
-on a provider is one more replica after every DRAM copy failed.
+on a provider is one more replica after every DRAM copy failed. A read that has another copy to go
+to waits on a peer that moves no bytes only until its progress deadline (``read_deadline_ms``,
+``transfer/tcp.py``'s ``Deadline``), then reads the next copy.
 """
 
 from __future__ import annotations
@@ -87,7 +89,9 @@ class Reads(Membership):
             loc = self._replica_order(f.locations)[0]
             seg = self._segments.get(loc.segment_id)
             if seg is not None:
-                ops.append((i, self._copy_op(keys[i], pieces[i], f, seg, loc.offset)))
+                op = self._copy_op(keys[i], pieces[i], f, seg, loc.offset)
+                op.fallback = True    # a guess: a peer that stalls it is left for the read proper
+                ops.append((i, op))
         return _Early(ops) if ops else None
 
     def _settle_early(self, early: _Early, found: list[p.Found | None],
@@ -175,7 +179,9 @@ class Reads(Membership):
                 f, seg = found[i], self._next_replica(attempt[i], results, i)
                 if seg is None or f is None:
                     continue
-                ops.append(self._copy_op(keys[i], pieces[i], f, seg[0], seg[1], i in verify))
+                op = self._copy_op(keys[i], pieces[i], f, seg[0], seg[1], i in verify)
+                op.fallback = bool(attempt[i] or f.disk)    # somewhere else to go: a stalled peer is left
+                ops.append(op)
                 owners.append(i)
             self.engine.read(ops)
             todo = []
@@ -228,11 +234,16 @@ class Reads(Membership):
 
     def _replica_order(self, locs: list[p.Location]) -> list[p.Location]:
         """Our own segment first, then segments on this host (shared memory, or TCP over loopback),
-        then the others in the MetaService's order."""
+        then the others in the MetaService's order; a peer that missed a read deadline lately
+        (``TcpClient.suspect``) after all of them."""
         if len(locs) == 1:
             return locs
-        return sorted(locs, key=lambda loc: replica_distance(self._segments.get(loc.segment_id),
-                                                            self.segment, self.host_id))
+
+        def rank(loc: p.Location) -> tuple[bool, int]:
+            seg = self._segments.get(loc.segment_id)
+            suspect = seg is not None and self.engine is not None and self.engine.suspect(seg)
+            return suspect, replica_distance(seg, self.segment, self.host_id)
+        return sorted(locs, key=rank)
 
     def _confirm(self, keys: Sequence[str], found: list[p.Found | None],
                  results: list[MemCacheError | None]) -> None:

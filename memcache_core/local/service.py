@@ -77,6 +77,7 @@ class LocalService(Writes, Reads, Gva):
         self._journal_ack = 0
         self.generation_ceiling = 0
         self.pool_disk_tiers = 0
+        self._departures = 0
         self._sample = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._lock = threading.Lock()
         self._join_lock = threading.Lock()
@@ -131,7 +132,7 @@ class LocalService(Writes, Reads, Gva):
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
                                          self._tls_client, self.metrics, copy_threads(cfg), nixl,
-                                         cfg.shm_copy_loop)
+                                         cfg.shm_copy_loop, cfg.read_deadline_ms / 1000.0 or None)
             self._join(recover=False)
         except BaseException:
             self.close()

@@ -324,7 +324,8 @@ class MetaServiceCore:
                 served, mine[0], mine[1] = mine[:2], 0, 0
         return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id),
                                 repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers),
-                                generation_ceiling=self.table.gen_ceiling, served=served)
+                                generation_ceiling=self.table.gen_ceiling, served=served,
+                                departures=sum(self.member_events[e] for e in ("leaves", "deaths", "rejoins")))
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""

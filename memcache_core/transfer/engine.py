@@ -58,6 +58,8 @@ class CopyOp:
     A range of the payload (the GVA path's ``batch_copy``): the pieces start ``start`` bytes into it,
     and a write of a range (``with_header`` False) leaves the header alone (it is written when the
     object is finished, after all its bytes); such ops carry no hash.
+    A read with ``fallback`` (another replica or a disk record can serve it) waits on a TCP peer at
+    most ``tcp.Deadline(stall_s, bytes)``, not the whole client timeout.
     """
 
     segment: SegmentInfo
@@ -71,6 +73,7 @@ class CopyOp:
     error: MemCacheError | None = None
     start: int = 0
     with_header: bool = True
+    fallback: bool = False    # a read with somewhere else to go: a peer that stalls gets ``stall_s``, not the timeout
 
     @property
     def payload_offset(self) -> int:
@@ -92,7 +95,7 @@ class TransferEngine:
     def __init__(self, protocol: str, host_id: str, own: Mapping | None, timeout_s: float,
                  read_threads: int, write_threads: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, metrics: Any = None, copy_threads: int = 1,
-                 nixl: NixlTransport | None = None, copy_loop: str = "auto") -> None:
+                 nixl: NixlTransport | None = None, copy_loop: str = "auto", stall_s: float | None = None) -> None:
         self.loop = native.load() if copy_loop != "python" else None
         if copy_loop == "native" and self.loop is None:
             raise ConfigError("shm_copy_loop: 'native', but the native copy loop was not built here (no C "
@@ -102,6 +105,7 @@ class TransferEngine:
         self.host_id = host_id
         self.shm = ShmTransport(own)
         self.tcp = TcpClient(timeout_s, secret, tls)
+        self.stall_s = stall_s
         self.nixl = nixl
         self._read_pool = ThreadPoolExecutor(read_threads, thread_name_prefix="memcache-read")
         self._write_pool = ThreadPoolExecutor(write_threads, thread_name_prefix="memcache-write")
@@ -114,6 +118,10 @@ class TransferEngine:
         if self.shm.is_own(seg):
             return True
         return self.protocol == "host_shm" and seg.host_id == self.host_id
+
+    def suspect(self, seg: SegmentInfo) -> bool:
+        """Whether reads should try this segment last: its data server missed a read deadline lately."""
+        return not self.local(seg) and self.tcp.suspect(seg.data_addr)
 
     def read(self, ops: list[CopyOp]) -> None:
         self._run(ops, reading=True)
@@ -134,8 +142,10 @@ class TransferEngine:
         for addr, peer_ops in by_peer.items():
             if addr.startswith(NIXL):
                 jobs.append((addr, peer_ops))   # one job per peer and batch
-            else:
-                jobs.extend((addr, chunk) for chunk in split_by_bytes(peer_ops, nthreads))
+            else:   # reads with a fallback and those without in jobs of their own (``_tcp_read``)
+                for group in (g for g in ([o for o in peer_ops if o.fallback],
+                                          [o for o in peer_ops if not o.fallback]) if g):
+                    jobs.extend((addr, chunk) for chunk in split_by_bytes(group, nthreads))
         if len(jobs) == 1 and not shm_ops:
             self._job(jobs[0], reading)
             return
@@ -211,7 +221,8 @@ class TransferEngine:
         self.tcp.write(addr, wire)
 
     def _tcp_read(self, addr: str, ops: list[CopyOp]) -> None:
-        self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops])
+        self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops],
+                      self.stall_s if ops[0].fallback else None)
         _verify_all(ops)
 
     # ---- NIXL: one job per peer (a read: a request per slice); the same checksums as TCP ------------

@@ -54,7 +54,44 @@ Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, siz
 MAX_CONNECTIONS = 2048
 MAX_RANGES = 1 << 16
 IDLE_TIMEOUT_S = 300.0
+MIN_PEER_RATE = 64 << 20        # bytes/s below which a read with another replica to go to gives up (Deadline)
+SUSPECT_S = 10.0                # a peer that missed a deadline is read last for this long
 ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this pause (never give up)
+
+
+class Deadline:
+    """When a transfer must have ended: ``base_s`` plus its bytes at ``MIN_PEER_RATE``. It bounds
+    every wait on the peer (connect, handshake, each send and receive), so a peer that stops moving
+    bytes (frozen by SIGSTOP, a GC pause, a stuck NIC) costs at most that long."""
+
+    __slots__ = ("at", "budget_s")
+
+    def __init__(self, base_s: float, nbytes: int) -> None:
+        self.budget_s = base_s + nbytes / MIN_PEER_RATE
+        self.at = time.monotonic() + self.budget_s
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer within {self.budget_s:.2f} s")
+        return left
+
+    def arm(self, sock: socket.socket) -> None:
+        sock.settimeout(self.left())
+
+
+def _recv_by(sock: socket.socket, view: memoryview, deadline: Deadline | None) -> None:
+    """``recv_exact``, each receive bounded by what is left of ``deadline`` (when there is one)."""
+    if deadline is None:
+        recv_exact(sock, view)
+        return
+    got, n = 0, len(view)
+    while got < n:
+        deadline.arm(sock)
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed the connection")
+        got += r
 
 
 def _tune(sock: socket.socket) -> None:
@@ -251,28 +288,38 @@ class Link:
 
 
 class TcpClient:
-    """Connection pools to peers' data servers."""
+    """Connection pools to peers' data servers.
+
+    A read given a ``Deadline`` (one with another replica to go to) fails with ``PeerUnavailable``
+    when the peer misses it, and the peer is then *suspect* for ``SUSPECT_S`` (``suspect``: readers
+    try it last). ``forget`` (the peer left the pool, or was declared dead) also ends the requests
+    in flight to it at once, not only its idle connections.
+    """
 
     def __init__(self, timeout_s: float, secret: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.timeout_s = timeout_s
         self.secret = secret
         self.tls = tls
         self._idle: dict[str, list[Link]] = defaultdict(list)
+        self._busy: dict[str, set[Link]] = defaultdict(set)
+        self._missed: dict[str, float] = {}     # peer -> when it last missed a deadline
         self._lock = threading.Lock()
 
-    def _acquire(self, addr: str) -> Link:
+    def _acquire(self, addr: str, deadline: Deadline | None) -> Link:
         with self._lock:
             if self._idle[addr]:
                 return self._idle[addr].pop()
         host, port = addr.rsplit(":", 1)
+        bound = min(self.timeout_s, 5.0)
         try:
-            s = socket.create_connection((host, int(port)), timeout=min(self.timeout_s, 5.0))
+            s = socket.create_connection((host, int(port)),
+                                         timeout=bound if deadline is None else min(bound, deadline.left()))
         except OSError as e:
             raise PeerUnavailable(f"cannot connect to data server {addr}: {e}") from e
         try:
             if self.tls is not None:
                 s = self.tls.wrap_socket(s)
-            session = client_handshake(s, self.secret, min(self.timeout_s, 5.0))
+            session = client_handshake(s, self.secret, bound if deadline is None else min(bound, deadline.left()))
         except (OSError, AuthFailed) as e:
             s.close()
             raise PeerUnavailable(f"data server {addr} refused authentication: {e}") from e
@@ -285,43 +332,83 @@ class TcpClient:
             self._idle[addr].append(s)
 
     @contextlib.contextmanager
-    def _socket(self, addr: str, what: str) -> Iterator[Link]:
+    def _socket(self, addr: str, what: str, deadline: Deadline | None = None) -> Iterator[Link]:
         """A pooled connection to ``addr`` for one request: back to the pool when the request went
-        through, closed on any failure (a socket error is ``PeerUnavailable``, naming ``what``)."""
-        s = self._acquire(addr)
+        through, closed on any failure (a socket error is ``PeerUnavailable``, naming ``what``; a
+        missed ``deadline`` makes the peer suspect)."""
+        try:
+            s = self._acquire(addr, deadline)
+        except PeerUnavailable:
+            if deadline is not None and deadline.at <= time.monotonic():
+                self._suspect(addr)
+            raise
+        with self._lock:
+            self._busy[addr].add(s)
         ok = False
         try:
             yield s
             ok = True
         except (OSError, ConnectionError) as e:
+            if isinstance(e, TimeoutError) and deadline is not None:
+                self._suspect(addr)
+                raise PeerUnavailable(f"{what} {addr} made no progress: {e}; trying another replica") from e
             raise PeerUnavailable(f"{what} {addr} failed: {e}") from e
         finally:
+            with self._lock:
+                self._busy[addr].discard(s)
             if ok:
                 self._release(addr, s)
             else:
                 s.sock.close()
 
-    def _request(self, addr: str, op: int, ops: list[Op]) -> None:
-        with self._socket(addr, "transfer with") as link:
+    def _suspect(self, addr: str) -> None:
+        with self._lock:
+            first = addr not in self._missed
+            self._missed[addr] = time.monotonic()
+        if first:
+            logger.warning("data server %s missed a read deadline; reading other replicas first for %.0f s",
+                           addr, SUSPECT_S)
+
+    def suspect(self, addr: str) -> bool:
+        """Whether ``addr`` missed a read deadline in the last ``SUSPECT_S`` (a reader tries it last)."""
+        with self._lock:
+            t = self._missed.get(addr)
+            if t is not None and time.monotonic() - t > SUSPECT_S:
+                del self._missed[addr]
+                return False
+            return t is not None
+
+    def _request(self, addr: str, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
+        with self._socket(addr, "transfer with", deadline) as link:
             s = link.sock
             head = _HEAD.pack(MAGIC, op, len(ops))
             ranges = b"".join(_RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
+            if deadline is not None:
+                deadline.arm(s)
             s.sendall(head + ranges + link.session.seal(head, ranges))
             if op == OP_WRITE:
                 for _, pieces in ops:
                     for ptr, size in pieces:
                         s.sendall(view_at(ptr, size))
+            if deadline is not None:
+                deadline.arm(s)     # the answer is a few bytes: one receive
             status, _total = _ANSWER.unpack(recv_sealed(s, link.session, _ANSWER.size, f"the answer of {addr}"))
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
             if op == OP_READ:
                 for _, pieces in ops:
                     for ptr, size in pieces:
-                        recv_exact(s, view_at(ptr, size))
+                        _recv_by(s, view_at(ptr, size), deadline)
+            if deadline is not None:
+                s.settimeout(self.timeout_s)   # back in the pool: the next request sets its own
 
-
-    def read(self, addr: str, ops: list[Op]) -> None:
-        self._request(addr, OP_READ, ops)
+    def read(self, addr: str, ops: list[Op], stall_s: float | None = None) -> None:
+        """Read ``ops`` from ``addr``. ``stall_s``: fail after ``Deadline(stall_s, bytes)`` rather
+        than the client timeout (the caller has another replica to read instead)."""
+        deadline = None
+        if stall_s is not None:
+            deadline = Deadline(stall_s, sum(size for _, pieces in ops for _, size in pieces))
+        self._request(addr, OP_READ, ops, deadline)
 
     def disk_request(self, addr: str, op: int, items: list[disk_wire.Item]) -> list[MemCacheError | None]:
         """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
@@ -332,10 +419,17 @@ class TcpClient:
         self._request(addr, OP_WRITE, ops)
 
     def forget(self, addr: str) -> None:
+        """The peer left the pool (or was declared dead): close its idle connections, and end the
+        requests in flight to it now (they fail with ``PeerUnavailable``; a reader moves on)."""
         with self._lock:
             conns = self._idle.pop(addr, [])
+            busy = list(self._busy.pop(addr, ()))
+            self._missed.pop(addr, None)
         for c in conns:
             c.sock.close()
+        for c in busy:
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)   # wakes the thread blocked on it; that thread closes it
 
     def close(self) -> None:
         with self._lock:
