@@ -115,9 +115,11 @@ class TransferEngine:
                            if self.copy_threads > 1 else None)
 
     def local(self, seg: SegmentInfo) -> bool:
+        """Whether ``seg`` is copied through shared memory: our own, or with ``host_shm`` one of this
+        host that this process can map (else over its owner's data server, ``ShmTransport.reachable``)."""
         if self.shm.is_own(seg):
             return True
-        return self.protocol == "host_shm" and seg.host_id == self.host_id
+        return self.protocol == "host_shm" and seg.host_id == self.host_id and self.shm.reachable(seg)
 
     def suspect(self, seg: SegmentInfo) -> bool:
         """Whether reads should try this segment last: its data server missed a read deadline lately."""

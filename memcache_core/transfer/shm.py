@@ -4,13 +4,16 @@ Mappings are keyed by the segment file's path, never by a segment id: ids are is
 MetaService and can change when a member re-joins, a path names one file for its whole life. A peer
 file is mapped only if it lies in this host's segment directory, has a segment file's name, is a
 regular file of this user (no links) and is as large as announced. A copy pins the mapping it uses:
-a peer that leaves meanwhile is unmapped when the last copy ends, never under it.
+a peer that leaves meanwhile is unmapped when the last copy ends, never under it. A same-host
+segment whose file cannot be mapped here (another ``MEMCACHE_SHM_DIR``, another user) is logged once
+and left to TCP (``reachable``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import re
 import threading
@@ -20,6 +23,8 @@ from ..config import shm_dir
 from ..errors import PeerUnavailable
 from ..memory import Mapping
 from ..protocol import SegmentInfo
+
+logger = logging.getLogger(__name__)
 
 memmove = ctypes.memmove
 
@@ -32,7 +37,32 @@ class ShmTransport:
         self._maps: dict[str, Mapping] = {}
         if own is not None:
             self._maps[own.path] = own
+        self._unreachable: set[str] = set()   # same-host segment files this process cannot map
         self._lock = threading.Lock()
+
+    def reachable(self, seg: SegmentInfo) -> bool:
+        """Whether a segment of this host can be copied through shared memory here: mapped now (kept
+        for the copies), or not at all (its file lies outside this process's ``MEMCACHE_SHM_DIR``,
+        say). The first failure per file is logged, once, with the path and the remedy; the caller
+        then moves its bytes through the owner's TCP data server."""
+        with self._lock:
+            if seg.shm_path in self._maps:
+                return True
+            if seg.shm_path in self._unreachable:
+                return False
+            try:
+                self._maps[seg.shm_path] = self._map(seg)
+                return True
+            except PeerUnavailable as e:
+                self._unreachable.add(seg.shm_path)
+                why = str(e)
+        if os.path.dirname(seg.shm_path) != os.path.realpath(shm_dir()):
+            logger.warning("%s; copying to and from it over its TCP data server %s instead. Every process "
+                           "of a host should see the same MEMCACHE_SHM_DIR (here %r) to copy through shared "
+                           "memory", why, seg.data_addr, shm_dir())
+        else:   # the file is gone (its owner died) or not ours
+            logger.info("%s; trying its TCP data server %s instead", why, seg.data_addr)
+        return False
 
     def is_own(self, seg: SegmentInfo) -> bool:
         return self._own is not None and seg.shm_path == self._own.path
@@ -69,6 +99,7 @@ class ShmTransport:
         if self.is_own(seg):
             return
         with self._lock:
+            self._unreachable.discard(seg.shm_path)
             m = self._maps.pop(seg.shm_path, None)
             if m is None:
                 return

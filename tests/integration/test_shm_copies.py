@@ -91,3 +91,35 @@ def test_a_corrupt_byte_in_any_part_is_a_miss(meta: MetaServiceProcess, threads:
     finally:
         reader.close()
         owner.close()
+
+
+def test_a_reader_with_another_shm_dir_reads_over_tcp_and_says_why_once(meta, stores, monkeypatch, caplog,
+                                                                        tmp_path):
+    """Scenario: host_shm, the provider's segment lies in /dev/shm and the reader (in this process)
+    has ``MEMCACHE_SHM_DIR`` pointing elsewhere, so it cannot map the provider's file. Its gets (and
+    puts) go over the provider's TCP data server instead, byte-exact, and one warning names the path
+    that could not be opened and the setting; further gets log nothing more."""
+    provider = stores(dram_size="64MB")
+    keys = [f"dir-{i}" for i in range(6)]
+    data = [os.urandom(100_000 + i) for i in range(len(keys))]
+    assert provider("id")["id"] > 0
+    monkeypatch.setenv("MEMCACHE_SHM_DIR", str(tmp_path))
+    reader = DistributedObjectStore()
+    assert reader.setup(meta.local_config(protocol="host_shm", log_level="info")) == 0
+    assert reader.init(0, init_bm=False) == 0
+    try:
+        with caplog.at_level("INFO", logger="memcache_core"):
+            assert reader.put_batch(keys, data) == 0
+            for _ in range(3):
+                assert reader.get_batch(keys) == data
+        said = [r.getMessage() for r in caplog.records if "MEMCACHE_SHM_DIR" in r.getMessage()]
+        assert len(said) == 1, said
+        seg = meta.http("/get_all_segments")["segments"][0]
+        assert "/dev/shm/memcache-" in said[0] and seg["data_addr"] in said[0] and str(tmp_path) in said[0]
+        moved = {(s.labels["path"], s.labels["direction"]): s.value
+                 for m in reader._service().metrics.registry.collect() if m.name == "memcache_local_transfer_bytes"
+                 for s in m.samples if s.name.endswith("_total")}
+        assert moved.get(("host_tcp", "read"), 0) >= 3 * sum(map(len, data))
+        assert moved.get(("host_shm", "read"), 0) == 0
+    finally:
+        reader.close()
