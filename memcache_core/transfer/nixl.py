@@ -13,19 +13,25 @@ them through the built-in TCP path instead.
 The initiator drives its own requests by polling ``check_xfer_state`` until a deadline: a failed or
 timed-out transfer raises (a miss or a failed put for its keys), never hangs. Only a provider's serving
 agent has NIXL's progress thread (a peer's emulated READ over UCX's tcp transport is served by it); its
-poll timeout and the UCX defaults are set in ``nixl_agent.py``.
+poll timeout and the UCX defaults are set in ``nixl_agent.py``. Teardown is explicit and ordered
+(``close``, and at interpreter exit for a transport left open), and the UCX backend is probed in a
+child process before this one makes it (``nixl_agent.py``): a misbehaving optional transport must not
+crash the process that hosts the pool.
 """
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import dataclasses
+import gc
 import importlib.util
 import logging
 import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +129,7 @@ class NixlTransport:
         self._peers: dict[bytes, _Peer] = {}    # descriptor -> loaded remote agent
         self._scratch: list[np.ndarray] = []    # free registered header buffers
         self.descriptor = b""
+        _live.add(self)
         if own is not None:
             self._serve(own)
 
@@ -343,6 +350,13 @@ class NixlTransport:
             self._remove(peer)
 
     def close(self) -> None:
+        """Tear down in a fixed order, never left to the interpreter's exit (which destroys objects in
+        no order, UCX's threads still running): the remote agents, the registrations, then our own
+        agent, then the serving agent (its progress thread stops with it). Idempotent; also run at
+        exit for a transport its LocalService did not close (``_close_live``)."""
+        _live.discard(self)
+        if self._agent is None:
+            return
         with self._lock:
             peers, self._peers = [peer.name for peer in self._peers.values()], {}
             handles, self._handles = list(self._handles.values()), {}
@@ -362,5 +376,21 @@ class NixlTransport:
                 self._server.deregister_memory(self._served)
             except Exception:  # noqa: BLE001, S110
                 pass
-        self._agent = self._server = None   # the last references: the agents and the progress thread stop
-                                            # before the segment is unmapped
+        # the last references: each agent is destroyed here, in this order, before the segment is unmapped
+        self._served = None
+        self._agent = None
+        self._server = None
+        gc.collect()   # a transfer handle caught in a reference cycle (an exception's frame) holds an agent
+
+
+_live: weakref.WeakSet[NixlTransport] = weakref.WeakSet()   # transports not closed yet
+
+
+@atexit.register
+def _close_live() -> None:
+    """At interpreter exit, before modules are torn down: close the transports nobody closed."""
+    for t in list(_live):
+        try:
+            t.close()
+        except Exception:  # noqa: BLE001 - exiting: log and go on with the others
+            logger.exception("NIXL transport not closed cleanly at exit")

@@ -1,5 +1,12 @@
 """Making NIXL agents (UCX backend) for ``nixl.py``: the UCX defaults, the progress thread's poll timeout,
-and nixl's logging.
+nixl's logging, and a probe of the backend in a child process.
+
+The probe. A UCX backend that UCX refuses (``uct_iface_open ... Invalid parameter``) leaves the agent
+half made, and tearing it down has been seen to crash the process with SIGSEGV instead of raising:
+a native crash of an optional transport must not take down the process that hosts the pool. So the
+first agent of a process (per UCX settings) is made in a child process first (``probe``, about a
+second, once): a refusal there is an ``InvalidParameter`` here, naming the settings; a child that
+crashes is one too, naming the signal; only settings the child accepted are used in this process.
 
 UCX defaults. NIXL's UCX backend takes UCX settings in its ``engine_config`` parameter and applies each
 one only where the environment does not set that ``UCX_`` variable, so the user's environment always
@@ -13,18 +20,29 @@ segment size, neither default applies: UCX refuses a receive segment smaller tha
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 from typing import Any
 
 from ..errors import InvalidParameter
 
+logger = logging.getLogger(__name__)
+
 PROGRESS_POLL_US = 1000       # the progress thread's poll timeout: 1 ms, the least above 0 (a busy poll)
 TCP_SEG = "64k"
 UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": TCP_SEG, "TCP_RX_SEG_SIZE": TCP_SEG}
 
+PROBE_TIMEOUT_S = 60.0
+PROBE_REFUSED = 3             # the probe's exit status when UCX refused the settings (its message on stdout)
+
 _make_lock = threading.Lock()
+_probe_lock = threading.Lock()
+_probed: dict[str, str | None] = {}   # settings -> why the probe failed (None: it made the backend)
 
 
 def ucx_settings() -> dict[str, str]:
@@ -57,11 +75,73 @@ def own_nixl_logging() -> None:
 
 
 def make_agent(name: str, progress: bool, params: dict[str, str] | None = None) -> Any:
-    """A NIXL agent (UCX backend, thread-safe) with our UCX defaults (``params`` adds backend parameters).
-    With ``progress``, its progress thread polls with a ``PROGRESS_POLL_US`` timeout: NIXL's C++ config
-    has the knob (``pthrDelay``) but the Python wrapper hard-codes 0, so the wrapper is handed a config
-    class that keeps our value while it builds the agent. ``tests/integration/test_nixl.py`` measures
-    an idle provider's CPU and fails when this stops working."""
+    """A NIXL agent (UCX backend, thread-safe) with our UCX defaults (``params`` adds backend parameters),
+    once a child process made one with the same settings (``probe``). Settings UCX refuses, or that
+    crash the child, are an ``InvalidParameter``."""
+    probe(params or {})
+    return _make(name, progress, params)
+
+
+def probe(params: dict[str, str]) -> None:
+    """Make the UCX backend in a child process first, once per process and settings (module docstring)."""
+    key = json.dumps([sorted(ucx_settings().items()), sorted(params.items())])
+    with _probe_lock:
+        if key not in _probed:
+            _probed[key] = _run_probe(params)
+    if _probed[key] is not None:
+        raise InvalidParameter(_probed[key])
+
+
+def _run_probe(params: dict[str, str]) -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    code = "from memcache_core.transfer.nixl_agent import _probe_child; _probe_child()"
+    ucx = " ".join(f"UCX_{k}={v}" for k, v in sorted(ucx_settings().items()) if k != "LOG_FILE")
+    try:
+        run = subprocess.run([sys.executable, "-c", code, json.dumps(params)], capture_output=True, text=True,
+                             timeout=PROBE_TIMEOUT_S, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return (f"transfer_engine: 'nixl': making NIXL's UCX backend ({ucx}) did not finish within "
+                f"{PROBE_TIMEOUT_S:g} s in a probe process")
+    if run.returncode == 0 and run.stdout.strip() == "ok":
+        return None
+    if run.returncode == PROBE_REFUSED and run.stdout.strip():
+        return run.stdout.strip()
+    how = f"crashed with {_signal_name(-run.returncode)}" if run.returncode < 0 else \
+        f"exited with status {run.returncode}"
+    tail = " | ".join(run.stderr.strip().splitlines()[-3:])
+    logger.error("NIXL probe process %s; its last lines: %s", how, tail)
+    return (f"transfer_engine: 'nixl': making NIXL's UCX backend with these settings ({ucx}) {how} in a "
+            f"probe process, so it is not made in this one; check the UCX_ variables, or use "
+            f"transfer_engine 'builtin'")
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def _probe_child() -> None:
+    """The probe process: make the backend, say ``ok`` (or why not) and leave without any teardown."""
+    params = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    own_nixl_logging()
+    try:
+        _make(f"memcache-probe-{os.getpid()}", False, params)
+    except InvalidParameter as e:
+        print(e, flush=True)
+        os._exit(PROBE_REFUSED)
+    print("ok", flush=True)
+    os._exit(0)
+
+
+def _make(name: str, progress: bool, params: dict[str, str] | None = None) -> Any:
+    """The agent. With ``progress``, its progress thread polls with a ``PROGRESS_POLL_US`` timeout:
+    NIXL's C++ config has the knob (``pthrDelay``) but the Python wrapper hard-codes 0, so the wrapper
+    is handed a config class that keeps our value while it builds the agent.
+    ``tests/integration/test_nixl.py`` measures an idle provider's CPU and fails when this stops working."""
     import nixl._api as api
     from nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
