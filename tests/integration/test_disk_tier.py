@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from functools import partial
 from typing import Any
 
@@ -184,15 +183,15 @@ def test_puts_never_wait_for_a_slow_disk(tmp_path):
         prov = StoreProcess(ms, dram_size="96MB", disk_path=str(tmp_path / "d"), disk_size="128MB",
                             disk_write_policy="write_through", disk_write_limit="4MB")
         slowest = 0.0
-        t0 = time.monotonic()
         for i in range(6):
             got = prov("put", keys=[f"slow-{i}-{j}" for j in range(8)], layout=LAYOUT)
             assert got["codes"] == [0] * 8
             slowest = max(slowest, got["seconds"])
-        elapsed = time.monotonic() - t0
+        # The writer needs 12 s for the 48 MiB: it is still behind when the last put returned, whatever
+        # the load, unless the puts waited for it; one put waiting for its own 8 MiB would take 2 s.
         written = prov("disk_counters")["counters"]["write_bytes"]
-        assert written < 24 << 20, "the writer is still far behind (it needs 12 s for 48 MiB)"
-        assert elapsed < 6.0 and slowest < 2.0, f"puts took {elapsed:.2f}s in all, {slowest:.2f}s at most"
+        assert written < 6 * 8 * sum(LAYOUT), "the puts waited for the disk writer"
+        assert slowest < 2.0, f"a put took {slowest:.2f}s"
         prov.stop()
 
 

@@ -19,6 +19,8 @@ from tests.integration.stores import stalled_reads
 
 pytestmark = pytest.mark.integration
 
+LOAD_SLACK_S = 2.0   # what a loaded CI host may add to a bound (scheduling), far below the hang it rules out
+
 
 @pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
 def test_kill9_of_a_local_service_mid_traffic(meta, stores, protocol):
@@ -84,18 +86,18 @@ def test_meta_service_down_gives_3017_without_hanging():
         try:
             t = time.monotonic()
             assert s.is_exist("k") == -3017
-            assert time.monotonic() - t < 2.5
-            t = time.monotonic()   # once known down, calls fail at once
+            assert time.monotonic() - t < 2 + LOAD_SLACK_S      # client_timeout_seconds, and a loaded host
+            t = time.monotonic()   # once known down, calls fail at once: not one waits its timeout
             assert s.batch_is_exist(["k", "j"]) == [-3017, -3017]
             assert s.get("k") == b""
-            assert time.monotonic() - t < 0.5
+            assert time.monotonic() - t < 1.5
         finally:
             os.kill(ms.pid, signal.SIGCONT)
         wait_for(lambda: s.is_exist("k") == 1, 5, "the MetaService to answer again")
         ms.kill()
         t = time.monotonic()
         assert s.put("k2", b"v") == -3017
-        assert time.monotonic() - t < 2.5
+        assert time.monotonic() - t < 2 + LOAD_SLACK_S
         s.close()
     # a store whose MetaService never existed does not start
     s = DistributedObjectStore()
@@ -104,7 +106,7 @@ def test_meta_service_down_gives_3017_without_hanging():
     assert s.setup(cfg) == 0
     t = time.monotonic()
     assert s.init(0, True) == -3017
-    assert time.monotonic() - t < 2
+    assert time.monotonic() - t < 1 + LOAD_SLACK_S
 
 
 def test_writer_dying_between_alloc_and_commit_leaves_nothing(meta):
