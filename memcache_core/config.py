@@ -133,6 +133,11 @@ class MetaConfig:
     """A LocalService silent this long is declared dead and its objects leave the table."""
     pending_timeout_ms: int = 120000
     """A put allocated but not committed this long is aborted and its space reclaimed."""
+    member_max_pending_objects: int = 1 << 20
+    """Objects one member may hold allocated and not committed; an Alloc beyond it is refused (-3112)."""
+    member_max_pending_bytes: int = 0
+    """Payload bytes (times replicas) one member may hold allocated and not committed; 0: no bound but
+    the pool's size. An Alloc beyond it is refused (-3112)."""
     auth_enable: bool = True
     """Every connection proves it holds the pool secret (HMAC challenge-response) before anything
     else; false only for a single trusted host (docs/security.md)."""
@@ -207,6 +212,8 @@ class MetaConfig:
         _check_range("lease_ttl_ms", self.lease_ttl_ms, 10, 3_600_000)
         _check_range("heartbeat_timeout_ms", self.heartbeat_timeout_ms, 100, 3_600_000)
         _check_range("pending_timeout_ms", self.pending_timeout_ms, 100, 86_400_000)
+        _check_range("member_max_pending_objects", self.member_max_pending_objects, 1, 1 << 40)
+        _check_range("member_max_pending_bytes", self.member_max_pending_bytes, 0, 1 << 60)
         _check_bool("auth_enable", self.auth_enable)
         _check_str("auth_secret_path", self.auth_secret_path)
         _check_range("config_store_max_value_bytes", self.config_store_max_value_bytes, 1, 1 << 30)

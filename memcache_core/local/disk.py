@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 QUEUE_BYTES = 64 << 20     # bytes of background writes queued at most; offers beyond are skipped
 READ_THREADS = 4           # disk reads served at once
 LOG_EVERY_S = 10.0
-MAX_REPORTED = 1 << 20     # records a Join may carry (meta/validate.py MAX_BATCH)
+MAX_REPORTED = 1 << 20     # records a Join may carry (meta/validate.py MAX_REPORTS)
 
 
 @dataclasses.dataclass

@@ -40,7 +40,7 @@ from ..errors import InvalidParameter, MemCacheError, StateMismatch, check_keys
 from ..layout import payload_offset
 from ..rpc import expect
 from ..transfer import CopyOp
-from .membership import Membership, Pieces, Session
+from .membership import Membership, Pieces, Session, in_batches
 from .reads import LEASE_SAFETY
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class Gva(Membership):
             book = self._gva_book = GvaBook(s)   # a new session: every GVA of the old one is stale
         return book
 
+    @in_batches(aligned=1)
     def gva_alloc(self, keys: Sequence[str], sizes: Sequence[int]) -> list[MemCacheError | None]:
         """Reserve objects to be written range by range (PENDING: invisible until ``gva_finish``)."""
         check_keys(list(keys))
@@ -182,6 +183,7 @@ class Gva(Membership):
             out.append(None)
         return out
 
+    @in_batches()
     def gva_info(self, keys: Sequence[str]) -> list[tuple[p.Found | None, list[int]]]:
         """Each key's object (committed, or allocated here and not finished) and a GVA per DRAM
         replica, nearest first (none for a copy held on a disk tier only)."""
@@ -200,6 +202,7 @@ class Gva(Membership):
                                      for loc in locs])))
         return out
 
+    @in_batches()
     def gva_lease(self, keys: Sequence[str], ttl_ms: int) -> list[int]:
         """Lease committed objects to this client for ``ttl_ms`` (0: the pool's lease_ttl_ms)."""
         check_keys(list(keys))
@@ -209,11 +212,13 @@ class Gva(Membership):
         return expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
                       p.Codes).codes
 
+    @in_batches()
     def gva_unlease(self, keys: Sequence[str]) -> list[int]:
         check_keys(list(keys))
         return expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), [0] * len(keys), 0)),
                       p.Codes).codes
 
+    @in_batches(aligned=1)
     def gva_copy(self, gvas: Sequence[int], pieces: Sequence[Pieces], write: bool | None) -> None:
         """Copy each local pieces list (laid end to end) to or from the object bytes from ``gvas[i]`` on.
         ``write`` None: the direction each object's state implies. Raises for the whole batch; nothing
@@ -261,6 +266,7 @@ class Gva(Membership):
         if not all(flags):
             raise errors.LeaseExpired("an object changed while a slow copy held an expired lease")
 
+    @in_batches(aligned=1)
     def gva_finish(self, keys: Sequence[str], results: Sequence[int]) -> list[MemCacheError | None]:
         """Publish (result 0) or abort (non-zero) objects allocated with ``gva_alloc``: a published
         object is read back, written whole with its checksum and header, then committed."""

@@ -10,11 +10,13 @@ immutable ``Session``, swapped whole on a re-join and read once per call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .. import errors
 from .. import protocol as p
@@ -32,6 +34,32 @@ logger = logging.getLogger(__name__)
 SEGMENT_REFRESH_S = 10.0    # how often the segment table is re-read (peers that left are unmapped)
 
 Pieces = list[tuple[int, int]]   # (address, length) of the buffers an object is laid across, end to end
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_batches(aligned: int = 0) -> Callable[[F], F]:
+    """A batch call of more keys than one request may carry (``protocol.MAX_KEYS``) made as several
+    calls of at most that many, their per-key results concatenated (a tuple of lists: each list; None: None).
+    The ``aligned`` positional arguments after the keys are per-key lists, split alike (None stays)."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self: Any, keys: Any, *args: Any, **kw: Any) -> Any:
+            n = p.MAX_KEYS
+            if len(keys) <= n:
+                return fn(self, keys, *args, **kw)
+            if any(a is not None and len(a) != len(keys) for a in args[:aligned]):
+                raise errors.InvalidParameter(f"{fn.__name__}: the keys and the per-key lists differ in length")
+            parts = [fn(self, keys[i:i + n], *[a[i:i + n] if j < aligned and a is not None else a
+                                                for j, a in enumerate(args)], **kw)
+                     for i in range(0, len(keys), n)]
+            if parts[0] is None:
+                return None
+            if isinstance(parts[0], tuple):
+                return tuple([x for part in parts for x in part[j]] for j in range(len(parts[0])))
+            return [x for part in parts for x in part]
+        return call  # type: ignore[return-value]
+    return wrap
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from ..rpc import expect
 from ..transfer import CopyOp
 from . import tier
 from .hints import LocationHints
-from .membership import Membership, Pieces
+from .membership import Membership, Pieces, in_batches
 from .writes import _valid_key
 
 if TYPE_CHECKING:
@@ -46,9 +46,11 @@ class Reads(Membership):
     hints: LocationHints
     metrics: LocalMetrics
 
+    @in_batches()
     def lookup_sizes(self, keys: Sequence[str]) -> list[p.Found | None]:
         return expect(self.rpc.call(p.Lookup(list(keys), lease=False), idempotent=True), p.LookupReply).results
 
+    @in_batches(aligned=1)
     def get(self, keys: Sequence[str], pieces: Sequence[Pieces] | None,
             exact: bool = True) -> tuple[list[MemCacheError | None], list[p.Found | None]]:
         """Read each key into its pieces. ``pieces`` None: only lease and return the locations.

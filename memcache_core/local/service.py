@@ -39,7 +39,7 @@ from .drain import Drainer
 from .gva import Gva, GvaBook
 from .hints import LocationHints
 from .membership import Pieces as Pieces
-from .membership import Session
+from .membership import Session, in_batches
 from .metrics import LocalMetrics, MetricsServer
 from .prefault import Prefault, start_prefault
 from .reads import Reads
@@ -237,11 +237,13 @@ class LocalService(Writes, Reads, Gva):
 
     # ---- exist / remove ----------------------------------------------------------------------------
 
+    @in_batches()
     def exist(self, keys: Sequence[str]) -> list[bool]:
         keys = list(keys)
         check_keys(keys)
         return expect(self.rpc.call(p.Exist(keys), idempotent=True), p.Flags).flags
 
+    @in_batches()
     def remove(self, keys: Sequence[str]) -> list[int]:
         for k in keys:
             check_key(k)
@@ -292,6 +294,7 @@ class LocalService(Writes, Reads, Gva):
 
     # ---- tiers: memcache_hybrid's evict / prefetch ------------------------------------------------------
 
+    @in_batches()
     def prefetch(self, keys: Sequence[str]) -> list[int]:
         """Bring objects held on a disk tier back into DRAM (their provider's segment) ahead of a read.
         A code per key: 0 in DRAM now (or already), -3007 not in the pool, else why it stayed on disk."""
@@ -309,6 +312,7 @@ class LocalService(Writes, Reads, Gva):
                 codes[i] = c
         return codes
 
+    @in_batches()
     def evict(self, keys: Sequence[str]) -> list[int]:
         """Keep objects on their disk tier only, freeing their DRAM. A code per key: 0 done, -3007 not in
         the pool, -3101 no disk copy yet (its provider was asked to write one: call again later)."""

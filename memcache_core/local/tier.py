@@ -180,6 +180,8 @@ class DiskTier:
 
     def promote_local(self, items: list[tuple[str, int, int]]) -> list[int]:
         """Bring records of this tier back into our own segment. A code per object (0: in DRAM now)."""
+        if len(items) > p.MAX_KEYS:   # one request carries at most MAX_KEYS keys
+            return [c for i in range(0, len(items), p.MAX_KEYS) for c in self.promote_local(items[i:i + p.MAX_KEYS])]
         if not items or self.svc.segment is None:
             return [errors.OBJECT_NOT_EXISTS] * len(items)
         t0 = time.monotonic()

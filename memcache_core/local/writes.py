@@ -16,7 +16,7 @@ from .. import protocol as p
 from ..errors import InvalidParameter, MemCacheError, check_key
 from ..rpc import Backoff, expect
 from ..transfer import CopyOp
-from .membership import Membership, Pieces, Session
+from .membership import Membership, Pieces, Session, in_batches
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class Writes(Membership):
 
     _partial_warned: float   # when a partial placement may be logged again
 
+    @in_batches(aligned=1)
     def put(self, keys: Sequence[str], pieces: Sequence[Pieces], replicas: int = 1,
             preferred: Sequence[int] = ()) -> list[MemCacheError | None]:
         """Store each key's pieces (laid end to end) as one object. Per-key error or None."""

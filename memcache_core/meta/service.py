@@ -36,6 +36,8 @@ from .table import Obj, ObjectTable
 
 logger = logging.getLogger(__name__)
 
+REFUSED = p.AllocResult(errors.QUOTA_EXCEEDED, 0, [])   # an Alloc past the member's quota (one shared reply)
+
 def new_epoch() -> int:
     """A MetaService's epoch: random, so members tell a restarted (or newly elected) table apart."""
     return secrets.randbits(31) or 1
@@ -170,6 +172,7 @@ class MetaServiceCore:
                 policy, own, segs, rng = self.config.placement_policy, member.segment_id, t.segments, self.rng
                 return p.AllocReply([p.AllocResult(*t.alloc(cid, k, s, replicas,
                                                              placement.order(policy, segs, own, rng), now, pref))
+                                     if self._within_quota(cid, s * replicas) else REFUSED
                                      for k, s in zip(keys, sizes, strict=True)])
             case p.Commit(keys=keys, generations=gens, checksums=sums):
                 sums = sums or [0] * len(keys)
@@ -326,6 +329,13 @@ class MetaServiceCore:
                                 repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers),
                                 generation_ceiling=self.table.gen_ceiling, served=served,
                                 departures=sum(self.member_events[e] for e in ("leaves", "deaths", "rejoins")))
+
+    def _within_quota(self, cid: int, nbytes: int) -> bool:
+        """May this member allocate one more object of ``nbytes`` (all replicas)? Its puts in flight
+        are bounded: a pending object cannot be evicted, so they are what a member can pin."""
+        objects, held = self.table.pending_of.get(cid, (0, 0))
+        max_bytes = self.config.member_max_pending_bytes
+        return objects < self.config.member_max_pending_objects and not (max_bytes and held + nbytes > max_bytes)
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""

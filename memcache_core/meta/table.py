@@ -75,6 +75,7 @@ class ObjectTable(Space):
         self.quarantine: list[tuple[float, Obj]] = []   # reclaimed from stalled writers: freed later
         self.counters = Counters()
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
+        self.pending_of: dict[int, list[int]] = {}   # writer -> [its pending objects, their bytes] (quotas)
         # committed objects with fewer replicas than asked for, in the order re-replication visits them
         self.under: collections.OrderedDict[str, Obj] = collections.OrderedDict()
         # KV events: (stored?, object, the locations concerned); called before the table forgets them
@@ -235,7 +236,19 @@ class ObjectTable(Space):
             obj.more = Extra(replicas=replicas, rest=tuple(locs[1:]))
         self.objects[key] = obj
         self.pending += 1
+        held = self.pending_of.setdefault(client_id, [0, 0])
+        held[0] += 1
+        held[1] += size * len(locs)
         return errors.SUCCESS, gen, locs
+
+    def _settled(self, obj: Obj) -> None:
+        """A pending object was committed or left the table: its writer's quota is given back."""
+        held = self.pending_of.get(obj.owner)
+        if held is not None:
+            held[0] -= 1
+            held[1] -= obj.size * len(obj.locations)
+            if held[0] <= 0:
+                del self.pending_of[obj.owner]
 
     def commit(self, client_id: int, key: str, generation: int, now: float, checksum: int = 0) -> int:
         obj = self.objects.get(key)
@@ -245,6 +258,7 @@ class ObjectTable(Space):
             return errors.SUCCESS
         # the committed object replaces the pending one (its writer and deadline are no longer kept);
         # keyed by the object's own string: the request's is a copy
+        self._settled(obj)
         obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum), more=obj.more)
         self.pending -= 1
         if obj.more is None:   # one location, one replica asked for: never under-replicated
@@ -452,6 +466,7 @@ class ObjectTable(Space):
             del self.objects[obj.key]
             if not obj.committed:
                 self.pending -= 1
+                self._settled(obj)
             elif self.listener is not None:
                 self.listener(False, obj, obj.locations)
             if obj.disk is not None:   # its disk tier deletes the record

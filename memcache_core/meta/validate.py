@@ -20,6 +20,7 @@ MAX_U64 = (1 << 64) - 1
 MAX_SEGMENT_BYTES = 1 << 48
 MAX_OBJECT_BYTES = 1 << 40
 MAX_BATCH = p.MAX_KEYS
+MAX_REPORTS = 1 << 20        # disk records in a Join or DiskSync, journal positions in a Confirmed
 MAX_REPLICAS = 8
 MAX_TEXT = 256
 MAX_NIXL_BYTES = 64 << 10    # a NIXL agent's metadata is about 0.5 KiB
@@ -92,8 +93,8 @@ def moved(reports: list[p.SegmentBytes]) -> None:
 
 def disk_reports(reports: list[p.ObjectReport]) -> None:
     """Records a provider says its disk tier holds: bounded like DRAM objects."""
-    if len(reports) > MAX_BATCH:
-        raise InvalidParameter(f"{len(reports)} disk records reported; at most {MAX_BATCH} per message")
+    if len(reports) > MAX_REPORTS:
+        raise InvalidParameter(f"{len(reports)} disk records reported; at most {MAX_REPORTS} per message")
     for r in reports:
         check_key(r.key)
         _int("disk_object.generation", r.generation, 1, MAX_U63)
@@ -154,8 +155,8 @@ def grant(req: p.Grant) -> None:
 
 
 def confirmed(journal: list[tuple[int, int, int]]) -> None:
-    if len(journal) > MAX_BATCH:
-        raise InvalidParameter(f"{len(journal)} journal positions asked about; at most {MAX_BATCH}")
+    if len(journal) > MAX_REPORTS:
+        raise InvalidParameter(f"{len(journal)} journal positions asked about; at most {MAX_REPORTS}")
     for sid, serial, seq in journal:
         _int("segment_id", sid, 0, MAX_U63)
         _int("serial", serial, 0, MAX_U63)

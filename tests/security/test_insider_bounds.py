@@ -1,0 +1,140 @@
+"""An insider (a process holding the pool secret, a member) against the control plane's single loop:
+the keys one request may carry are bounded (protocol.MAX_KEYS), an honest member's heartbeats and
+small requests are answered while an insider sends maximal requests, and the puts a member may hold
+in flight are bounded by the MetaService's quotas (-3112)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+
+import pytest
+
+from memcache_core import DistributedObjectStore, errors
+from memcache_core import protocol as p
+from memcache_core.testing import MetaServiceProcess, running_meta_service
+from tests.security.wire import addr_of, ask, authed
+
+pytestmark = pytest.mark.integration
+
+
+def _insider(meta: MetaServiceProcess) -> tuple[socket.socket, int, bytes]:
+    """A raw control connection that joined as a member (no segment): socket, client id, token."""
+    s = authed(addr_of(meta.meta_service_url))
+    j = ask(s, p.Join(0, "insider", os.getpid()))
+    assert isinstance(j, p.Joined), j
+    return s, j.client_id, j.token
+
+
+def test_maximal_requests_of_an_insider_do_not_starve_an_honest_member(meta):
+    """Scenario: before, one Alloc of 1M one-byte keys held the single loop 17.7 s and an honest member
+    was declared dead meanwhile. Now a request carries at most MAX_KEYS keys (one more: refused, the
+    connection still answered); an insider sending maximal Allocs and Aborts back to back for several
+    rounds leaves the honest member's heartbeats answered (same member id, never declared dead: the
+    fixture's heartbeat timeout is 1.5 s) and its is_exist answered within that timeout every time."""
+    store = DistributedObjectStore()
+    assert store.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="256MB")) == 0
+    assert store.init(0, True) == 0
+    s, cid, token = _insider(meta)
+    try:
+        assert store.put("honest", b"h" * 512) == 0
+        member = store.get_local_service_id()
+        too_many = ask(s, p.Alloc(cid, token, [f"x{i}" for i in range(p.MAX_KEYS + 1)], [1] * (p.MAX_KEYS + 1)))
+        assert isinstance(too_many, p.Error) and too_many.code == errors.INVALID_PARAM, too_many
+        assert str(p.MAX_KEYS) in too_many.message
+
+        lat: list[float] = []
+        done = threading.Event()
+
+        def honest() -> None:
+            while not done.is_set():
+                t = time.perf_counter()
+                assert store.is_exist("honest") == 1
+                lat.append(time.perf_counter() - t)
+
+        reader = threading.Thread(target=honest)
+        reader.start()
+        insider: list[float] = []
+        try:
+            for r in range(6):
+                keys = [f"{r}-{i}" for i in range(p.MAX_KEYS)]
+                assert isinstance(ask(s, p.Heartbeat(cid, token)), p.HeartbeatReply)   # the insider stays a member
+                t = time.perf_counter()
+                got = ask(s, p.Alloc(cid, token, keys, [1] * len(keys)))
+                insider.append(time.perf_counter() - t)
+                assert isinstance(got, p.AllocReply) and len(got.results) == len(keys)
+                ok = [(k, a.generation) for k, a in zip(keys, got.results, strict=True) if a.code == 0]
+                assert ok, "the insider's maximal Alloc placed nothing: the test measures nothing"
+                t = time.perf_counter()
+                assert isinstance(ask(s, p.Abort(cid, token, [k for k, _ in ok], [g for _, g in ok])), p.Ok)
+                insider.append(time.perf_counter() - t)
+        finally:
+            done.set()
+            reader.join()
+        worst = max(lat)
+        print(f"insider's maximal requests ({p.MAX_KEYS} keys): longest {max(insider) * 1e3:.0f} ms; honest "
+              f"is_exist during them: {len(lat)} calls, p50 {sorted(lat)[len(lat) // 2] * 1e3:.1f} ms, "
+              f"worst {worst * 1e3:.0f} ms")
+        assert len(lat) >= len(insider), "the honest member was not answered between the insider's requests"
+        assert worst < 1.5, f"an honest is_exist waited {worst:.2f} s: as long as a heartbeat timeout"
+        assert store.get_local_service_id() == member, "the honest member was declared dead and re-joined"
+        assert store.get("honest") == b"h" * 512
+    finally:
+        s.close()
+        store.close()
+
+
+def test_a_batch_larger_than_one_request_is_split_by_the_local_service(meta):
+    """The bound is the wire's, not the engine's: batch calls of MAX_KEYS + 3 keys (put, exist, get,
+    remove) work and are byte-exact, the LocalService sending them as two requests each."""
+    store = DistributedObjectStore()
+    assert store.setup(meta.local_config(dram_size="512MB")) == 0
+    assert store.init(0, True) == 0
+    try:
+        n = p.MAX_KEYS + 3
+        keys = [f"big-{i}" for i in range(n)]
+        values = [i.to_bytes(4, "little") * 4 for i in range(n)]
+        assert store.put_batch(keys, values) == 0
+        assert store.batch_is_exist(keys + ["absent"]) == [1] * n + [0]
+        assert store.get_batch(keys) == values
+        assert store.remove_batch(keys) == [0] * n
+        assert store.batch_is_exist(keys) == [0] * n
+    finally:
+        store.close()
+
+
+def test_a_member_holds_at_most_its_quota_of_puts_in_flight():
+    """Scenario: an insider allocates and never commits, pinning space nobody can evict. The MetaService
+    bounds each member's uncommitted objects and their bytes (member_max_pending_objects,
+    member_max_pending_bytes): past them its Alloc is refused with -3112, other members are not
+    affected, and the quota comes back as its puts are aborted."""
+    with running_meta_service(member_max_pending_objects=8, member_max_pending_bytes=64 << 10) as meta:
+        store = DistributedObjectStore()
+        assert store.setup(meta.local_config(dram_size="64MB")) == 0
+        assert store.init(0, True) == 0
+        s, cid, token = _insider(meta)
+        try:
+            keys = [f"pin-{secrets.token_hex(4)}-{i}" for i in range(10)]
+            got = ask(s, p.Alloc(cid, token, keys, [100] * 10))
+            assert isinstance(got, p.AllocReply)
+            assert [r.code for r in got.results] == [0] * 8 + [errors.QUOTA_EXCEEDED] * 2
+            # the honest member's puts are its own: a batch of 8 (its whole quota at once) is stored
+            assert store.put_batch([f"honest-{i}" for i in range(8)], [b"v" * 100] * 8) == 0
+            # one more put of the honest member past its quota is refused, naming the settings
+            code = store.put_batch([f"over-{i}" for i in range(9)], [b"v" * 100] * 9)
+            assert code == errors.QUOTA_EXCEEDED
+            assert store.batch_is_exist([f"over-{i}" for i in range(9)]) == [1] * 8 + [0]
+            placed = [(k, r.generation) for k, r in zip(keys, got.results, strict=True) if r.code == 0]
+            assert isinstance(ask(s, p.Abort(cid, token, [k for k, _ in placed], [g for _, g in placed])), p.Ok)
+            # bytes: 64 KiB in flight at most (times replicas)
+            big = ask(s, p.Alloc(cid, token, ["b1", "b2"], [40 << 10, 40 << 10]))
+            assert isinstance(big, p.AllocReply)
+            assert [r.code for r in big.results] == [0, errors.QUOTA_EXCEEDED]
+            msg = str(errors.error_from_code(errors.QUOTA_EXCEEDED, "cannot put 'b2'"))
+            assert "member_max_pending_objects" in msg and "member_max_pending_bytes" in msg
+        finally:
+            s.close()
+            store.close()
