@@ -149,18 +149,15 @@ def test_the_dockerfile_passes_hadolint(tmp_path):
     assert out.returncode != 0 and "DL3002" in out.stdout, out.stdout
 
 
-def test_a_secret_readable_by_the_pods_own_group_is_not_warned_about(tmp_path, caplog):
-    """Scenario: Kubernetes mounts the pool secret 0440 with the pod's fsGroup; only a secret that
-    others (or a group this process is not in) can read is warned about."""
-    import logging
-
+def test_a_secret_readable_by_the_pods_own_group_is_accepted(tmp_path):
+    """Scenario: Kubernetes mounts the pool secret 0440 with the pod's fsGroup: accepted; a secret that
+    others can read is refused (tests/security/test_secret_file.py has the other refusals)."""
     from memcache_core.auth import load_secret
+    from memcache_core.errors import ConfigError
     path = tmp_path / "pool.secret"
-    path.write_text("0123456789abcdef0123456789abcdef\n", encoding="ascii")
+    path.write_text("0123456789abcdef" * 3 + "fedcba9876543210\n", encoding="ascii")
     os.chmod(path, 0o440)
-    with caplog.at_level(logging.WARNING, logger="memcache_core.auth"):
+    assert load_secret(str(path)) == ("0123456789abcdef" * 3 + "fedcba9876543210").encode()
+    os.chmod(path, 0o444)
+    with pytest.raises(ConfigError, match="can be read or changed by other users"):
         load_secret(str(path))
-        assert "readable by other users" not in caplog.text
-        os.chmod(path, 0o444)
-        load_secret(str(path))
-    assert "readable by other users (mode 444)" in caplog.text
