@@ -12,7 +12,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from ..auth import admin_authorized
 from ..errors import cannot_listen
+from ..meta.http_guard import GuardedHTTPServer
 from ..protocol import SegmentBytes
 
 logger = logging.getLogger(__name__)
@@ -116,11 +117,16 @@ class _DiskCollector(Collector):
         yield ev
 
 
+MAX_CONNECTIONS = 64      # connections served at once by a LocalService's metrics port
+
+
 class MetricsServer:
     def __init__(self, metrics: LocalMetrics, host: str, port: int, token: str | None) -> None:
         handler = type("Handler", (_Handler,), {"metrics": metrics, "token": token})
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            # a listen backlog of 1,024, at most MAX_CONNECTIONS threads, headers due within 10 s, 64 of one
+            # address at once: connections that never send a token cost a bounded number of threads
+            self.httpd = GuardedHTTPServer((host, port), handler, max_connections=MAX_CONNECTIONS)
         except OSError as e:
             raise cannot_listen("metrics_port", host, port, e) from e
         self.httpd.daemon_threads = True

@@ -1,7 +1,7 @@
 """HTTP admin server of the MetaService, at ``metrics_url``.
 
 Every route but /health needs ``Authorization: Bearer <token>`` with the pool's admin token
-(``auth.admin_token``) when authentication is on. At most ``MAX_CONNECTIONS`` connections are served
+(``auth.admin_token``) when authentication is on. At most ``http_guard.MAX_CONNECTIONS`` connections are served
 at once, each with a socket timeout (over HTTPS, the TLS handshake runs in the connection's thread
 within ``TLS_HANDSHAKE_TIMEOUT_S``, never in the accept loop); scans of the whole table copy it under the lock and do the work
 outside it, so a client polling /get_all_keys does not stall the control plane.
@@ -27,7 +27,7 @@ import logging
 import ssl
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
@@ -37,9 +37,8 @@ from .. import protocol as p
 from ..auth import admin_authorized, admin_token
 from ..config import parse_url
 from ..errors import InvalidParameter, cannot_listen
-from ..tls import tls_handshake
 from . import disk, metrics, stats, status_page, validate
-from .http_guard import HeaderGuard
+from .http_guard import GuardedHTTPServer
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore
@@ -47,52 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-MAX_CONNECTIONS = 1024
 SOCKET_TIMEOUT_S = 10.0
-TLS_HANDSHAKE_TIMEOUT_S = 5.0
-
-
-class _BoundedServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024   # the listen backlog (socketserver's default is 5: a burst of idle
-                                # connections made honest ones wait for SYN retransmits)
-
-    def __init__(self, addr: tuple[str, int], handler: type, tls: ssl.SSLContext | None = None) -> None:
-        # set before binding: a bind that fails (port in use) calls server_close, which closes the guard
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.tls = tls   # HTTPS: the handshake runs in the connection's thread, never in the accept loop
-        self.guard = HeaderGuard()   # slowloris: a deadline for the headers, a cap per address
-        super().__init__(addr, handler)
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        if self.tls is None:
-            return super().finish_request(request, client_address)
-        conn = self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
-        self.guard.wrapped(conn)
-        try:
-            # a peer that never finishes its handshake holds this one thread for 5 s at most
-            if tls_handshake(conn, time.monotonic() + TLS_HANDSHAKE_TIMEOUT_S):
-                super().finish_request(conn, client_address)
-        finally:
-            conn.close()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False) and not (self.guard.make_room() and self._slots.acquire(timeout=1.0)):
-            self.shutdown_request(request)   # too many connections at once, all of them busy: refuse this one
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        self.guard.start(request, str(client_address[0]))
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.guard.done()
-            self._slots.release()
-
-    def server_close(self) -> None:
-        self.guard.close()
-        super().server_close()
 
 
 class AdminServer:
@@ -103,7 +57,7 @@ class AdminServer:
         token = admin_token(secret) if secret is not None else None
         handler = type("Handler", (_Handler,), {"core": core, "token": token})
         try:
-            self.httpd = _BoundedServer((host, port), handler, tls)
+            self.httpd = GuardedHTTPServer((host, port), handler, tls)
         except OSError as e:
             raise cannot_listen("metrics_url", host, port, e) from e
         self.httpd.daemon_threads = True
