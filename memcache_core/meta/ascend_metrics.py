@@ -76,7 +76,7 @@ def _space(s: Snapshot) -> Iterator[Metric]:
                               "(memcache_hybrid's name; the same as memcache_segment_used_bytes).", labels=labels)
     frag = GaugeMetricFamily("memcache_segment_fragmentation_bytes", "Free bytes of a segment outside its "
                              "largest free range (free space no object of that size can use).", labels=labels)
-    for g in s.segments:
+    for g in s.listed_segments():
         lv = [str(g.segment_id), g.host_id, g.tier]
         alloc.add_metric(lv, g.used_bytes)
         frag.add_metric(lv, max(0, g.capacity_bytes - g.used_bytes - g.largest_free_bytes))

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from . import ascend_metrics
-from .stats import Snapshot
+from .stats import MAX_SEGMENT_SERIES, Snapshot
 
 BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -102,7 +102,7 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
     served = CounterMetricFamily("memcache_segment_served_bytes", "Payload bytes members copied out of (read) "
                                  "and into (write) a segment through shared memory (host_shm), as their "
                                  "heartbeats report them.", labels=[*labels, "direction"])
-    for g in s.segments:
+    for g in s.listed_segments():
         lv = [names[g.segment_id], g.host_id, g.tier]
         served.add_metric([*lv, "read"], g.served_read_bytes)
         served.add_metric([*lv, "write"], g.served_written_bytes)
@@ -111,6 +111,9 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
         free.add_metric(lv, g.capacity_bytes - g.used_bytes)
         objs.add_metric(lv, g.objects)
     yield from (cap, used, free, objs, served)
+    yield _gauge("segments_unlisted", f"Segments without series of their own (only the {MAX_SEGMENT_SERIES} "
+                 "largest have them; the pool totals count all).",
+                 len(s.segments) - min(len(s.segments), MAX_SEGMENT_SERIES))
     tiers: dict[str, list[int]] = {}
     for g in s.segments:
         t = tiers.setdefault(g.tier, [0, 0])
@@ -138,7 +141,7 @@ def _disk(s: Snapshot) -> Iterator[Metric]:
                              "stale (the DRAM copy changed first), reads, bytes read, read errors, integrity "
                              "failures, records dropped to make room, promotions.", labels=["segment", "event"])
     names = segment_names(s)
-    for d in s.disk_tiers:
+    for d in s.listed_disk_tiers():
         lv = [names.get(d.segment_id, str(d.segment_id))]
         cap.add_metric(lv, d.capacity_bytes)
         used.add_metric(lv, d.used_bytes)

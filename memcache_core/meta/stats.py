@@ -84,6 +84,9 @@ class DiskTierStats(msgspec.Struct):
     counters: dict[str, int]                # the provider's own counts (local/disk.py DiskCounters)
 
 
+MAX_SEGMENT_SERIES = 1024   # segments (and disk tiers) given series of their own in /metrics
+
+
 class Snapshot(msgspec.Struct):
     time: float
     uptime_s: float
@@ -112,6 +115,15 @@ class Snapshot(msgspec.Struct):
     @property
     def used_bytes(self) -> int:
         return sum(s.used_bytes for s in self.segments)
+
+    def listed_segments(self) -> list[SegmentStats]:
+        """The segments with a series of their own in /metrics: the ``MAX_SEGMENT_SERIES`` largest (any
+        member can join with a segment, so the series grow with members; an insider joining thousands of
+        4 KiB segments must not grow a scrape without bound). The pool totals count every segment."""
+        return sorted(self.segments, key=lambda g: (-g.capacity_bytes, g.segment_id))[:MAX_SEGMENT_SERIES]
+
+    def listed_disk_tiers(self) -> list[DiskTierStats]:
+        return sorted(self.disk_tiers, key=lambda d: (-d.capacity_bytes, d.segment_id))[:MAX_SEGMENT_SERIES]
 
 
 def take(core: MetaServiceCore) -> Snapshot:
