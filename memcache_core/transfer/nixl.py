@@ -64,6 +64,33 @@ class Descriptor(msgspec.Struct, array_like=True, frozen=True):
 
 
 _decoder = msgspec.msgpack.Decoder(Descriptor)
+MAX_METADATA = 64 << 10        # an agent's metadata is about 0.5 KiB (meta/validate.py MAX_NIXL_BYTES)
+SERDES = b"nixlSerDes|Agent"  # NIXL's serialized metadata: this tag, the agent name's length (u64 LE), the name
+AGENT_NAME = 256
+
+
+def checked(seg: SegmentInfo) -> Descriptor:
+    """A member's NIXL descriptor, its size and structure checked before the native parser sees any of it:
+    at most MAX_METADATA bytes of metadata in NIXL's serialized form, naming the agent the descriptor
+    names (a printable name of at most AGENT_NAME bytes), and the region of the announced segment."""
+    where = f"segment {seg.segment_id}: NIXL descriptor"
+    if not seg.nixl or len(seg.nixl) > MAX_METADATA + 1024:
+        raise PeerUnavailable(f"{where}: {len(seg.nixl)} bytes")
+    try:
+        d = _decoder.decode(seg.nixl)
+    except msgspec.DecodeError as e:
+        raise PeerUnavailable(f"{where}: unreadable ({e})") from e
+    name = d.agent.encode()
+    if not 0 < len(name) <= AGENT_NAME or not d.agent.isprintable():
+        raise PeerUnavailable(f"{where}: agent name {d.agent[:64]!r} is empty, too long or not printable")
+    n = len(SERDES)
+    m = d.metadata
+    if (len(m) > MAX_METADATA or not m.startswith(SERDES) or len(m) < n + 8
+            or int.from_bytes(m[n:n + 8], "little") != len(name) or m[n + 8:n + 8 + len(name)] != name):
+        raise PeerUnavailable(f"{where}: the metadata is not NIXL agent {d.agent!r}'s ({len(m)} bytes)")
+    if d.size != seg.size or not 0 < d.base < (1 << 64) - d.size:
+        raise PeerUnavailable(f"{where}: region [{d.base:#x}, +{d.size}) is not the segment's ({seg.size} bytes)")
+    return d
 
 
 @dataclasses.dataclass(slots=True)
@@ -296,10 +323,9 @@ class NixlTransport:
         with self._lock:
             peer = self._peers.get(seg.nixl)
             if peer is None:
-                try:
-                    d = _decoder.decode(seg.nixl)
-                except msgspec.DecodeError as e:
-                    raise PeerUnavailable(f"segment {seg.segment_id}: unreadable NIXL descriptor") from e
+                d = checked(seg)
+                if d.agent == self.name:
+                    raise PeerUnavailable(f"segment {seg.segment_id}: NIXL descriptor names this process's own agent")
                 try:
                     name = self._agent.add_remote_agent(d.metadata)
                 except Exception as e:  # noqa: BLE001
