@@ -65,7 +65,7 @@ def parts() -> None:
     from memcache_core import protocol as p
     from memcache_core.auth import Session
     from memcache_core.config import MetaConfig
-    from memcache_core.meta import service, stats
+    from memcache_core.meta import server, service, stats
     from memcache_core.meta.objects import new_obj
     from memcache_core.rpc import FRAME_HEAD, take_frame
     core = service.MetaServiceCore(MetaConfig())
@@ -89,7 +89,7 @@ def parts() -> None:
             ("count outcomes", lambda: stats.count_outcomes(core.outcomes, req, reply)),   # noqa: B023
             ("encode reply", lambda: p.request_encoder.encode(reply)),   # noqa: B023
             ("decode reply (client)", lambda: p.reply_decoder.decode(p.request_encoder.encode(reply))),  # noqa: B023
-            ("_answer: all of the handler", lambda: service._answer(core, body)),   # noqa: B023
+            ("_answer: all of the handler", lambda: server.answer(core, body)),   # noqa: B023
         ]
         n = 20000 if n_keys == 1 else 200
         for name, fn in steps:

@@ -24,16 +24,13 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from .. import protocol as p
 from ..errors import MemCacheError, TransferFailed
 from ..layout import footprint, payload_offset
 from ..rpc import Backoff, expect
 from ..transfer import CopyOp, TransferEngine
-
-if TYPE_CHECKING:
-    from .service import LocalService, Session
+from .session import Member, Session
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +38,7 @@ IDLE_WAIT_S = 0.05       # nothing to move yet (puts into the segment still pend
 
 
 class Drainer:
-    def __init__(self, svc: LocalService) -> None:
+    def __init__(self, svc: Member) -> None:
         self.svc = svc
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None

@@ -9,10 +9,10 @@ immutable ``Session``, swapped whole on a re-join and read once per call.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +28,12 @@ from ..transfer import TransferEngine
 from . import recovery, tier
 from .drain import Drainer
 from .metrics import LocalMetrics
+from .session import Pieces as Pieces
+from .session import Session
 
 logger = logging.getLogger(__name__)
 
 SEGMENT_REFRESH_S = 10.0    # how often the segment table is re-read (peers that left are unmapped)
-
-Pieces = list[tuple[int, int]]   # (address, length) of the buffers an object is laid across, end to end
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,19 +62,6 @@ def in_batches(aligned: int = 0) -> Callable[[F], F]:
     return wrap
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Session:
-    """What one Join established; replaced as a whole on a re-join."""
-
-    client_id: int
-    epoch: int
-    lease_ttl_s: float
-    pending_timeout_s: float
-    segment: p.SegmentInfo | None
-    token: bytes = b""
-
-
-
 class Membership:
     """The member's side of the LocalService (a mixin: ``LocalService.__init__`` sets the state)."""
 
@@ -87,6 +74,8 @@ class Membership:
     disk: tier.DiskTier | None
     drainer: Drainer
     metrics: LocalMetrics
+    secret: bytes | None
+    _tls_client: ssl.SSLContext | None
     _segment_template: p.SegmentInfo | None
     _segments: dict[int, p.SegmentInfo]
     _journal_ack: int
@@ -97,6 +86,10 @@ class Membership:
     _join_lock: threading.Lock
     _stop: threading.Event
     _beat_now: threading.Event      # heartbeat at once (a remove of our own objects waits for it)
+
+    @property
+    def client_id(self) -> int:
+        return self.session.client_id
 
     def _join(self, recover: bool) -> None:
         """Join (or re-join) and install the new session in one step."""

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from .. import errors
 from .. import protocol as p
@@ -25,13 +25,13 @@ from ..rpc import expect
 from ..transfer import CopyOp
 from . import tier
 from .hints import LocationHints
-from .membership import Membership, Pieces, in_batches
+from .membership import Membership, in_batches
+from .session import Pieces, clip
 from .writes import _valid_key
 
 if TYPE_CHECKING:
     from ..transfer.engine import TransferEngine
     from .metrics import LocalMetrics
-    from .service import LocalService
 
 logger = logging.getLogger(__name__)
 
@@ -149,16 +149,15 @@ class Reads(Membership):
                             verify: set[int]) -> list[tuple[str, int, int]]:
         """Disk-only objects from their provider, the others from their DRAM replicas, then the disk
         record where every DRAM copy failed. Returns the corrupt replicas (``_read``)."""
-        svc = cast("LocalService", self)
         verify_disk = self.config.checksum and self.config.checksum_verify_ratio > 0
         on_disk = [i for i in todo if not found[i].locations]  # type: ignore[union-attr]
         if on_disk:   # evicted to a provider's disk tier: that provider serves the bytes (local/tier.py)
-            tier.read_disk(svc, list(keys), list(pieces), found, on_disk, results, verify_disk)
+            tier.read_disk(self, list(keys), list(pieces), found, on_disk, results, verify_disk)
             todo = [i for i in todo if found[i].locations]  # type: ignore[union-attr]
         corrupt = self._read(keys, pieces, found, todo, results, verify)
         fallback = [i for i in todo if results[i] is not None and found[i].disk]  # type: ignore[union-attr]
         if fallback:   # every DRAM copy failed: the provider's disk record is one more replica
-            tier.read_disk(svc, list(keys), list(pieces), found, fallback, results, verify_disk)
+            tier.read_disk(self, list(keys), list(pieces), found, fallback, results, verify_disk)
         failed = [e for e in (results[i] for i in todo) if e is not None]
         if failed:   # a miss the engine will recompute: say why, once per batch
             logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),
@@ -206,7 +205,7 @@ class Reads(Membership):
         ratio = self.config.checksum_verify_ratio if self.config.checksum else 0.0
         verify = (ratio >= 1.0 or (ratio > 0 and self._sample.random() < ratio)
                   or (force_verify and self.config.checksum))
-        return CopyOp(seg, offset, _clip(pieces, f.size), f.size, key, f.generation, f.checksum, hash=verify)
+        return CopyOp(seg, offset, clip(pieces, f.size), f.size, key, f.generation, f.checksum, hash=verify)
 
     def _know_segments(self, locs: list[p.Location]) -> None:
         """Fetch the segment table once when replicas lie in segments not known here (to rank them)."""
@@ -301,17 +300,3 @@ def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool,
             results[i] = InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
         return False
     return True
-
-
-def _clip(pieces: Pieces, size: int) -> Pieces:
-    """The pieces cut to ``size`` bytes in total (for reads into buffers larger than the object)."""
-    if sum(map(itemgetter(1), pieces)) <= size:
-        return pieces
-    out, left = [], size
-    for ptr, s in pieces:
-        if left <= 0:
-            break
-        out.append((ptr, min(s, left)))
-        left -= s
-    return out
-

@@ -38,13 +38,14 @@ from . import tier
 from .drain import Drainer
 from .gva import Gva, GvaBook
 from .hints import LocationHints
-from .membership import Pieces as Pieces
-from .membership import Session, in_batches
+from .membership import in_batches
 from .metrics import LocalMetrics, MetricsServer
 from .prefault import Prefault, start_prefault
 from .reads import Reads
 from .reads import replica_distance as replica_distance
 from .segment import create_segment
+from .session import Pieces as Pieces
+from .session import Session
 from .writes import Writes
 
 if TYPE_CHECKING:
@@ -93,10 +94,6 @@ class LocalService(Writes, Reads, Gva):
         self.disk: tier.DiskTier | None = None   # the disk tier under our segment (disk_path)
         self.prefault: Prefault | None = None
         self._gva_book: GvaBook | None = None   # GVAs handed out in the current session (gva.py)
-
-    @property
-    def client_id(self) -> int:
-        return self.session.client_id
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import xxhash
 
@@ -35,10 +35,7 @@ from ..transfer.disk_wire import OP_DISK_READ, OP_PROMOTE
 from . import disk_record
 from .aligned import Aligned
 from .disk import DiskStore
-
-if TYPE_CHECKING:
-    from .membership import Pieces
-    from .service import LocalService
+from .session import Member, Pieces, clip
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +48,14 @@ READ_STREAMS = 4           # disk reads of one batch from one provider run in th
 PARALLEL_BYTES = 1 << 20   # smaller batches are read in one part
 
 
+class Provider(Member, Protocol):
+    """A member with the disk tier under its segment, if it has one (``disk_path``)."""
+
+    disk: DiskTier | None
+
+
 class DiskTier:
-    def __init__(self, svc: LocalService) -> None:
+    def __init__(self, svc: Member) -> None:
         cfg = svc.config
         self.svc = svc
         self.policy = cfg.disk_write_policy
@@ -237,10 +240,9 @@ class DiskTier:
         return [by_key.get(k, c) if c == errors.SUCCESS else c for (k, _, _), c in zip(items, codes, strict=True)]
 
 
-def read_disk(svc: LocalService, keys: list[str], pieces: list[Pieces], found: list[p.Found | None],
+def read_disk(svc: Provider, keys: list[str], pieces: list[Pieces], found: list[p.Found | None],
               idx: list[int], results: list[MemCacheError | None], verify: bool) -> None:
     """Read disk-only objects from the providers holding their records, straight into ``pieces``."""
-    from .reads import _clip
     by_owner: dict[int, list[int]] = {}
     for i in idx:
         f = found[i]
@@ -249,7 +251,7 @@ def read_disk(svc: LocalService, keys: list[str], pieces: list[Pieces], found: l
             continue
         by_owner.setdefault(f.disk, []).append(i)
     for sid, owned in by_owner.items():
-        items = [(keys[i], found[i].size, found[i].checksum, _clip(pieces[i], found[i].size))  # type: ignore[union-attr]
+        items = [(keys[i], found[i].size, found[i].checksum, clip(pieces[i], found[i].size))  # type: ignore[union-attr]
                  for i in owned]
         errs = _read_from(svc, sid, items)
         for i, e, item in zip(owned, errs, items, strict=True):
@@ -258,7 +260,7 @@ def read_disk(svc: LocalService, keys: list[str], pieces: list[Pieces], found: l
             results[i] = e
 
 
-def _read_from(svc: LocalService, sid: int, items: list) -> list[MemCacheError | None]:
+def _read_from(svc: Provider, sid: int, items: list) -> list[MemCacheError | None]:
     """Read ``items`` from provider ``sid``, in up to ``READ_STREAMS`` parts at once (the provider
     reads records in parallel; a direct read releases the GIL)."""
     parts = [items[i::READ_STREAMS] for i in range(min(READ_STREAMS, len(items)))]
@@ -270,7 +272,7 @@ def _read_from(svc: LocalService, sid: int, items: list) -> list[MemCacheError |
     return errs
 
 
-def _read_part(svc: LocalService, sid: int, items: list) -> list[MemCacheError | None]:
+def _read_part(svc: Provider, sid: int, items: list) -> list[MemCacheError | None]:
     if svc.disk is not None and sid == svc.client_id:
         return svc.disk.read_into(items)
     try:
@@ -293,7 +295,7 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def promote_remote(svc: LocalService, sid: int, items: list[tuple[str, int, int]]) -> list[int]:
+def promote_remote(svc: Provider, sid: int, items: list[tuple[str, int, int]]) -> list[int]:
     """Ask provider ``sid`` to bring these records of its disk tier into its DRAM segment."""
     if svc.disk is not None and sid == svc.client_id:
         return svc.disk.promote_local(items)

@@ -10,12 +10,9 @@ its lists before it forgets it) and its links are found through it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
-
-if TYPE_CHECKING:
-    from .objects import Obj
 
 OUT = "".join(("\x00", "not in a list"))   # a distinct string: compared by identity only
 
@@ -25,11 +22,31 @@ class Links(msgspec.Struct, gc=False):
     next: str | None = OUT
 
 
-def _node(obj: Obj, sid: int) -> Any:
+class Linked(Protocol):
+    """What the list needs of an object (``objects.Obj`` is one): its key, its links in its first
+    location's segment, and those in its other segments (``links``) when it has extras (``more``)."""
+
+    key: str
+    prev: str | None
+    next: str | None
+
+    @property
+    def more(self) -> object | None: ...
+    @property
+    def committed(self) -> bool: ...
+    @property
+    def first_segment(self) -> int | None: ...
+    def links(self, segment_id: int) -> Any: ...
+
+
+Obj = TypeVar("Obj", bound=Linked)   # the table's object type (``objects.Obj``), passed in by ``Lru[Obj]``
+
+
+def _node(obj: Linked, sid: int) -> Any:
     return obj if obj.more is None else obj.links(sid)
 
 
-class Lru:
+class Lru(Generic[Obj]):
     def __init__(self, segment_id: int, objects: dict[str, Obj]) -> None:
         self.sid = segment_id
         self.objects = objects

@@ -203,7 +203,7 @@ class Segment:
                  alloc_after: float = 0.0) -> None:
         self.info = info
         self.allocator = allocator
-        self.lru = Lru(info.segment_id, objects)   # committed objects here, least recent first
+        self.lru: Lru[Obj] = Lru(info.segment_id, objects)   # committed objects here, least recent first
         self.journal: list[JournalEntry] = []
         self.journal_seq = 0
         self.acked = 0                  # the owner has applied the journal up to here (cleared those headers)

@@ -79,14 +79,14 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
 def _handler(core: MetaServiceCore) -> Callable[[bytes], bytes]:
     """The control-plane handler; with ha_enable, fenced by the leader election (meta/ha.py)."""
     if not core.config.ha_enable:
-        return lambda body: _answer(core, body)
+        return lambda body: answer(core, body)
     from . import ha
     election = ha.LeaderElection(core.config, lambda won: ha.reset(core, election, won))
     core.ha = election
-    return ha.fenced(election, lambda body, term: _answer(core, body, term))
+    return ha.fenced(election, lambda body, term: answer(core, body, term))
 
 
-def _answer(core: MetaServiceCore, payload: bytes, term: int = 0) -> bytes:
+def answer(core: MetaServiceCore, payload: bytes, term: int = 0) -> bytes:
     t0 = time.perf_counter()
     try:
         req = p.request_decoder.decode(payload)

@@ -1,6 +1,6 @@
 """The MetaService's state and request handling (``MetaServiceCore``); the serving loop around it,
-one thread serving the control plane and one serving HTTP admin, is ``server.py`` (``serve``,
-re-exported here).
+one thread serving the control plane and one serving HTTP admin, is ``server.py`` (``serve``), which
+sits above this module: nothing here imports it back.
 
 It never touches payload bytes. State lives in memory only; after a restart the LocalServices
 re-join and report the objects in their segments (see ``ObjectTable.add_segment``).
@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import hmac
 import logging
+import math
 import random
 import secrets
 import threading
@@ -30,8 +31,6 @@ from .events import EventPublisher, load_curve
 from .metrics import Metrics
 from .objects import PENDING_LEASE
 from .repair import Repairs
-from .server import _answer as _answer
-from .server import serve as serve
 from .table import Obj, ObjectTable
 
 logger = logging.getLogger(__name__)
@@ -104,9 +103,47 @@ class MetaServiceCore:
             self.publisher.offer(stored, obj.key, seg.info.host_id if seg else "", loc.segment_id)
 
     def stats(self) -> stats.Snapshot:
-        """The numbers every view renders, copied under the lock (rendering happens outside it)."""
+        """The numbers every view renders, copied under the lock (rendering happens outside it): a pass
+        over the segments and members, never over the objects."""
         with self.lock:
-            return stats.take(self)
+            now = time.monotonic()
+            t = self.table
+            owners = {m.segment_id: m.pid for m in self.members.values() if m.segment_id is not None}
+            segments = [stats.SegmentStats(i, s.info.host_id, s.info.tag, s.info.data_addr, s.info.metrics_addr,
+                                           self.served.get(i, [0, 0, 0, 0])[2], self.served.get(i, [0, 0, 0, 0])[3],
+                                           owners.get(i), "dram",
+                                           s.allocator.size, s.allocator.used, len(s.lru), s.allocator.largest_free,
+                                           None if math.isinf(s.alloc_after) else round(max(0.0, s.alloc_after - now), 3),
+                                           math.isinf(s.alloc_after))
+                        for i, s in sorted(t.segments.items())]
+            members = [stats.MemberStats(m.client_id, m.host_id, m.pid, m.segment_id, round(now - m.last_seen, 3))
+                       for m in sorted(self.members.values(), key=lambda m: m.client_id)]
+            c = t.counters
+            outcomes: dict[str, dict[str, int]] = {}
+            for (op, outcome), n in self.outcomes.items():
+                outcomes.setdefault(op, {})[outcome] = n
+            requests = [stats.RequestStats(op, list(h.counts), h.total, h.count, h.failures)
+                        for op, h in sorted(self.metrics.requests.items())]
+            events = dict(self.member_events)
+            if self.publisher is not None:
+                events["kv_events_published"] = self.publisher.published
+                events["kv_events_dropped"] = self.publisher.dropped
+                events["kv_events_published_stored"] = self.publisher.published_stored
+                events["kv_events_published_cleared"] = self.publisher.by_type["AllBlocksCleared"]
+                events["kv_events_dropped_stored"] = self.publisher.dropped_stored
+            events.update({f"http_{k}": n for k, n in self.http_calls.items()})
+            disk_tiers = [stats.DiskTierStats(sid, d.policy, d.capacity, d.used, d.counters.get("objects", 0),
+                                              dict(d.counters))
+                          for sid, d in sorted(t.disk_tiers.items())]
+            leading = self.ha is None or self.ha.serving()
+            term = self.ha.term if self.ha is not None and leading else 0
+            return stats.Snapshot(time.time(), round(now - self.started, 3), self.epoch,
+                                  "leader" if leading else "standby", term, members, segments,
+                                  len(t.objects) - t.pending, t.pending, t.under_replicated,
+                                  {**self.drains.stats(), **self.repairs.stats()},
+                                  {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, events,
+                                  requests, list(self.history.samples), disk_tiers, self.drains.in_progress(now),
+                                  self.history.interval_s)
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
@@ -373,4 +410,4 @@ class MetaServiceCore:
         self.table.evict_all(now)
         self.drains.housekeeping(now)
         self.repairs.housekeeping(now)
-        self.history.record(self, now)
+        self.history.record(self.table, now)

@@ -1,7 +1,7 @@
 """A point-in-time copy of the MetaService's state: what /metrics, /status and ``memcache status`` show.
 
-``take`` copies numbers out of the core while the caller holds its lock (a pass over the segments
-and members, never over the objects); everything after it (rendering Prometheus text, HTML, JSON,
+``MetaServiceCore.stats`` copies numbers out of the core into a ``Snapshot`` under its lock (a pass
+over the segments and members, never over the objects); everything after it (rendering Prometheus text, HTML, JSON,
 terminal tables) works on the copy, outside the lock. ``History`` keeps a small ring of samples so
 the status page can draw hit ratio and throughput over the last minutes.
 """
@@ -9,7 +9,6 @@ the status page can draw hit ratio and throughput over the last minutes.
 from __future__ import annotations
 
 import collections
-import math
 import operator
 import time
 from collections.abc import Iterable
@@ -21,7 +20,7 @@ from .. import errors
 from .. import protocol as p
 
 if TYPE_CHECKING:
-    from .service import MetaServiceCore
+    from .table import ObjectTable
 
 HISTORY_LEN = 120          # ten minutes of samples
 _CODE_NAMES = {v: k.lower() for k, v in vars(errors).items()
@@ -126,49 +125,6 @@ class Snapshot(msgspec.Struct):
         return sorted(self.disk_tiers, key=lambda d: (-d.capacity_bytes, d.segment_id))[:MAX_SEGMENT_SERIES]
 
 
-def take(core: MetaServiceCore) -> Snapshot:
-    """Copy the numbers out of ``core``; the caller holds ``core.lock``."""
-    now = time.monotonic()
-    t = core.table
-    owners = {m.segment_id: m.pid for m in core.members.values() if m.segment_id is not None}
-    segments = [SegmentStats(i, s.info.host_id, s.info.tag, s.info.data_addr, s.info.metrics_addr,
-                             core.served.get(i, [0, 0, 0, 0])[2], core.served.get(i, [0, 0, 0, 0])[3],
-                             owners.get(i), "dram",
-                             s.allocator.size, s.allocator.used, len(s.lru), s.allocator.largest_free,
-                             None if math.isinf(s.alloc_after) else round(max(0.0, s.alloc_after - now), 3),
-                             math.isinf(s.alloc_after))
-                for i, s in sorted(t.segments.items())]
-    members = [MemberStats(m.client_id, m.host_id, m.pid, m.segment_id, round(now - m.last_seen, 3))
-               for m in sorted(core.members.values(), key=lambda m: m.client_id)]
-    c = t.counters
-    outcomes: dict[str, dict[str, int]] = {}
-    for (op, outcome), n in core.outcomes.items():
-        outcomes.setdefault(op, {})[outcome] = n
-    requests = [RequestStats(op, list(h.counts), h.total, h.count, h.failures)
-                for op, h in sorted(core.metrics.requests.items())]
-    events = dict(core.member_events)
-    if core.publisher is not None:
-        events["kv_events_published"] = core.publisher.published
-        events["kv_events_dropped"] = core.publisher.dropped
-        events["kv_events_published_stored"] = core.publisher.published_stored
-        events["kv_events_published_cleared"] = core.publisher.by_type["AllBlocksCleared"]
-        events["kv_events_dropped_stored"] = core.publisher.dropped_stored
-    events.update({f"http_{k}": n for k, n in core.http_calls.items()})
-    leading = core.ha is None or core.ha.serving()
-    term = core.ha.term if core.ha is not None and leading else 0
-    return Snapshot(time.time(), round(now - core.started, 3), core.epoch, "leader" if leading else "standby",
-                    term, members, segments, len(t.objects) - t.pending, t.pending, t.under_replicated,
-                    {**core.drains.stats(), **core.repairs.stats()},
-                    {k: getattr(c, k) for k in c.__dataclass_fields__}, outcomes, events,
-                    requests, list(core.history.samples), _disk_tiers(core), core.drains.in_progress(now),
-                    core.history.interval_s)
-
-
-def _disk_tiers(core: MetaServiceCore) -> list[DiskTierStats]:
-    return [DiskTierStats(sid, d.policy, d.capacity, d.used, d.counters.get("objects", 0), dict(d.counters))
-            for sid, d in sorted(core.table.disk_tiers.items())]
-
-
 class History:
     """Samples of the counters every ``interval_s``, the last ``HISTORY_LEN`` of them."""
 
@@ -177,12 +133,12 @@ class History:
         self.samples: collections.deque[Sample] = collections.deque(maxlen=HISTORY_LEN)
         self._next = 0.0
 
-    def record(self, core: MetaServiceCore, now: float) -> None:
+    def record(self, table: ObjectTable, now: float) -> None:
         """Called from housekeeping, under the lock: cheap (no pass over the objects)."""
         if now < self._next:
             return
         self._next = now + self.interval_s
-        c, t = core.table.counters, core.table
+        c, t = table.counters, table
         used = sum(s.allocator.used for s in t.segments.values())
         self.samples.append(Sample(time.time(), c.lookups, c.hits, c.allocs, used))
 

@@ -1,5 +1,6 @@
 """The transfer engine: moves payload between callers' buffers and pool segments, one copy each."""
 
-from .engine import CopyOp, TransferEngine
+from .engine import TransferEngine
+from .ops import CopyOp
 
 __all__ = ["CopyOp", "TransferEngine"]

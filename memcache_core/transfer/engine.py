@@ -17,7 +17,6 @@ right after copying it and compares with the checksum the writer committed. A mi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import ssl
@@ -29,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ..errors import ChecksumMismatch, ConfigError, MemCacheError, TransferFailed
-from ..layout import pack_header, payload_offset
 from ..memory import Mapping, buffer_address, view_at
 from ..protocol import SegmentInfo
 from . import native
+from .ops import CopyOp as CopyOp
 from .shm import ShmTransport
 from .shmcopy import copy_batch, verify
 from .tcp import TcpClient
@@ -45,42 +44,6 @@ logger = logging.getLogger(__name__)
 INLINE_BYTES = 1 << 20    # batches smaller than this are copied on the calling thread
 NIXL = "nixl:"            # job key prefix of ops moved by NIXL
 NIXL_SLICE_BYTES = 4 << 20  # a NIXL read is verified slice by slice, each one request
-
-
-@dataclasses.dataclass(slots=True)
-class CopyOp:
-    """Copy between one object replica and local pieces laid end to end in its payload.
-
-    ``offset`` is where the object's header starts; the payload starts ``HEADER_BYTES`` later.
-    Writes: ``key``/``generation`` go into the header; ``checksum`` is computed when ``hash`` is set.
-    Reads: ``checksum`` is the committed one; the bytes are verified when ``hash`` is set and it is
-    non-zero.
-    A range of the payload (the GVA path's ``batch_copy``): the pieces start ``start`` bytes into it,
-    and a write of a range (``with_header`` False) leaves the header alone (it is written when the
-    object is finished, after all its bytes); such ops carry no hash.
-    A read with ``fallback`` (another replica or a disk record can serve it) waits on a TCP peer at
-    most ``tcp.Deadline(stall_s, bytes)``, not the whole client timeout.
-    """
-
-    segment: SegmentInfo
-    offset: int
-    pieces: list[tuple[int, int]]
-    nbytes: int
-    key: str = ""
-    generation: int = 0
-    checksum: int = 0
-    hash: bool = False
-    error: MemCacheError | None = None
-    start: int = 0
-    with_header: bool = True
-    fallback: bool = False    # a read with somewhere else to go: a peer that stalls gets ``stall_s``, not the timeout
-
-    @property
-    def payload_offset(self) -> int:
-        return payload_offset(self.offset) + self.start
-
-    def header(self) -> bytes:
-        return pack_header(self.key, self.generation, self.nbytes, self.checksum)
 
 
 def checksum_of(pieces: list[tuple[int, int]]) -> int:

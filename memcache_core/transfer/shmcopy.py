@@ -35,7 +35,7 @@ from .shmloop import copy_native, finish, verify
 __all__ = ["copy_batch", "verify"]
 
 if TYPE_CHECKING:
-    from .engine import CopyOp
+    from .ops import CopyOp
 
 logger = logging.getLogger(__name__)
 

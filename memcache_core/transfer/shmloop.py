@@ -28,7 +28,7 @@ from .native import ALL, COPY, DIGEST, DIGEST_AT, FLAGS_AT, HASH, READ, RESET, R
 from .shm import memmove
 
 if TYPE_CHECKING:
-    from .engine import CopyOp
+    from .ops import CopyOp
 
 GROUPS_PER_THREAD = 4       # groups are claimed: a thread that starts late or loses its core takes fewer
 MIN_CUT = 16 << 20          # a single object smaller than this is not cut between threads (measured:

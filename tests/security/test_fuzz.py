@@ -29,7 +29,8 @@ from memcache_core.auth import admin_token, client_handshake
 from memcache_core.config import MetaConfig
 from memcache_core.memory import Mapping
 from memcache_core.meta.http import AdminServer
-from memcache_core.meta.service import MetaServiceCore, _answer
+from memcache_core.meta.server import answer
+from memcache_core.meta.service import MetaServiceCore
 from memcache_core.rpc import expect
 from memcache_core.transfer.tcp import DataServer, TcpClient
 from tests.hypothesis_profiles import examples
@@ -82,7 +83,7 @@ def core() -> MetaServiceCore:
 
 
 def _call(core: MetaServiceCore, req: p.Request) -> p.Reply:
-    reply = p.reply_decoder.decode(_answer(core, p.request_encoder.encode(req)))
+    reply = p.reply_decoder.decode(answer(core, p.request_encoder.encode(req)))
     assert not isinstance(reply, p.Error), reply
     return reply
 
@@ -108,7 +109,7 @@ def test_segment_nixl_descriptor_is_bounded_and_handed_to_members(core):
     in size (the error names the field) and given back with the segment table, unchanged."""
     path = f"/dev/shm/memcache-{os.getpid()}-{secrets.token_hex(6)}"
     big = p.SegmentInfo(0, 1 << 24, "h", path, "127.0.0.1:9", nixl=b"\1" * ((64 << 10) + 1))
-    reply = p.reply_decoder.decode(_answer(core, p.request_encoder.encode(p.Join(0, "h", os.getpid(), big))))
+    reply = p.reply_decoder.decode(answer(core, p.request_encoder.encode(p.Join(0, "h", os.getpid(), big))))
     assert isinstance(reply, p.Error) and "segment.nixl" in reply.message
     blob = secrets.token_bytes(600)
     j = _call(core, p.Join(0, "h", os.getpid(), p.SegmentInfo(0, 1 << 24, "h", path, "127.0.0.1:9", nixl=blob)))
@@ -154,7 +155,7 @@ def test_control_plane_handles_typed_requests_with_extreme_values(core, req, as_
     if as_member and hasattr(req, "token"):
         member = _member(core)
         req = msgspec.structs.replace(req, client_id=member.client_id, token=member.token)
-    out = _answer(core, p.request_encoder.encode(req))
+    out = answer(core, p.request_encoder.encode(req))
     assert isinstance(p.reply_decoder.decode(out), p.Reply.__args__)  # type: ignore[attr-defined]
     _honest_cycle(core)
 
@@ -180,7 +181,7 @@ def test_control_plane_answers_every_payload_with_a_reply_and_keeps_working(core
     """Property: for any payload (random bytes, request-shaped maps with extreme integers, long strings
     and lists, or such a map with one byte changed) the handler answers a decodable ``Reply`` and the
     core keeps serving an honest Join/Alloc/Commit/Lookup correctly."""
-    out = _answer(core, payload)
+    out = answer(core, payload)
     assert isinstance(p.reply_decoder.decode(out), p.Reply.__args__)  # type: ignore[attr-defined]
     _honest_cycle(core)
 

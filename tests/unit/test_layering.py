@@ -7,7 +7,9 @@ import statement, at module level or inside a function or ``if TYPE_CHECKING``, 
 * ``local/`` may use ``transfer/`` (it owns the transfer engine), never ``meta/``;
 * the entry points (the package, ``meta_service``, ``cli``, ``cli_status``, ``testing``) sit on top;
 * nothing in the core imports an integration or an engine, and the two integrations do not import
-  each other.
+  each other;
+* no import cycles, inside a layer either: a helper never imports the module that imports it (shared
+  types live in a leaf module; what a helper needs of its owner is passed in).
 """
 
 from __future__ import annotations
@@ -95,6 +97,60 @@ def test_no_import_runs_upward_or_sideways(path: Path):
 @pytest.mark.parametrize("path", core_files(), ids=lambda p: module_name(p))
 def test_the_core_never_imports_an_integration_or_an_engine(path: Path):
     assert [m for m in imports(path) if m.split(".")[0] in ENGINES] == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each core module and the core modules it imports (a name inside a module, ``from . import x``
+    of a function, counts as that module)."""
+    modules = {module_name(f): f for f in core_files()}
+
+    def owner(name: str) -> str:
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {m: {owner(i) for i in imports(f) if i.split(".")[0] == "memcache_core"} - {m}
+            for m, f in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a path (``[a, b, a]``), or [] when there is none."""
+    done: set[str] = set()
+
+    def walk(m: str, path: list[str]) -> list[str]:
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return []
+        for n in sorted(graph[m]):
+            found = walk(n, path + [m])
+            if found:
+                return found
+        done.add(m)
+        return []
+
+    for m in sorted(graph):
+        found = walk(m, [])
+        if found:
+            return found
+    return []
+
+
+def test_no_import_cycles():
+    """Scenario: ``local/drain.py`` imports ``local/service.py`` (even only for a type) while the service
+    imports the drainer: a circle a reader cannot enter anywhere. Pass the owner in as a ``Protocol``."""
+    cycle = find_cycle(import_graph())
+    assert cycle == [], "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    """Negative control: the finder sees a circle through a package's module and a type-only import."""
+    graph = import_graph()
+    graph["memcache_core.local.drain"] = graph["memcache_core.local.drain"] | {"memcache_core.local.service"}
+    cycle = find_cycle(graph)
+    assert cycle[0] == cycle[-1] and "memcache_core.local.drain" in cycle
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
 
 
 @pytest.mark.parametrize("this, other", [("memcache_sglang", "memcache_vllm"), ("memcache_vllm", "memcache_sglang")])

@@ -13,7 +13,7 @@ import pytest
 from memcache_core import errors
 from memcache_core import protocol as p
 from memcache_core.config import MetaConfig
-from memcache_core.meta import service
+from memcache_core.meta import server, service
 from memcache_core.rpc import SMALL_FRAME, FrameServer, RpcClient
 from memcache_core.testing import free_port, polling
 
@@ -61,6 +61,6 @@ def test_a_silent_metaservice_fails_within_the_timeout():
 def test_the_metaservice_refuses_bad_keys_with_invalid_param(keys, why):
     core = service.MetaServiceCore(MetaConfig())
     for req in (p.Exist(keys), p.Lookup(keys)):
-        reply = p.reply_decoder.decode(service._answer(core, p.request_encoder.encode(req)))
+        reply = p.reply_decoder.decode(server.answer(core, p.request_encoder.encode(req)))
         assert isinstance(reply, p.Error)
         assert reply.code == errors.INVALID_PARAM and why in reply.message and "$.keys[0]" in reply.message
