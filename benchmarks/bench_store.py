@@ -46,14 +46,14 @@ from bench_store_common import (
     SEGMENT,
     BenchError,
     OpFailed,
-    _bench_nixl,
-    _free_port,
+    free_port,
+    load_bench_nixl,
 )
 from bench_store_common import SEED as SEED  # re-exported: bench_copy.py imports these from here
 from bench_store_common import page_aligned as page_aligned
 from bench_store_common import piece_memcpy_s as piece_memcpy_s
 from bench_store_common import pieces_of as pieces_of
-from bench_store_report import _bandwidth_row, _plot, _print_row, print_table
+from bench_store_report import bandwidth_row, plot, print_row, print_table
 from bench_store_worker import Proc
 
 # ---- the pool: MetaService (or Mooncake master) + writer + reader --------------------------------------
@@ -61,7 +61,7 @@ from bench_store_worker import Proc
 class MooncakeMaster:
     def __init__(self) -> None:
         exe = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        rpc, meta, metrics = _free_port(), _free_port(), _free_port()
+        rpc, meta, metrics = free_port(), free_port(), free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
             [exe, f"--rpc_port={rpc}", "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
@@ -142,11 +142,11 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
                 for op, rs in rows.items():
                     if not rs:
                         continue
-                    row = _bandwidth_row(engine, protocol, layout, batch, op, rs)
+                    row = bandwidth_row(engine, protocol, layout, batch, op, rs)
                     if op == "get" and args.warmup:
                         row["cold_get_gbps"] = round(batch * OBJ_BYTES / cold / 1e9, 3)
                     out.append(row)
-                    _print_row(row)
+                    print_row(row)
         if args.checksum == "both" and engine == "memcache":
             checksum_cost(protocol, args, writer, reader, out)
         if len(args.replicas) > 1 and engine == "memcache":
@@ -162,7 +162,7 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
                    "p50_us": round(ns[len(ns) // 2] / 1e3, 1),
                    "p99_us": round(ns[min(len(ns) - 1, int(len(ns) * 0.99))] / 1e3, 1)}
             out.append(row)
-            _print_row(row)
+            print_row(row)
     finally:
         for p in procs:
             p.close()
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(args.table)
         if args.plot:
             with open(args.table[0], encoding="utf-8") as f:
-                print(f"plot: {_plot(json.load(f)['results'], args.plot)}")
+                print(f"plot: {plot(json.load(f)['results'], args.plot)}")
         return 0
     if args.engine == "mooncake":
         try:
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     protocols = ["host_tcp"] if args.engine == "mooncake" else (
         ["host_shm", "host_tcp"] if args.protocol == "all" else [args.protocol])
     if args.transfer_engine == "nixl" and args.engine == "memcache":
-        nixl_protocols = _bench_nixl().prepare(args.protocol)
+        nixl_protocols = load_bench_nixl().prepare(args.protocol)
         if nixl_protocols is None:
             return 2
         protocols = nixl_protocols
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({"argv": sys.argv[1:], "results": out}, f, indent=1)
     if args.plot:
-        print(f"plot: {_plot(out, args.plot)}")
+        print(f"plot: {plot(out, args.plot)}")
     print(f"done in {time.monotonic() - t0:.0f} s")
     return 0
 

@@ -89,13 +89,13 @@ def piece_memcpy_s(pieces: list[list[tuple[int, int]]], flat: int, gather: bool)
 
 
 
-def _bench_nixl() -> Any:
+def load_bench_nixl() -> Any:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_nixl
     return bench_nixl
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

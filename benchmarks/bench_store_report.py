@@ -12,7 +12,7 @@ from typing import Any
 from bench_store_common import KIB, OBJ_BYTES
 
 
-def _bandwidth_row(engine: str, protocol: str, layout: str, batch: int, op: str,
+def bandwidth_row(engine: str, protocol: str, layout: str, batch: int, op: str,
                    rs: list[dict[str, Any]]) -> dict[str, Any]:
     nbytes = batch * OBJ_BYTES
     t, mc = statistics.median(r["s"] for r in rs), statistics.median(r["memcpy_s"] for r in rs)
@@ -29,7 +29,7 @@ def _path(protocol: str, op: str) -> str:
     return "host_shm" if op == "put" or protocol == "host_shm" else protocol
 
 
-def _print_row(row: dict[str, Any]) -> None:
+def print_row(row: dict[str, Any]) -> None:
     if "gbps" in row:
         extra = f"  cold {row['cold_get_gbps']:6.2f} GB/s" if "cold_get_gbps" in row else ""
         print(f"{row['engine']:8} {row['protocol']:8} {row['layout']:10} {row['batch']:>3} {row['op']:9}"
@@ -70,7 +70,7 @@ def print_table(paths: list[str]) -> None:
         print(label + "".join(f" | {row.get(c, '-'):19}" for c in cols))
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> str:
+def plot(rows: list[dict[str, Any]], path: str) -> str:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import plots
     return plots.bandwidth(rows, path, f"object {OBJ_BYTES // KIB} KiB; medians")

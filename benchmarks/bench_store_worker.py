@@ -18,8 +18,8 @@ from bench_store_common import (
     SMALL,
     BenchError,
     OpFailed,
-    _bench_nixl,
-    _free_port,
+    free_port,
+    load_bench_nixl,
     memcpy_s,
     minor_faults,
     page_aligned,
@@ -55,7 +55,7 @@ class CoreClient:
         cfg = LocalConfig()
         cfg.meta_service_url = spec["meta_service_url"]
         cfg.config_store_url = spec["config_store_url"]
-        _bench_nixl().configure(cfg, spec["protocol"])
+        load_bench_nixl().configure(cfg, spec["protocol"])
         cfg.dram_size = SEGMENT
         cfg.log_level = "warning"
         cfg.hcom_url = "tcp://127.0.0.1:0"
@@ -121,7 +121,7 @@ class MooncakeClient:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         self._rc = ReplicateConfig
         self.store = MooncakeDistributedStore()
-        self.ident = f"127.0.0.1:{_free_port()}"
+        self.ident = f"127.0.0.1:{free_port()}"
         rc = self.store.setup(self.ident, spec["metadata_url"], SEGMENT, 64 << 20, "tcp", "",
                               spec["master_addr"])
         if rc != 0:

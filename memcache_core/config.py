@@ -27,12 +27,12 @@ from .values import FALSE_WORDS as FALSE_WORDS  # re-exported: integrations and 
 from .values import TRUE_WORDS as TRUE_WORDS
 from .values import (
     WILDCARD_HOSTS,
-    _check_bool,
-    _check_int,
-    _check_log_level,
-    _check_range,
-    _check_str,
+    check_bool,
     check_cluster_id,
+    check_int,
+    check_log_level,
+    check_range,
+    check_str,
     parse_etcd_endpoints,
     parse_meta_target,
     parse_size,
@@ -184,7 +184,7 @@ class MetaConfig:
         parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
         parse_url(self.metrics_url, "metrics_url", ("http", "https"))
-        _check_bool("ha_enable", self.ha_enable)
+        check_bool("ha_enable", self.ha_enable)
         if self.placement_policy not in PLACEMENT_POLICIES:
             raise ConfigError(f"placement_policy: expected one of {', '.join(PLACEMENT_POLICIES)}, "
                               f"got {self.placement_policy!r}")
@@ -192,51 +192,51 @@ class MetaConfig:
             parse_etcd_endpoints(self.ha_etcd_endpoints, "ha_etcd_endpoints")
             check_etcd_auth(self, self.ha_etcd_endpoints)
             check_cluster_id(self.ha_cluster_id, "ha_cluster_id")
-            _check_range("ha_lease_ttl_ms", self.ha_lease_ttl_ms, 2000, 600_000)
+            check_range("ha_lease_ttl_ms", self.ha_lease_ttl_ms, 2000, 600_000)
             if self.ha_lease_ttl_ms % 1000:
                 raise ConfigError(f"ha_lease_ttl_ms: etcd leases count whole seconds; got {self.ha_lease_ttl_ms}")
-        _check_log_level(self.log_level)
+        check_log_level(self.log_level)
         if self.log_output_target not in ("", "file", "stdout", "stderr"):
             raise ConfigError(f"log_output_target: expected file, stdout or stderr, got {self.log_output_target!r}")
         if self.log_output_target == "file" and not self.log_path:
             raise ConfigError("log_output_target: 'file' needs log_path (the directory of the log file)")
-        _check_range("log_rotation_file_size", self.log_rotation_file_size, 1, 10240)
-        _check_range("log_rotation_file_count", self.log_rotation_file_count, 1, 1000)
-        _check_range("evict_threshold_high", self.evict_threshold_high, 1, 100)
-        _check_range("evict_threshold_low", self.evict_threshold_low, 0, 100)
+        check_range("log_rotation_file_size", self.log_rotation_file_size, 1, 10240)
+        check_range("log_rotation_file_count", self.log_rotation_file_count, 1, 1000)
+        check_range("evict_threshold_high", self.evict_threshold_high, 1, 100)
+        check_range("evict_threshold_low", self.evict_threshold_low, 0, 100)
         if self.evict_threshold_low >= self.evict_threshold_high:
             raise ConfigError(
                 f"evict_threshold_low: must be below evict_threshold_high "
                 f"({self.evict_threshold_low} >= {self.evict_threshold_high})")
-        _check_range("evict_check_interval_seconds", self.evict_check_interval_seconds, 0.01, 3600)
-        _check_range("lease_ttl_ms", self.lease_ttl_ms, 10, 3_600_000)
-        _check_range("heartbeat_timeout_ms", self.heartbeat_timeout_ms, 100, 3_600_000)
-        _check_range("pending_timeout_ms", self.pending_timeout_ms, 100, 86_400_000)
-        _check_range("member_max_pending_objects", self.member_max_pending_objects, 1, 1 << 40)
-        _check_range("member_max_pending_bytes", self.member_max_pending_bytes, 0, 1 << 60)
-        _check_bool("auth_enable", self.auth_enable)
-        _check_str("auth_secret_path", self.auth_secret_path)
-        _check_range("config_store_max_value_bytes", self.config_store_max_value_bytes, 1, 1 << 30)
-        _check_range("config_store_max_total_bytes", self.config_store_max_total_bytes, 1, 1 << 34)
-        _check_range("max_connections", self.max_connections, 16, 1 << 20)
+        check_range("evict_check_interval_seconds", self.evict_check_interval_seconds, 0.01, 3600)
+        check_range("lease_ttl_ms", self.lease_ttl_ms, 10, 3_600_000)
+        check_range("heartbeat_timeout_ms", self.heartbeat_timeout_ms, 100, 3_600_000)
+        check_range("pending_timeout_ms", self.pending_timeout_ms, 100, 86_400_000)
+        check_range("member_max_pending_objects", self.member_max_pending_objects, 1, 1 << 40)
+        check_range("member_max_pending_bytes", self.member_max_pending_bytes, 0, 1 << 60)
+        check_bool("auth_enable", self.auth_enable)
+        check_str("auth_secret_path", self.auth_secret_path)
+        check_range("config_store_max_value_bytes", self.config_store_max_value_bytes, 1, 1 << 30)
+        check_range("config_store_max_total_bytes", self.config_store_max_total_bytes, 1, 1 << 34)
+        check_range("max_connections", self.max_connections, 16, 1 << 20)
         tls.check(self)
-        _check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
-        _check_int("poll_spin_us", self.poll_spin_us, 0, 100_000)
-        _check_int("drain_timeout_ms", self.drain_timeout_ms, 100, 86_400_000)
-        _check_bool("repair_enable", self.repair_enable)
-        _check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
+        check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
+        check_int("poll_spin_us", self.poll_spin_us, 0, 100_000)
+        check_int("drain_timeout_ms", self.drain_timeout_ms, 100, 86_400_000)
+        check_bool("repair_enable", self.repair_enable)
+        check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:
-        _check_bool("kv_events_enable", self.kv_events_enable)
-        _check_str("kv_events_model_name", self.kv_events_model_name)
-        _check_range("kv_events_block_size", self.kv_events_block_size, 1, 1 << 20)
-        _check_range("kv_events_queue_size", self.kv_events_queue_size, 1, 10_000_000)
-        _check_range("kv_events_buffer_steps", self.kv_events_buffer_steps, 1, 10_000_000)
-        _check_str("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
-        _check_bool("zmq_enable_curve", self.zmq_enable_curve)
-        _check_str("zmq_curve_server_key_file", self.zmq_curve_server_key_file)
-        _check_str("zmq_curve_client_keys_dir", self.zmq_curve_client_keys_dir)
+        check_bool("kv_events_enable", self.kv_events_enable)
+        check_str("kv_events_model_name", self.kv_events_model_name)
+        check_range("kv_events_block_size", self.kv_events_block_size, 1, 1 << 20)
+        check_range("kv_events_queue_size", self.kv_events_queue_size, 1, 10_000_000)
+        check_range("kv_events_buffer_steps", self.kv_events_buffer_steps, 1, 10_000_000)
+        check_str("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
+        check_bool("zmq_enable_curve", self.zmq_enable_curve)
+        check_str("zmq_curve_server_key_file", self.zmq_curve_server_key_file)
+        check_str("zmq_curve_client_keys_dir", self.zmq_curve_client_keys_dir)
         if not self.kv_events_enable:
             return
         parse_url(self.kv_events_endpoint, "kv_events_endpoint", ("tcp",))
@@ -413,8 +413,8 @@ class LocalConfig:
             check_etcd_auth(self, self.meta_service_url)
         parse_url(self.config_store_url, "config_store_url", ("tcp",))
         parse_url(self.hcom_url, "hcom_url", ("tcp",))
-        _check_log_level(self.log_level)
-        _check_range("world_size", self.world_size, 1, 1024)
+        check_log_level(self.log_level)
+        check_range("world_size", self.world_size, 1, 1024)
         if self.protocol not in HOST_PROTOCOLS + ASCEND_PROTOCOLS:
             raise ConfigError(
                 f"protocol: unknown protocol {self.protocol!r}; expected one of "
@@ -424,21 +424,21 @@ class LocalConfig:
             parse_size(getattr(self, key), key)
         if self.protocol in HOST_PROTOCOLS and parse_size(self.hbm_size, "hbm_size") != 0:
             raise ConfigError(f"hbm_size: must be 0 with protocol {self.protocol}")
-        _check_range("client_timeout_seconds", self.client_timeout_seconds, 0.01, 86400)
-        _check_range("client_retry_milliseconds", self.client_retry_milliseconds, 0, 3_600_000)
-        _check_int("read_deadline_ms", self.read_deadline_ms, 0, 3_600_000)
-        _check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
-        _check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
-        _check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
-        _check_int("rpc_spin_us", self.rpc_spin_us, 0, 100_000)
-        _check_int("location_hints", self.location_hints, 0, 1 << 24)
-        _check_range("metrics_port", self.metrics_port, 0, 65535)
-        _check_str("metrics_host", self.metrics_host)
+        check_range("client_timeout_seconds", self.client_timeout_seconds, 0.01, 86400)
+        check_range("client_retry_milliseconds", self.client_retry_milliseconds, 0, 3_600_000)
+        check_int("read_deadline_ms", self.read_deadline_ms, 0, 3_600_000)
+        check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
+        check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
+        check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
+        check_int("rpc_spin_us", self.rpc_spin_us, 0, 100_000)
+        check_int("location_hints", self.location_hints, 0, 1 << 24)
+        check_range("metrics_port", self.metrics_port, 0, 65535)
+        check_str("metrics_host", self.metrics_host)
         if self.metrics_port and not self.metrics_host:
             raise ConfigError("metrics_host: must name an address to bind (127.0.0.1 by default)")
-        _check_bool("checksum", self.checksum)
-        _check_bool("auth_enable", self.auth_enable)
-        _check_str("auth_secret_path", self.auth_secret_path)
+        check_bool("checksum", self.checksum)
+        check_bool("auth_enable", self.auth_enable)
+        check_str("auth_secret_path", self.auth_secret_path)
         _check_transfer_engine(self.transfer_engine, self.tls_enable)
         tls.check(self)
         if self.hcom_advertise_url:
@@ -448,14 +448,14 @@ class LocalConfig:
         elif parse_url(self.hcom_url, "hcom_url", ("tcp",))[0] in WILDCARD_HOSTS:
             raise ConfigError(f"hcom_url: {self.hcom_url} binds every interface; set hcom_advertise_url to the "
                               f"address peers should use")
-        _check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
-        _check_int("shm_copy_threads", self.shm_copy_threads, 0, 64)
+        check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
+        check_int("shm_copy_threads", self.shm_copy_threads, 0, 64)
         if self.shm_copy_loop not in ("auto", "native", "python"):
             raise ConfigError(f"shm_copy_loop: expected auto, native or python, got {self.shm_copy_loop!r}")
         if self.segment_prefault not in ("auto", "on", "off"):
             raise ConfigError(f"segment_prefault: expected auto, on or off, got {self.segment_prefault!r}")
-        _check_bool("segment_hugepages", self.segment_hugepages)
-        _check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
+        check_bool("segment_hugepages", self.segment_hugepages)
+        check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
         _check_disk(self)
         if self.ubs_io_enable:
             raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
@@ -510,7 +510,7 @@ class ReplicateConfig:
 
 
 def _check_disk(cfg: LocalConfig) -> None:
-    _check_str("disk_path", cfg.disk_path)
+    check_str("disk_path", cfg.disk_path)
     size = parse_size(cfg.disk_size, "disk_size")
     parse_size(cfg.disk_write_limit, "disk_write_limit")
     if cfg.disk_write_policy not in DISK_WRITE_POLICIES:

@@ -228,3 +228,14 @@ def check_keys(keys: list[str] | tuple[str, ...]) -> None:
             return
     for k in keys:
         check_key(k)
+
+
+def valid_key(key: str, results: list[MemCacheError | None], i: int) -> bool:
+    """check_key for slot ``i`` of a batch: an invalid key's error goes into ``results[i]`` (the batch
+    goes on without it) and the answer is False."""
+    try:
+        check_key(key)
+        return True
+    except InvalidParameter as e:
+        results[i] = e
+        return False

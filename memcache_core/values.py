@@ -88,7 +88,7 @@ def parse_meta_target(value: Any, key: str = "meta_service_url") -> MetaTarget:
     return MetaTarget(urls=urls)
 
 
-def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
+def check_range(key: str, value: Any, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
         raise ConfigError(f"{key}: expected a number in [{lo}, {hi}], got {value!r}")
 
@@ -96,12 +96,12 @@ def _check_range(key: str, value: Any, lo: float, hi: float) -> None:
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
-def _check_int(key: str, value: Any, lo: int, hi: int) -> None:
+def check_int(key: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}")
 
 
-def _check_bool(key: str, value: Any) -> None:
+def check_bool(key: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
@@ -124,12 +124,12 @@ def parse_bool(key: str, value: Any) -> bool:
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
 
-def _check_str(key: str, value: Any) -> None:
+def check_str(key: str, value: Any) -> None:
     if not isinstance(value, str):
         raise ConfigError(f"{key}: expected a string, got {value!r}")
 
 
-def _check_log_level(level: str) -> None:
+def check_log_level(level: str) -> None:
     if str(level).lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
         raise ConfigError(f"log_level: expected debug, info, warning or error, got {level!r}")
 

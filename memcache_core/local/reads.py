@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from .. import errors
 from .. import protocol as p
-from ..errors import InvalidParameter, MemCacheError
+from ..errors import InvalidParameter, MemCacheError, valid_key
 from ..memory import Mapping
 from ..rpc import expect
 from ..transfer import CopyOp
@@ -27,7 +27,6 @@ from . import tier
 from .hints import LocationHints
 from .membership import Membership, in_batches
 from .session import Pieces, clip
-from .writes import _valid_key
 
 if TYPE_CHECKING:
     from ..transfer.engine import TransferEngine
@@ -61,7 +60,7 @@ class Reads(Membership):
         """
         results: list[MemCacheError | None] = [None] * len(keys)
         found: list[p.Found | None] = [None] * len(keys)
-        valid = [i for i in range(len(keys)) if _valid_key(keys[i], results, i)]
+        valid = [i for i in range(len(keys)) if valid_key(keys[i], results, i)]
         t0 = time.monotonic()
         early = self._early_reads(keys, pieces, valid, exact) if pieces is not None else None
         lease_ttl_s = self._lookup(keys, valid, results, found, early)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from .. import errors
 from .. import protocol as p
-from ..errors import InvalidParameter, MemCacheError, check_key
+from ..errors import MemCacheError, valid_key
 from ..rpc import Backoff, expect
 from ..transfer import CopyOp
 from .membership import Membership, Pieces, Session, in_batches
@@ -143,19 +143,10 @@ class Writes(Membership):
                 results[todo[k]] = errors.error_from_code(code, f"commit of {k!r} refused")
 
 
-def _valid_key(key: str, results: list[MemCacheError | None], i: int) -> bool:
-    try:
-        check_key(key)
-        return True
-    except InvalidParameter as e:
-        results[i] = e
-        return False
-
-
 def _unique_valid(keys: Sequence[str], results: list[MemCacheError | None]) -> dict[str, int]:
     todo: dict[str, int] = {}
     for i, key in enumerate(keys):
-        if _valid_key(key, results, i) and key not in todo:
+        if valid_key(key, results, i) and key not in todo:
             todo[key] = i
     return todo
 

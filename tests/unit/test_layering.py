@@ -9,7 +9,8 @@ import statement, at module level or inside a function or ``if TYPE_CHECKING``, 
 * nothing in the core imports an integration or an engine, and the two integrations do not import
   each other;
 * no import cycles, inside a layer either: a helper never imports the module that imports it (shared
-  types live in a leaf module; what a helper needs of its owner is passed in).
+  types live in a leaf module; what a helper needs of its owner is passed in);
+* no private name (``_x``) is imported from another module: a name two modules use has no underscore.
 """
 
 from __future__ import annotations
@@ -151,6 +152,26 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycle[0] == cycle[-1] and "memcache_core.local.drain" in cycle
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from m import _x`` statements of ``path`` (``__future__`` and dunders aside)."""
+    return [f"{node.module or '.'}.{a.name}" for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.ImportFrom) for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+@pytest.mark.parametrize("path", core_files() + sorted((REPO / "integrations").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_no_private_name_is_imported_from_another_module(path: Path):
+    assert private_imports(path) == [], "a name used by two modules goes where both see it, without an underscore"
+
+
+def test_the_private_import_rule_sees_one(tmp_path: Path):
+    """Negative control: the rule reads ``from .writes import _valid_key`` (as reads.py had it)."""
+    f = tmp_path / "m.py"
+    f.write_text("from __future__ import annotations\nfrom .writes import _valid_key, check_key\n")
+    assert private_imports(f) == ["writes._valid_key"]
 
 
 @pytest.mark.parametrize("this, other", [("memcache_sglang", "memcache_vllm"), ("memcache_vllm", "memcache_sglang")])
