@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from memcache_core import G2H, H2G, DistributedObjectStore, LocalConfig  # noqa: E402
+from memcache_core.config import HostProtocol  # noqa: E402
 from memcache_core.testing import running_meta_service, start_local_service, terminate, wait_for  # noqa: E402
 
 LAYOUT = [128 << 10] * 61 + [16 << 10] * 61
@@ -48,7 +49,7 @@ def check(what: str, codes: object) -> None:
         raise SystemExit(f"{what} failed: {codes}")
 
 
-def run(protocol: str, batches: list[int], reps: int, ms_url: str, cs_url: str, used: Callable[[], int]) -> None:
+def run(protocol: HostProtocol, batches: list[int], reps: int, ms_url: str, cs_url: str, used: Callable[[], int]) -> None:
     store = DistributedObjectStore()
     cfg = LocalConfig(meta_service_url=ms_url, config_store_url=cs_url, protocol=protocol, dram_size="0")
     check("setup", store.setup(cfg))

@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import time
+from typing import Literal
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def block_bytes(key: str) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, BLOCK, dtype=np.uint8)
 
 
-def rank_main(rank: int, protocol: str, meta_url: str, disk: str, conn) -> None:  # runs in a child process
+def rank_main(rank: int, protocol: Literal["host_shm", "host_tcp"], meta_url: str, disk: str, conn) -> None:  # runs in a child process
     import logging
     logging.basicConfig(level=logging.WARNING, format=f"  [rank {rank} log] %(message)s")
     from memcache_core import DistributedObjectStore, LocalConfig

@@ -7,8 +7,13 @@ again by ``validate()`` when a service starts; an invalid value raises ``ConfigE
 Precedence, written down once: values set explicitly on the object > values from the JSON file (the one
 given, else the one named by ``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``) > environment
 overrides ``MEMCACHE_<KEY>`` (e.g. ``MEMCACHE_HCOM_ADVERTISE_URL``; applied to configs read from a file
-or from the environment) > defaults. Environment variables are read in this module only. The parsers
-of single values live in ``values.py`` and are re-exported here.
+or from the environment) > defaults. Environment variables are read in this module only.
+
+Each setting is declared by its annotation (``config_check.py``: a range with ``Meta(ge=, le=)``, a
+choice with ``Literal``); ``validate()`` holds every field to its declaration, then runs the rules that
+read several fields or parse a value (sizes, URLs), each a small function in ``LOCAL_RULES`` /
+``META_RULES``. ``MetaConfig`` lives in ``config_meta.py``; the parsers of single values live in
+``values.py``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,27 +24,23 @@ import importlib.util
 import json
 import logging
 import os
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar, get_args
+
+from msgspec import Meta
 
 from . import ascend_keys, tls
+from .config_check import NUMBER, Bool, Str, check, env_kind, field_types
+from .config_meta import MetaConfig as MetaConfig
+from .config_meta import check_etcd_auth as check_etcd_auth
 from .errors import ConfigError
 from .values import FALSE_WORDS as FALSE_WORDS  # re-exported: integrations and tests import them from here
 from .values import TRUE_WORDS as TRUE_WORDS
-from .values import (
-    WILDCARD_HOSTS,
-    check_bool,
-    check_cluster_id,
-    check_int,
-    check_log_level,
-    check_range,
-    check_str,
-    parse_etcd_endpoints,
-    parse_meta_target,
-    parse_size,
-    parse_url,
-)
+from .values import WILDCARD_HOSTS, check_log_level, parse_meta_target, parse_size
 from .values import MetaTarget as MetaTarget
 from .values import parse_bool as parse_bool
+from .values import parse_etcd_endpoints as parse_etcd_endpoints
+from .values import parse_url as parse_url
 
 logger = logging.getLogger(__name__)
 
@@ -48,215 +49,10 @@ LOCAL_CONFIG_ENV = "MMC_LOCAL_CONFIG_PATH"
 ENV_PREFIX = "MEMCACHE_"            # MEMCACHE_<KEY in capitals>: a key the file leaves out (env_overrides)
 STRICT_ENV = "MEMCACHE_CONFIG_STRICT"  # true: an unknown key in a config file is an error, not a warning
 
-HOST_PROTOCOLS = ("host_shm", "host_tcp")
-PLACEMENT_POLICIES = ("local_first", "spread", "random")
-ASCEND_PROTOCOLS = ("host_rdma", "host_urma", "device_rdma", "device_sdma", "device_urma")
-DISK_WRITE_POLICIES = ("on_evict", "write_through")
-
-
-@dataclasses.dataclass
-class MetaConfig:
-    """Settings of the MetaService process."""
-
-    meta_service_url: str = "tcp://127.0.0.1:5000"
-    """Control-plane address LocalServices talk to (length-prefixed msgspec frames over TCP)."""
-    config_store_url: str = "tcp://127.0.0.1:6000"
-    """Small key-value store for rendezvous data (transfer-engine addresses)."""
-    metrics_url: str = "http://127.0.0.1:8000"
-    """HTTP admin server: /health, /metrics (Prometheus), key and segment queries."""
-    ha_enable: bool = False
-    """Several MetaServices, one leader elected through etcd; the others stand by (docs/operations.md)."""
-    ha_etcd_endpoints: str = ""
-    """etcd client endpoints with ``ha_enable``: ``http://h1:2379,http://h2:2379`` (tried in turn)."""
-    ha_cluster_id: str = "default"
-    """Names this pool in etcd: the leader key is ``/memcache/<ha_cluster_id>/leader``."""
-    ha_lease_ttl_ms: int = 5000
-    """TTL of the leader's etcd lease (whole seconds, at least 2 s): a standby takes over this long after
-    the leader stops renewing; the leader stops serving once 3/4 of it passed without a renewal."""
-    ha_etcd_ca_path: str = ""
-    """CA certificate (PEM) of etcd's server certificate: etcd is then spoken over https, verified."""
-    ha_etcd_cert_path: str = ""
-    """Client certificate (PEM) for an etcd run with ``--client-cert-auth``; needs ``ha_etcd_key_path``."""
-    ha_etcd_key_path: str = ""
-    """The private key of ``ha_etcd_cert_path`` (PEM)."""
-    ha_etcd_user: str = ""
-    """etcd user (etcd's auth enabled) to log in as; its password is in ``ha_etcd_password_path``."""
-    ha_etcd_password_path: str = ""
-    """File whose first line is the password of ``ha_etcd_user`` (mode 0600; refused if others can read it)."""
-    log_level: str = "info"
-    """debug, info, warning or error."""
-    log_path: str = ""
-    """Directory for the log file; empty logs to stderr."""
-    log_output_target: str = ""
-    """Where the MetaService logs: ``file`` (under ``log_path``, which it then needs), ``stdout`` or
-    ``stderr``; empty: ``file`` when ``log_path`` is set, else ``stderr``."""
-    log_rotation_file_size: int = 20
-    """MB per log file (under ``log_path``) before it is rotated, in [1, 10240]."""
-    log_rotation_file_count: int = 50
-    """Rotated log files kept beside the current one, in [1, 1000]."""
-    evict_threshold_high: float = 90
-    """Segment usage (percent) above which LRU eviction starts."""
-    evict_threshold_low: float = 80
-    """Segment usage (percent) eviction brings a segment down to."""
-    evict_check_interval_seconds: float = 5
-    """How often every segment is checked against the high-water mark (puts check at once)."""
-    lease_ttl_ms: int = 10000
-    """Read lease granted by lookup: the object is neither evicted nor its space reused meanwhile."""
-    lru_shard_count: int = 16
-    """Accepted for compatibility; the LRU here is one list per segment."""
-    defrag_evict_threshold: float = 70
-    """Accepted for compatibility."""
-    kv_events_enable: bool = False
-    """Publish "blocks stored" / "blocks removed" events on ``kv_events_endpoint`` (ZeroMQ PUB, vLLM's
-    KV-event format; needs the ``events`` extra, pyzmq)."""
-    kv_events_endpoint: str = "tcp://127.0.0.1:5557"
-    """Where the KV-event PUB socket binds (tcp://HOST:PORT)."""
-    kv_events_model_name: str = ""
-    """Model name put at the head of every KV-event topic."""
-    kv_events_block_size: int = 16
-    """Tokens per block, carried in every BlockStored event."""
-    kv_events_queue_size: int = 100000
-    """Events waiting to be sent; past it new events are dropped and counted, never waited for."""
-    kv_events_replay_endpoint: str = ""
-    """ROUTER socket (tcp://HOST:PORT) that sends a late or lagging subscriber the batches it missed,
-    as vLLM's publisher does; empty = no replay."""
-    kv_events_buffer_steps: int = 10000
-    """Batches kept for replay."""
-    zmq_enable_curve: bool = False
-    """Encrypt and authenticate the KV-event sockets with ZeroMQ CURVE: only subscribers whose public
-    certificates are in ``zmq_curve_client_keys_dir`` get in."""
-    zmq_curve_server_key_file: str = ""
-    """The publisher's secret CURVE certificate (``zmq.auth.create_certificates`` writes one)."""
-    zmq_curve_client_keys_dir: str = ""
-    """Folder of the public CURVE certificates of the subscribers allowed in."""
-    heartbeat_timeout_ms: int = 10000
-    """A LocalService silent this long is declared dead and its objects leave the table."""
-    pending_timeout_ms: int = 120000
-    """A put allocated but not committed this long is aborted and its space reclaimed."""
-    member_max_pending_objects: int = 1 << 20
-    """Objects one member may hold allocated and not committed; an Alloc beyond it is refused (-3112)."""
-    member_max_pending_bytes: int = 0
-    """Payload bytes (times replicas) one member may hold allocated and not committed; 0: no bound but
-    the pool's size. An Alloc beyond it is refused (-3112)."""
-    auth_enable: bool = True
-    """Every connection proves it holds the pool secret (HMAC challenge-response) before anything
-    else; false only for a single trusted host (docs/security.md)."""
-    auth_secret_path: str = ""
-    """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH or ~/.config/memcache/pool.secret
-    (a MetaService creates that default file, 0600, when it is missing)."""
-    config_store_max_value_bytes: int = 1 << 20
-    """Largest value the config store accepts."""
-    config_store_max_total_bytes: int = 64 << 20
-    """Most bytes (keys and values) the config store holds."""
-    tls_enable: bool = False
-    """Encrypt the control, config-store, data and admin planes with TLS (docs/security.md)."""
-    tls_ca_path: str = ""
-    """CA certificate (PEM) that signed every member's certificate."""
-    tls_cert_path: str = ""
-    """This process's certificate (PEM), signed by the pool's CA."""
-    tls_key_path: str = ""
-    """The private key of ``tls_cert_path`` (PEM)."""
-    max_connections: int = 4096
-    """Connections the control plane keeps open at once; more are refused."""
-    idle_timeout_seconds: float = 600
-    """A control-plane connection silent this long is closed (a client reconnects on its next call)."""
-    poll_spin_us: int = 200
-    """After serving requests the control plane polls for more this long before it sleeps: a request
-    arriving meanwhile does not pay the wake-up of an idle core (0: sleep at once)."""
-    placement_policy: str = "local_first"
-    """Where new objects go: local_first (the writer's own segment, then as spread; a writer without a
-    segment gets spread), spread (most free ratio first, the better of two random picks), or random.
-    A put's preferredLocalServiceIDs come first under every policy (docs/design.md, Allocation)."""
-    drain_timeout_ms: int = 60000
-    """Longest a drain started with ``POST /drain/<segment_id>`` may take (a drain a leaving
-    LocalService starts is bounded by its own ``drain_timeout_ms``)."""
-    repair_enable: bool = True
-    """Re-replication: an object with fewer replicas than its put asked for (a holder died, a copy was
-    corrupt, the put found too few segments with room) is copied again by a surviving holder to a
-    segment with room below the high-water mark, hosts without a replica first (docs/design.md)."""
-    stats_sample_interval_seconds: float = 5
-    """How often the counters are sampled for the status page's chart (the last 120 samples are kept)."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        parse_url(self.meta_service_url, "meta_service_url", ("tcp",))
-        parse_url(self.config_store_url, "config_store_url", ("tcp",))
-        parse_url(self.metrics_url, "metrics_url", ("http", "https"))
-        check_bool("ha_enable", self.ha_enable)
-        if self.placement_policy not in PLACEMENT_POLICIES:
-            raise ConfigError(f"placement_policy: expected one of {', '.join(PLACEMENT_POLICIES)}, "
-                              f"got {self.placement_policy!r}")
-        if self.ha_enable:
-            parse_etcd_endpoints(self.ha_etcd_endpoints, "ha_etcd_endpoints")
-            check_etcd_auth(self, self.ha_etcd_endpoints)
-            check_cluster_id(self.ha_cluster_id, "ha_cluster_id")
-            check_range("ha_lease_ttl_ms", self.ha_lease_ttl_ms, 2000, 600_000)
-            if self.ha_lease_ttl_ms % 1000:
-                raise ConfigError(f"ha_lease_ttl_ms: etcd leases count whole seconds; got {self.ha_lease_ttl_ms}")
-        check_log_level(self.log_level)
-        if self.log_output_target not in ("", "file", "stdout", "stderr"):
-            raise ConfigError(f"log_output_target: expected file, stdout or stderr, got {self.log_output_target!r}")
-        if self.log_output_target == "file" and not self.log_path:
-            raise ConfigError("log_output_target: 'file' needs log_path (the directory of the log file)")
-        check_range("log_rotation_file_size", self.log_rotation_file_size, 1, 10240)
-        check_range("log_rotation_file_count", self.log_rotation_file_count, 1, 1000)
-        check_range("evict_threshold_high", self.evict_threshold_high, 1, 100)
-        check_range("evict_threshold_low", self.evict_threshold_low, 0, 100)
-        if self.evict_threshold_low >= self.evict_threshold_high:
-            raise ConfigError(
-                f"evict_threshold_low: must be below evict_threshold_high "
-                f"({self.evict_threshold_low} >= {self.evict_threshold_high})")
-        check_range("evict_check_interval_seconds", self.evict_check_interval_seconds, 0.01, 3600)
-        check_range("lease_ttl_ms", self.lease_ttl_ms, 10, 3_600_000)
-        check_range("heartbeat_timeout_ms", self.heartbeat_timeout_ms, 100, 3_600_000)
-        check_range("pending_timeout_ms", self.pending_timeout_ms, 100, 86_400_000)
-        check_range("member_max_pending_objects", self.member_max_pending_objects, 1, 1 << 40)
-        check_range("member_max_pending_bytes", self.member_max_pending_bytes, 0, 1 << 60)
-        check_bool("auth_enable", self.auth_enable)
-        check_str("auth_secret_path", self.auth_secret_path)
-        check_range("config_store_max_value_bytes", self.config_store_max_value_bytes, 1, 1 << 30)
-        check_range("config_store_max_total_bytes", self.config_store_max_total_bytes, 1, 1 << 34)
-        check_range("max_connections", self.max_connections, 16, 1 << 20)
-        tls.check(self)
-        check_range("idle_timeout_seconds", self.idle_timeout_seconds, 1, 86400 * 7)
-        check_int("poll_spin_us", self.poll_spin_us, 0, 100_000)
-        check_int("drain_timeout_ms", self.drain_timeout_ms, 100, 86_400_000)
-        check_bool("repair_enable", self.repair_enable)
-        check_range("stats_sample_interval_seconds", self.stats_sample_interval_seconds, 0.1, 3600)
-        self._check_kv_events()
-
-    def _check_kv_events(self) -> None:
-        check_bool("kv_events_enable", self.kv_events_enable)
-        check_str("kv_events_model_name", self.kv_events_model_name)
-        check_range("kv_events_block_size", self.kv_events_block_size, 1, 1 << 20)
-        check_range("kv_events_queue_size", self.kv_events_queue_size, 1, 10_000_000)
-        check_range("kv_events_buffer_steps", self.kv_events_buffer_steps, 1, 10_000_000)
-        check_str("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
-        check_bool("zmq_enable_curve", self.zmq_enable_curve)
-        check_str("zmq_curve_server_key_file", self.zmq_curve_server_key_file)
-        check_str("zmq_curve_client_keys_dir", self.zmq_curve_client_keys_dir)
-        if not self.kv_events_enable:
-            return
-        parse_url(self.kv_events_endpoint, "kv_events_endpoint", ("tcp",))
-        if self.kv_events_replay_endpoint:
-            parse_url(self.kv_events_replay_endpoint, "kv_events_replay_endpoint", ("tcp",))
-            if self.kv_events_replay_endpoint == self.kv_events_endpoint:
-                raise ConfigError("kv_events_replay_endpoint: must differ from kv_events_endpoint "
-                                  f"({self.kv_events_endpoint}); give the replay socket its own port")
-        if self.zmq_enable_curve:
-            for key in ("zmq_curve_server_key_file", "zmq_curve_client_keys_dir"):
-                if not getattr(self, key):
-                    raise ConfigError(f"{key}: needed with zmq_enable_curve (docs/operations.md#kv-events)")
-            if not os.path.isdir(self.zmq_curve_client_keys_dir):
-                raise ConfigError(f"zmq_curve_client_keys_dir: {self.zmq_curve_client_keys_dir!r} is not a "
-                                  "folder; put the subscribers' public certificates (*.key) in one")
-        try:
-            import zmq  # noqa: F401
-        except ImportError as e:
-            raise ConfigError("kv_events_enable: needs pyzmq (the events extra: pip install pyzmq, or the wheel with "
-                              "[events]; docs/operations.md, Install)") from e
+HostProtocol = Literal["host_shm", "host_tcp"]
+AscendProtocol = Literal["host_rdma", "host_urma", "device_rdma", "device_sdma", "device_urma"]   # MemFabric
+HOST_PROTOCOLS: tuple[str, ...] = get_args(HostProtocol)
+ASCEND_PROTOCOLS: tuple[str, ...] = get_args(AscendProtocol)
 
 
 @dataclasses.dataclass
@@ -280,9 +76,9 @@ class LocalConfig:
     """File whose first line is the password of ``ha_etcd_user`` (mode 0600; refused if others can read it)."""
     log_level: str = "info"
     """debug, info, warning or error (applied to the memcache_core loggers)."""
-    world_size: int = 256
+    world_size: Annotated[int, Meta(ge=1, le=1024), NUMBER] = 256
     """Accepted for Ascend MemCache configs, in [1, 1024]; nothing here limits ranks by it."""
-    protocol: str = "host_rdma"
+    protocol: Literal[HostProtocol, AscendProtocol] = "host_rdma"
     """host_shm (same-host peers copy through shared memory, others through TCP) or host_tcp (all TCP).
     host_rdma, host_urma, device_rdma, device_sdma and device_urma need MemFabric on Ascend."""
     hcom_url: str = "tcp://127.0.0.1:7000"
@@ -295,18 +91,18 @@ class LocalConfig:
     """Accepted for compatibility."""
     max_hbm_size: int | str = "0"
     """Accepted for compatibility."""
-    client_retry_milliseconds: int = 0
+    client_retry_milliseconds: Annotated[int, Meta(ge=0, le=3_600_000), NUMBER] = 0
     """Extra time idempotent calls (lookup, exist) keep retrying after a failure."""
-    client_timeout_seconds: float = 60
+    client_timeout_seconds: Annotated[float, Meta(ge=0.01, le=86400)] = 60
     """Longest wait for the MetaService; past it calls fail with -3017."""
-    read_deadline_ms: int = 1000
+    read_deadline_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 1000
     """A read from a peer's data server (TCP) that has another replica, or a disk record, to go to
     waits for the peer at most this long plus its bytes at 64 MiB/s (the progress deadline), then
     reads the next copy; the peer is read last for 10 s after. A read of the last copy waits up to
     ``client_timeout_seconds``. 0: every read waits that long (docs/design.md, "A frozen peer")."""
-    read_thread_pool_size: int = 32
+    read_thread_pool_size: Annotated[int, Meta(ge=1, le=1024), NUMBER] = 32
     """Threads that copy payload for reads (capped at the host's CPU count)."""
-    write_thread_pool_size: int = 4
+    write_thread_pool_size: Annotated[int, Meta(ge=1, le=1024), NUMBER] = 4
     """Threads that copy payload for writes (capped at the host's CPU count)."""
     aggregate_io: bool = True
     """Accepted for compatibility: pieces of one object are always moved in one request."""
@@ -318,23 +114,23 @@ class LocalConfig:
     """Accepted for compatibility."""
     tag: str = ""
     """Free-form label of this LocalService, shown in /get_all_segments."""
-    heartbeat_interval_ms: int = 1000
+    heartbeat_interval_ms: Annotated[int, Meta(ge=10, le=600_000), NUMBER] = 1000
     """How often this LocalService tells the MetaService it is alive."""
-    rpc_spin_us: int = 50
+    rpc_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 50
     """A control-plane call polls for its reply this long before it sleeps (0: sleep at once)."""
-    location_hints: int = 16384
+    location_hints: Annotated[int, Meta(ge=0, le=1 << 24)] = 16384
     """How many keys' objects (size, generation, locations) this client remembers from its lookups, so
     that a get of such a key copies while its ``Lookup`` is on the way; the copy counts only where the
     reply names the same object at the same place (docs/design.md). 0: off."""
     host_id: str = ""
     """Identity of this host for choosing shared memory over TCP; empty = derived from the machine."""
-    checksum: bool = True
+    checksum: Bool = True
     """Writers compute each object's payload checksum (XXH3-64) while they copy and commit it with the
     object; readers verify it. Off: objects carry no checksum and reads are not verified."""
-    auth_enable: bool = True
+    auth_enable: Bool = True
     """Authenticate to the MetaService and to peers' data servers with the pool secret, and require
     it from peers on this LocalService's data server; must match the MetaService's setting."""
-    auth_secret_path: str = ""
+    auth_secret_path: Str = ""
     """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH or ~/.config/memcache/pool.secret."""
     tls_enable: bool = False
     """Encrypt the control, config-store, data and admin planes with TLS (docs/security.md)."""
@@ -346,46 +142,46 @@ class LocalConfig:
     """The private key of ``tls_cert_path`` (PEM)."""
     hcom_advertise_url: str = ""
     """Address peers use to reach this data server when ``hcom_url`` binds a wildcard (0.0.0.0)."""
-    checksum_verify_ratio: float = 1.0
+    checksum_verify_ratio: Annotated[float, Meta(ge=0, le=1)] = 1.0
     """Fraction of reads whose bytes are verified against the checksum, in [0, 1]; a mismatch is a
     miss, counted and logged, and the object is dropped from the pool."""
-    drain_timeout_ms: int = 0
+    drain_timeout_ms: Annotated[int, Meta(ge=0, le=86_400_000)] = 0
     """On close (``store.close()``, SIGTERM of ``memcache local-service``) move this LocalService's
     objects to other segments with room for at most this long before leaving; 0: leave at once (its
     objects leave the pool with it)."""
-    metrics_port: int = 0
+    metrics_port: Annotated[int, Meta(ge=0, le=65535), NUMBER] = 0
     """Serve this LocalService's Prometheus metrics (transfer bytes and latency per path) on this
     port; 0 = off. Needs the admin token when ``auth_enable`` (docs/operations.md). Inside an engine
     it is a base: each rank serves on ``metrics_port + rank`` (``for_rank``). A port that cannot be
     bound is a warning inside an engine, never a failed start (``memcache local-service`` refuses)."""
-    metrics_host: str = "127.0.0.1"
+    metrics_host: Str = "127.0.0.1"
     """Address the metrics port binds (``metrics_port``)."""
-    transfer_engine: str = "builtin"
+    transfer_engine: Literal["builtin", "nixl"] = "builtin"
     """How bytes cross hosts: ``builtin`` (the TCP data server) or ``nixl`` (one-sided READ/WRITE through
     NIXL over UCX, for pieces in registered buffers; needs the ``nixl`` package, docs/nixl.md)."""
-    disk_path: str = ""
+    disk_path: Str = ""
     """Directory of this provider's disk tier (records of objects evicted from DRAM, found again after a
     restart); empty = no disk tier. One provider per directory (a lock file refuses a second)."""
     disk_size: int | str = "0"
     """Bytes the disk tier may hold (required with ``disk_path``); when full, its least recently used
     records are dropped for good."""
-    disk_write_policy: str = "on_evict"
+    disk_write_policy: Literal["on_evict", "write_through"] = "on_evict"
     """on_evict: objects are copied to disk in the background as their segment nears its eviction mark;
     write_through: every committed object is copied to disk as soon as it is committed."""
     disk_write_limit: int | str = "0"
     """Most bytes per second the background disk writer writes (0 = no limit)."""
-    shm_copy_threads: int = 0
+    shm_copy_threads: Annotated[int, Meta(ge=0, le=64)] = 0
     """Threads one batch's shared-memory copies are split over, piece by piece (a large piece is cut
     in parts); 0 = automatic: half the CPUs, at most 4 (2 CPUs: 2 with the native loop, else 1). Batches
     under 1 MiB are copied on the calling thread."""
-    shm_copy_loop: str = "auto"
+    shm_copy_loop: Literal["auto", "native", "python"] = "auto"
     """The loop that runs shared-memory copies and their checksums: native (the C loop built at install,
     one call per batch part, outside the GIL), python (one ``memmove`` and hash call per piece), or
     auto = native where it was built, else python."""
-    segment_prefault: str = "auto"
+    segment_prefault: Literal["auto", "on", "off"] = "auto"
     """Fault the segment's pages in at start, in the background (puts never wait for it): on, off, or
     auto = on for ``memcache local-service`` providers, off for segments inside an engine process."""
-    segment_hugepages: bool = True
+    segment_hugepages: Bool = True
     """Ask for transparent huge pages on the segment (MADV_HUGEPAGE) where the host's
     ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them; otherwise one log line."""
 
@@ -409,84 +205,67 @@ class LocalConfig:
         return parse_size(self.dram_size, "dram_size")
 
     def validate(self) -> None:
-        if parse_meta_target(self.meta_service_url, "meta_service_url").etcd:
-            check_etcd_auth(self, self.meta_service_url)
-        parse_url(self.config_store_url, "config_store_url", ("tcp",))
-        parse_url(self.hcom_url, "hcom_url", ("tcp",))
-        check_log_level(self.log_level)
-        check_range("world_size", self.world_size, 1, 1024)
-        if self.protocol not in HOST_PROTOCOLS + ASCEND_PROTOCOLS:
-            raise ConfigError(
-                f"protocol: unknown protocol {self.protocol!r}; expected one of "
-                f"{', '.join(HOST_PROTOCOLS + ASCEND_PROTOCOLS)}")
-        parse_size(self.dram_size, "dram_size")
-        for key in ("hbm_size", "max_dram_size", "max_hbm_size"):
-            parse_size(getattr(self, key), key)
-        if self.protocol in HOST_PROTOCOLS and parse_size(self.hbm_size, "hbm_size") != 0:
-            raise ConfigError(f"hbm_size: must be 0 with protocol {self.protocol}")
-        check_range("client_timeout_seconds", self.client_timeout_seconds, 0.01, 86400)
-        check_range("client_retry_milliseconds", self.client_retry_milliseconds, 0, 3_600_000)
-        check_int("read_deadline_ms", self.read_deadline_ms, 0, 3_600_000)
-        check_range("read_thread_pool_size", self.read_thread_pool_size, 1, 1024)
-        check_range("write_thread_pool_size", self.write_thread_pool_size, 1, 1024)
-        check_range("heartbeat_interval_ms", self.heartbeat_interval_ms, 10, 600_000)
-        check_int("rpc_spin_us", self.rpc_spin_us, 0, 100_000)
-        check_int("location_hints", self.location_hints, 0, 1 << 24)
-        check_range("metrics_port", self.metrics_port, 0, 65535)
-        check_str("metrics_host", self.metrics_host)
-        if self.metrics_port and not self.metrics_host:
-            raise ConfigError("metrics_host: must name an address to bind (127.0.0.1 by default)")
-        check_bool("checksum", self.checksum)
-        check_bool("auth_enable", self.auth_enable)
-        check_str("auth_secret_path", self.auth_secret_path)
-        _check_transfer_engine(self.transfer_engine, self.tls_enable)
-        tls.check(self)
-        if self.hcom_advertise_url:
-            host, _ = parse_url(self.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
-            if host in WILDCARD_HOSTS:
-                raise ConfigError("hcom_advertise_url: must name an address peers can reach, not a wildcard")
-        elif parse_url(self.hcom_url, "hcom_url", ("tcp",))[0] in WILDCARD_HOSTS:
-            raise ConfigError(f"hcom_url: {self.hcom_url} binds every interface; set hcom_advertise_url to the "
-                              f"address peers should use")
-        check_range("checksum_verify_ratio", self.checksum_verify_ratio, 0, 1)
-        check_int("shm_copy_threads", self.shm_copy_threads, 0, 64)
-        if self.shm_copy_loop not in ("auto", "native", "python"):
-            raise ConfigError(f"shm_copy_loop: expected auto, native or python, got {self.shm_copy_loop!r}")
-        if self.segment_prefault not in ("auto", "on", "off"):
-            raise ConfigError(f"segment_prefault: expected auto, on or off, got {self.segment_prefault!r}")
-        check_bool("segment_hugepages", self.segment_hugepages)
-        check_int("drain_timeout_ms", self.drain_timeout_ms, 0, 86_400_000)
-        _check_disk(self)
-        if self.ubs_io_enable:
-            raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
+        """Every field against its declaration, then the rules that read several (``LOCAL_RULES``)."""
+        check(self)
+        for rule in LOCAL_RULES:
+            rule(self)
 
 
-def check_etcd_auth(cfg: MetaConfig | LocalConfig, endpoints: str) -> None:
-    """The ``ha_etcd_*`` credentials come in pairs, name files that exist, and https needs the CA."""
-    for key in ("ha_etcd_ca_path", "ha_etcd_cert_path", "ha_etcd_key_path", "ha_etcd_password_path"):
-        path = getattr(cfg, key)
-        if not isinstance(path, str) or (path and not os.path.isfile(path)):
-            raise ConfigError(f"{key}: no such file {path!r}")
-    if bool(cfg.ha_etcd_cert_path) != bool(cfg.ha_etcd_key_path):
-        raise ConfigError("ha_etcd_cert_path: a client certificate needs its key (ha_etcd_key_path), and a key its "
-                          "certificate")
-    if not isinstance(cfg.ha_etcd_user, str) or bool(cfg.ha_etcd_user) != bool(cfg.ha_etcd_password_path):
-        raise ConfigError("ha_etcd_user: an etcd user needs ha_etcd_password_path (a file holding its password), "
-                          "and a password file its user")
-    if ("https://" in endpoints or cfg.ha_etcd_cert_path) and not cfg.ha_etcd_ca_path:
-        raise ConfigError("ha_etcd_ca_path: etcd over https (an https:// endpoint or a client certificate) needs "
-                          "the CA of etcd's server certificate")
+def _urls(cfg: LocalConfig) -> None:
+    if parse_meta_target(cfg.meta_service_url, "meta_service_url").etcd:
+        check_etcd_auth(cfg, cfg.meta_service_url)
+    parse_url(cfg.config_store_url, "config_store_url", ("tcp",))
+    parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
 
 
-def _check_transfer_engine(v: Any, tls_enable: bool) -> None:
-    if v not in ("builtin", "nixl"):
-        raise ConfigError(f"transfer_engine: expected 'builtin' or 'nixl', got {v!r}")
-    if v == "nixl" and tls_enable:
+def _memory(cfg: LocalConfig) -> None:
+    """Sizes parse; device memory only on an Ascend protocol."""
+    for key in ("dram_size", "hbm_size", "max_dram_size", "max_hbm_size"):
+        parse_size(getattr(cfg, key), key)
+    if cfg.protocol in HOST_PROTOCOLS and parse_size(cfg.hbm_size, "hbm_size") != 0:
+        raise ConfigError(f"hbm_size: must be 0 with protocol {cfg.protocol}")
+
+
+def _metrics(cfg: LocalConfig) -> None:
+    if cfg.metrics_port and not cfg.metrics_host:
+        raise ConfigError("metrics_host: must name an address to bind (127.0.0.1 by default)")
+
+
+def _advertised(cfg: LocalConfig) -> None:
+    """Peers must be able to reach the data server: a wildcard bind needs an address to advertise."""
+    if cfg.hcom_advertise_url:
+        host, _ = parse_url(cfg.hcom_advertise_url, "hcom_advertise_url", ("tcp",))
+        if host in WILDCARD_HOSTS:
+            raise ConfigError("hcom_advertise_url: must name an address peers can reach, not a wildcard")
+    elif parse_url(cfg.hcom_url, "hcom_url", ("tcp",))[0] in WILDCARD_HOSTS:
+        raise ConfigError(f"hcom_url: {cfg.hcom_url} binds every interface; set hcom_advertise_url to the "
+                          f"address peers should use")
+
+
+def _transfer_engine(cfg: LocalConfig) -> None:
+    if cfg.transfer_engine == "nixl" and cfg.tls_enable:
         raise ConfigError("transfer_engine: 'nixl' moves payload outside TLS (UCX does not encrypt); "
                           "with tls_enable use 'builtin'")
-    if v == "nixl" and importlib.util.find_spec("nixl") is None:
+    if cfg.transfer_engine == "nixl" and importlib.util.find_spec("nixl") is None:
         raise ConfigError("transfer_engine: 'nixl' needs the nixl package "
                           "(pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1); it is not installed")
+
+
+def _disk(cfg: LocalConfig) -> None:
+    size = parse_size(cfg.disk_size, "disk_size")
+    parse_size(cfg.disk_write_limit, "disk_write_limit")
+    if cfg.disk_path and size < (1 << 20):
+        raise ConfigError(f"disk_size: must be at least 1MB with disk_path set, got {cfg.disk_size!r}")
+
+
+def _no_ssd_tier(cfg: LocalConfig) -> None:
+    if cfg.ubs_io_enable:
+        raise ConfigError("ubs_io_enable: the SSD tier is not supported yet; set it to false")
+
+
+LOCAL_RULES: tuple[Callable[[LocalConfig], None], ...] = (
+    _urls, lambda cfg: check_log_level(cfg.log_level), _memory, _metrics, _transfer_engine, tls.check,
+    _advertised, _disk, _no_ssd_tier)
 
 
 @dataclasses.dataclass
@@ -507,17 +286,6 @@ class ReplicateConfig:
             raise ConfigError("preferredLocalServiceIDs: ids must be unique and at most replicaNum")
 
 
-
-
-def _check_disk(cfg: LocalConfig) -> None:
-    check_str("disk_path", cfg.disk_path)
-    size = parse_size(cfg.disk_size, "disk_size")
-    parse_size(cfg.disk_write_limit, "disk_write_limit")
-    if cfg.disk_write_policy not in DISK_WRITE_POLICIES:
-        raise ConfigError(f"disk_write_policy: expected one of {', '.join(DISK_WRITE_POLICIES)}, "
-                          f"got {cfg.disk_write_policy!r}")
-    if cfg.disk_path and size < (1 << 20):
-        raise ConfigError(f"disk_size: must be at least 1MB with disk_path set, got {cfg.disk_size!r}")
 
 
 C = TypeVar("C", MetaConfig, LocalConfig)
@@ -561,24 +329,24 @@ def env_overrides(cls: type[C]) -> dict[str, Any]:
     """The keys of ``cls`` set in the environment as ``MEMCACHE_<KEY>`` (``MEMCACHE_DRAM_SIZE=32GB``),
     converted to the key's type; a value that does not convert is a ConfigError naming the variable."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        var = ENV_PREFIX + f.name.upper()
+    for key, hint in field_types(cls).items():
+        var = ENV_PREFIX + key.upper()
         raw = os.environ.get(var)
         if raw is None:
             continue
-        kind = str(f.type)
+        kind = env_kind(hint)
         if kind == "bool":
-            out[f.name] = parse_bool(var, raw)
+            out[key] = parse_bool(var, raw)
         elif kind in ("int", "float"):
             try:
-                out[f.name] = int(raw, 0) if kind == "int" else float(raw)
+                out[key] = int(raw, 0) if kind == "int" else float(raw)
             except ValueError:
                 raise ConfigError(f"{var}: expected {'an integer' if kind == 'int' else 'a number'} "
-                                  f"for {f.name}, got {raw!r}") from None
-        elif "str" in kind:   # str, and sizes (int | str): "32GB" or "1073741824"
-            out[f.name] = raw
+                                  f"for {key}, got {raw!r}") from None
+        elif kind == "str":   # strings, choices, and sizes (int | str): "32GB" or "1073741824"
+            out[key] = raw
         else:
-            raise ConfigError(f"{var}: {f.name} cannot be set from the environment; set it in the config file")
+            raise ConfigError(f"{var}: {key} cannot be set from the environment; set it in the config file")
     return out
 
 

@@ -88,22 +88,7 @@ def parse_meta_target(value: Any, key: str = "meta_service_url") -> MetaTarget:
     return MetaTarget(urls=urls)
 
 
-def check_range(key: str, value: Any, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: expected a number in [{lo}, {hi}], got {value!r}")
-
-
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-def check_int(key: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: expected an integer in [{lo}, {hi}], got {value!r}")
-
-
-def check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
 
 TRUE_WORDS = ("1", "true", "yes", "y", "on")
@@ -122,11 +107,6 @@ def parse_bool(key: str, value: Any) -> bool:
     if word in TRUE_WORDS or word in FALSE_WORDS:
         return word in TRUE_WORDS
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-def check_str(key: str, value: Any) -> None:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
 
 
 def check_log_level(level: str) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from memcache_core import DistributedObjectStore, LocalConfig, errors
 from memcache_core import protocol as p
+from memcache_core.config import HostProtocol
 from memcache_core.layout import payload_offset
 from memcache_core.local.hints import PROBE_EVERY
 from memcache_core.rpc import expect
@@ -33,7 +34,7 @@ LEASE_MS = 300
 class Client:
     """A store in this process with one registered buffer of ``slots`` objects."""
 
-    def __init__(self, ms: MetaServiceProcess, protocol: str, holds_segment: bool, slots: int = 4,
+    def __init__(self, ms: MetaServiceProcess, protocol: HostProtocol, holds_segment: bool, slots: int = 4,
                  dram_size: int = 8 << 20, **cfg: Any) -> None:
         conf = LocalConfig(meta_service_url=ms.meta_service_url, config_store_url=ms.config_store_url,
                            protocol=protocol, dram_size=dram_size, hcom_url="tcp://127.0.0.1:0",

@@ -86,7 +86,7 @@ def test_standalone_provider_prefaults_its_segment(meta: MetaServiceProcess, tmp
 
 def test_config_names_the_key() -> None:
     with pytest.raises(ConfigError, match="segment_prefault"):
-        LocalConfig(segment_prefault="sometimes")
+        LocalConfig(segment_prefault="sometimes")   # type: ignore[arg-type]   # not one of the choices, on purpose
     for bad in (-1, 65, 1.5):
         with pytest.raises(ConfigError, match="shm_copy_threads"):
             LocalConfig(shm_copy_threads=bad)  # type: ignore[arg-type]

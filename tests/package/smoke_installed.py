@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Literal
 
 
 def main() -> int:
@@ -64,7 +65,7 @@ def main() -> int:
                     return False
             wait_for(healthy, 30, "memcache meta-service to answer /health")
 
-            def config(loop: str) -> LocalConfig:
+            def config(loop: Literal["auto", "native", "python"]) -> LocalConfig:
                 return LocalConfig(meta_service_url=meta["meta_service_url"], config_store_url=meta["config_store_url"],
                                    protocol="host_shm", dram_size="64MB", shm_copy_loop=loop)
             for _ in range(2):

@@ -171,7 +171,7 @@ def test_meta_service_url_forms():
 def test_transfer_engine_is_checked_by_name():
     assert LocalConfig().transfer_engine == "builtin"
     with pytest.raises(ConfigError, match="transfer_engine: expected 'builtin' or 'nixl'"):
-        LocalConfig(transfer_engine="ucx")
+        LocalConfig(transfer_engine="ucx")   # type: ignore[arg-type]   # not one of the choices, on purpose
     cfg = LocalConfig()
     cfg.tls_enable, cfg.transfer_engine = True, "nixl"
     with pytest.raises(ConfigError, match="transfer_engine: 'nixl' moves payload outside TLS"):

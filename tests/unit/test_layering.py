@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "memcache_core"
 
-LEAF = {"errors", "values", "ascend_keys", "config", "protocol", "layout", "memory", "auth", "tls", "logs",
+LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "tls", "logs",
         "checkpoint"}
 PLUMBING = {"rpc", "endpoints", "etcd"}
 ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing"}

@@ -159,7 +159,7 @@ def test_two_segments_spread_always_takes_the_freer():
 
 def test_placement_policy_is_validated_naming_the_key():
     with pytest.raises(ConfigError, match="placement_policy"):
-        MetaConfig(placement_policy="nearest")
+        MetaConfig(placement_policy="nearest")   # type: ignore[arg-type]   # not one of the choices, on purpose
     assert MetaConfig().placement_policy == "local_first"
     assert MetaConfig(placement_policy="spread").placement_policy == "spread"
 
