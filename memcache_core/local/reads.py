@@ -1,11 +1,22 @@
-"""Get, in named phases: lookup -> check sizes -> read with replica fallback -> confirm.
+"""Get, as a pipeline read top to bottom in ``Reads.get`` (docs/design.md, "The read path"):
 
-Get leases: ``Lookup`` leases the objects for ``lease_ttl``; a read that finishes later than that is
-confirmed with ``Validate`` before it counts; a read whose bytes fail their checksum is a miss,
-reported to the MetaService, which drops the object. Replicas are read nearest first; a disk record
-on a provider is one more replica after every DRAM copy failed. A read that has another copy to go
-to waits on a peer that moves no bytes only until its progress deadline (``read_deadline_ms``,
-``transfer/tcp.py``'s ``Deadline``), then reads the next copy.
+    plan -> early copy -> lookup -> copy/verify -> fallback -> confirm
+
+* **plan**: the valid keys (an invalid key gets its error, the batch goes on);
+* **early copy**: objects this client remembers (``hints.py``) are copied while the lookup is on
+  the way; a copy counts only where the reply names the object it read (``_settle_early``);
+* **lookup**: ``Lookup`` leases the objects for ``lease_ttl`` and names their replicas; buffers that
+  do not fit the object are errors;
+* **copy/verify**: disk-only objects from the provider holding their record (``tier.py``), the
+  others from their replicas nearest first; a replica whose bytes fail their checksum is corrupt and
+  the next one is read; a read that has another copy to go to waits on a peer that moves no bytes
+  only until its progress deadline (``read_deadline_ms``, ``transfer/tcp.py``'s ``Deadline``);
+* **fallback**: where every DRAM copy failed, the provider's disk record is one more replica;
+* **confirm**: a get that finished later than 80% of its lease is confirmed with ``Validate`` before
+  its reads count; corrupt replicas are reported to the MetaService, which drops them.
+
+Each stage reads what the ones before it produced (``results``, ``found``, the keys still to read)
+and no stage calls back into an earlier one.
 """
 
 from __future__ import annotations
@@ -60,18 +71,21 @@ class Reads(Membership):
         """
         results: list[MemCacheError | None] = [None] * len(keys)
         found: list[p.Found | None] = [None] * len(keys)
-        valid = [i for i in range(len(keys)) if valid_key(keys[i], results, i)]
+        valid = [i for i in range(len(keys)) if valid_key(keys[i], results, i)]                    # plan
         t0 = time.monotonic()
-        early = self._early_reads(keys, pieces, valid, exact) if pieces is not None else None
-        lease_ttl_s = self._lookup(keys, valid, results, found, early)
+        early = self._early_reads(keys, pieces, valid, exact) if pieces is not None else None     # early copy
+        lease_ttl_s = self._lookup(keys, valid, results, found, early)                            # lookup
         if lease_ttl_s is None or pieces is None:
             return results, found
         todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
         suspect: set[int] = set()
         if early is not None and early.ran:
             todo, suspect = self._settle_early(early, found, todo)
-        corrupt = self._read_with_fallback(keys, pieces, found, todo, results, suspect)
-        if time.monotonic() - t0 > lease_ttl_s * LEASE_SAFETY:
+        todo = self._read_disk_only(keys, pieces, found, todo, results)                           # copy/verify
+        corrupt = self._read(keys, pieces, found, todo, results, suspect)
+        self._disk_fallback(keys, pieces, found, todo, results)                                   # fallback
+        _log_misses(results, todo)
+        if time.monotonic() - t0 > lease_ttl_s * LEASE_SAFETY:                                     # confirm
             self._confirm(keys, found, results)
         if corrupt:
             self._report_corrupt(corrupt)
@@ -143,25 +157,25 @@ class Reads(Membership):
                 results[i] = errors.KeyNotFound(f"key {keys[i]!r} does not exist")
         return reply.lease_ttl_ms / 1000.0
 
-    def _read_with_fallback(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
-                            todo: list[int], results: list[MemCacheError | None],
-                            verify: set[int]) -> list[tuple[str, int, int]]:
-        """Disk-only objects from their provider, the others from their DRAM replicas, then the disk
-        record where every DRAM copy failed. Returns the corrupt replicas (``_read``)."""
-        verify_disk = self.config.checksum and self.config.checksum_verify_ratio > 0
+    def _read_disk_only(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
+                        todo: list[int], results: list[MemCacheError | None]) -> list[int]:
+        """Objects evicted to a provider's disk tier: that provider serves the bytes (``tier.py``).
+        Returns the keys of ``todo`` left for their DRAM replicas."""
         on_disk = [i for i in todo if not found[i].locations]  # type: ignore[union-attr]
-        if on_disk:   # evicted to a provider's disk tier: that provider serves the bytes (local/tier.py)
-            tier.read_disk(self, list(keys), list(pieces), found, on_disk, results, verify_disk)
-            todo = [i for i in todo if found[i].locations]  # type: ignore[union-attr]
-        corrupt = self._read(keys, pieces, found, todo, results, verify)
+        if not on_disk:
+            return todo
+        tier.read_disk(self, list(keys), list(pieces), found, on_disk, results, self._verify_disk())
+        return [i for i in todo if found[i].locations]  # type: ignore[union-attr]
+
+    def _disk_fallback(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
+                       todo: list[int], results: list[MemCacheError | None]) -> None:
+        """Every DRAM copy of these failed: the provider's disk record is one more replica."""
         fallback = [i for i in todo if results[i] is not None and found[i].disk]  # type: ignore[union-attr]
-        if fallback:   # every DRAM copy failed: the provider's disk record is one more replica
-            tier.read_disk(self, list(keys), list(pieces), found, fallback, results, verify_disk)
-        failed = [e for e in (results[i] for i in todo) if e is not None]
-        if failed:   # a miss the engine will recompute: say why, once per batch
-            logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),
-                           type(failed[0]).__name__, failed[0])
-        return corrupt
+        if fallback:
+            tier.read_disk(self, list(keys), list(pieces), found, fallback, results, self._verify_disk())
+
+    def _verify_disk(self) -> bool:
+        return self.config.checksum and self.config.checksum_verify_ratio > 0
 
     def _read(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
               todo: list[int], results: list[MemCacheError | None], verify: set[int]) -> list[tuple[str, int, int]]:
@@ -286,6 +300,14 @@ def replica_distance(seg: p.SegmentInfo | None, own: Mapping | None, host_id: st
         return 0
     return 1 if seg.host_id == host_id else 2
 
+
+
+def _log_misses(results: list[MemCacheError | None], todo: list[int]) -> None:
+    """A miss the engine will recompute: say why, once per batch."""
+    failed = [e for e in (results[i] for i in todo) if e is not None]
+    if failed:
+        logger.warning("%d of %d objects could not be read; first: %s: %s", len(failed), len(todo),
+                       type(failed[0]).__name__, failed[0])
 
 
 def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool,
