@@ -63,7 +63,7 @@ class Descriptor(msgspec.Struct, array_like=True, frozen=True):
     size: int
 
 
-_decoder = msgspec.msgpack.Decoder(Descriptor)
+descriptor_decoder = msgspec.msgpack.Decoder(Descriptor)
 MAX_METADATA = 64 << 10        # an agent's metadata is about 0.5 KiB (meta/validate.py MAX_NIXL_BYTES)
 SERDES = b"nixlSerDes|Agent"  # NIXL's serialized metadata: this tag, the agent name's length (u64 LE), the name
 AGENT_NAME = 256
@@ -77,7 +77,7 @@ def checked(seg: SegmentInfo) -> Descriptor:
     if not seg.nixl or len(seg.nixl) > MAX_METADATA + 1024:
         raise PeerUnavailable(f"{where}: {len(seg.nixl)} bytes")
     try:
-        d = _decoder.decode(seg.nixl)
+        d = descriptor_decoder.decode(seg.nixl)
     except msgspec.DecodeError as e:
         raise PeerUnavailable(f"{where}: unreadable ({e})") from e
     name = d.agent.encode()

@@ -121,7 +121,7 @@ def test_nixl_descriptors_stay_off_the_open_and_admin_views(stores, meta):
     from memcache_core import protocol as p
     from memcache_core.auth import load_secret
     from memcache_core.rpc import RpcClient, expect
-    from memcache_core.transfer.nixl import _decoder
+    from memcache_core.transfer.nixl import descriptor_decoder
 
     nixl_store(stores, "a")
     nixl_store(stores, "b", init_bm=False)
@@ -131,7 +131,7 @@ def test_nixl_descriptors_stay_off_the_open_and_admin_views(stores, meta):
     finally:
         client.close()
     (seg,) = segs
-    d = _decoder.decode(seg.nixl)
+    d = descriptor_decoder.decode(seg.nixl)
     assert d.size == seg.size and len(d.metadata) > 64
     views = [_admin_page(meta, path) for path in ("/status", "/api/v1/stats", "/metrics", "/get_all_segments",
                                                   "/api/v1/segments/status")] + [meta.log_tail(100_000)]
