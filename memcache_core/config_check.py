@@ -1,6 +1,6 @@
 """Settings declared with msgspec, a leaf below ``config.py``: a field's annotation says what it
-accepts (``Annotated[int, Meta(ge=1, le=1024)]``, ``Literal["on", "off"]``, ``bool``, ``str``) and
-``check`` holds every field of a config to its declaration, naming the key and what it expects:
+accepts (``Annotated[int, Meta(ge=1, le=1024)]``, ``Literal["on", "off"]``, ``Bool``, ``Str``) and
+``check`` holds every declared field of a config to it, naming the key and what it expects:
 
     lease_ttl_ms: expected a number in [10, 3600000], got 5
     placement_policy: expected 'local_first', 'spread' or 'random', got 'nearest'
