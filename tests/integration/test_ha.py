@@ -140,7 +140,7 @@ def pool() -> Iterator[Pool]:
             pl.close()
 
 
-def _start_traffic(pool: Pool) -> tuple[StoreProcess, StoreProcess, list[Traffic]]:
+def start_traffic(pool: Pool) -> tuple[StoreProcess, StoreProcess, list[Traffic]]:
     a = pool.store(pool.url_list)          # a list of URLs, tried in turn
     b = pool.store(pool.etcd_url)          # follows the leader key in etcd
     traffic = [Traffic(a, "a"), Traffic(b, "b")]
@@ -150,7 +150,7 @@ def _start_traffic(pool: Pool) -> tuple[StoreProcess, StoreProcess, list[Traffic
     return a, b, traffic
 
 
-def _verify_all(stores: list[StoreProcess], traffic: list[Traffic]) -> None:
+def verify_all(stores: list[StoreProcess], traffic: list[Traffic]) -> None:
     keys = [k for t in traffic for k in t.stored]
     for s in stores:
         for i in range(0, len(keys), 64):
@@ -162,7 +162,7 @@ def _verify_all(stores: list[StoreProcess], traffic: list[Traffic]) -> None:
 
 def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
     leader = pool.leader()
-    a, b, traffic = _start_traffic(pool)
+    a, b, traffic = start_traffic(pool)
     t_kill = time.monotonic()
     leader.kill()
     rest = [m for m in pool.metas if m is not leader]
@@ -172,7 +172,7 @@ def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
     wait_for(lambda: all(t.resumed_since(t_kill) for t in traffic), 15, "both clients to put again")
     for t in traffic:
         t.stop()
-    _verify_all([a, b], traffic)
+    verify_all([a, b], traffic)
     assert new.http("/leader")["leader"]["control"] == new.meta_service_url
     metrics = new.http("/metrics")
     assert "memcache_meta_is_leader 1" in metrics
@@ -182,7 +182,7 @@ def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
 def test_paused_leader_never_serves_after_it_wakes(pool):
     leader = pool.leader()
     pinned = pool.store(leader.meta_service_url, init_bm=False)   # talks to this MetaService only
-    a, b, traffic = _start_traffic(pool)
+    a, b, traffic = start_traffic(pool)
     assert pinned("put", keys=["pinned-0"], layout=LAYOUT)["codes"] == [0]
     t_stop = time.monotonic()
     os.kill(leader.pid, signal.SIGSTOP)
@@ -209,12 +209,12 @@ def test_paused_leader_never_serves_after_it_wakes(pool):
     assert len(pool.leaders()) == 1
     for t in traffic:
         t.stop()
-    _verify_all([a, b], traffic)
+    verify_all([a, b], traffic)
 
 
 def test_etcd_restart_degrades_with_clear_codes_and_recovers(pool):
     pool.leader()
-    a, b, traffic = _start_traffic(pool)
+    a, b, traffic = start_traffic(pool)
     pool.etcd.stop()
     wait_for(lambda: not pool.leaders(), 3 * TTL_S, "the leader to stop serving without etcd")
     t_back = time.monotonic()
@@ -223,7 +223,7 @@ def test_etcd_restart_degrades_with_clear_codes_and_recovers(pool):
     wait_for(lambda: all(t.resumed_since(t_back) for t in traffic), 20, "both clients to put again")
     for t in traffic:
         t.stop()
-    _verify_all([a, b], traffic)
+    verify_all([a, b], traffic)
 
 
 def test_config_store_survives_failover(pool):

@@ -18,7 +18,7 @@ from memcache_core.errors import ConfigError
 from memcache_core.etcd import Etcd, EtcdAuth, EtcdRefused, leader_key
 from memcache_core.testing import EtcdProcess, MetaServiceProcess, etcd_binary, make_etcd_tls_files, wait_for
 from tests.integration.stores import StoreProcess
-from tests.integration.test_ha import LAYOUT, TTL_S, Pool, Traffic, _start_traffic, _verify_all, pool  # noqa: F401
+from tests.integration.test_ha import LAYOUT, TTL_S, Pool, Traffic, pool, start_traffic, verify_all  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ def test_deleting_and_rewriting_the_leader_key_under_traffic_never_makes_two_lea
     whose predecessor's lease is alive waits out its serving window: /role never shows two leaders,
     and every acknowledged put is readable, byte-exact, at the end."""
     old = pool.leader()
-    a, b, traffic = _start_traffic(pool)
+    a, b, traffic = start_traffic(pool)
     watch = RoleWatch(pool.metas)
     watch.start()
     etcd = Etcd((("127.0.0.1", pool.etcd.port),), 2.0)
@@ -89,7 +89,7 @@ def test_deleting_and_rewriting_the_leader_key_under_traffic_never_makes_two_lea
         watch.join(10)
     for t in traffic:
         t.stop()
-    _verify_all([a, b], traffic)
+    verify_all([a, b], traffic)
     assert watch.polls > 50
     assert not watch.overlaps(), f"two MetaServices answered as leader at once: {watch.overlaps()[:5]}"
 
