@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from ..auth import admin_authorized
 from ..errors import cannot_listen
-from ..meta.http_guard import GuardedHTTPServer
+from ..http_guard import GuardedHTTPServer
 from ..protocol import SegmentBytes
 
 logger = logging.getLogger(__name__)

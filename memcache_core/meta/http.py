@@ -37,8 +37,8 @@ from .. import protocol as p
 from ..auth import admin_authorized, admin_token
 from ..config import parse_url
 from ..errors import InvalidParameter, cannot_listen
+from ..http_guard import GuardedHTTPServer
 from . import disk, metrics, stats, status_page, validate
-from .http_guard import GuardedHTTPServer
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore

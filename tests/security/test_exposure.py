@@ -26,10 +26,10 @@ from memcache_core import DistributedObjectStore
 from memcache_core import protocol as p
 from memcache_core.auth import HANDSHAKE_TIMEOUT_S, MAGIC, NONCE, TAG, admin_token, load_secret, recv_exact
 from memcache_core.errors import ConfigError
+from memcache_core.http_guard import HEADER_DEADLINE_S
 from memcache_core.local import disk_record as rec
 from memcache_core.local.disk import DiskStore
 from memcache_core.memory import buffer_address
-from memcache_core.meta.http_guard import HEADER_DEADLINE_S
 from memcache_core.rpc import MAX_PENDING_REPLIES, MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
 from memcache_core.testing import MetaServiceProcess, free_port, make_tls_files, terminate, wait_for
 from memcache_core.transfer.tcp import TcpClient

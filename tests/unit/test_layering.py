@@ -2,7 +2,7 @@
 import statement, at module level or inside a function or ``if TYPE_CHECKING``, counts.
 
 * leaf modules import only leaf modules;
-* the control-plane plumbing (``rpc``, ``endpoints``, ``etcd``) imports leaves and itself;
+* the control-plane plumbing (``rpc``, ``endpoints``, ``etcd``, ``http_guard``) imports leaves and itself;
 * ``transfer/`` and ``meta/`` import the two layers below and themselves, never each other nor ``local/``;
 * ``local/`` may use ``transfer/`` (it owns the transfer engine), never ``meta/``;
 * the entry points (the package, ``meta_service``, ``cli``, ``cli_status``, ``testing``) sit on top;
@@ -25,7 +25,7 @@ CORE = REPO / "memcache_core"
 
 LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "tls", "logs",
         "checkpoint"}
-PLUMBING = {"rpc", "endpoints", "etcd"}
+PLUMBING = {"rpc", "endpoints", "etcd", "http_guard"}
 ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing"}
 PACKAGES = {"transfer", "meta", "local"}
 ALLOWED = {

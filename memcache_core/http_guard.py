@@ -19,7 +19,7 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from ..tls import tls_handshake
+from .tls import tls_handshake
 
 logger = logging.getLogger(__name__)
 
