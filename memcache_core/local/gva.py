@@ -17,10 +17,24 @@ A GVA (global virtual address) names one byte of one object replica, 64 bits:
 
 A GVA is resolved here against the objects this client was told about in this session (``GvaBook``)
 to (key, generation, segment, payload range); a GVA that names none of them is refused (-3000). The
-MetaService then decides, before every copy, whether that range may be written or read now
-(``meta/gva.py``: owner, state, generation, bounds, lease or pending deadline); nothing is copied for a
-batch with a refused range. Checksums: ranges are written without one; ``finish`` reads the object
-back, writes it whole with its checksum and header (the ordinary write path), then commits it.
+MetaService decides whether that range may be written or read (``meta/gva.py``: owner, state,
+generation, bounds, lease or pending deadline); nothing is copied for a batch with a refused range.
+
+Grants last (``Grants``): what the MetaService answered holds until a time it guarantees, so copies
+inside it proceed without asking again. A write is granted at ``batch_alloc`` (or by a ``Grant``
+round trip) until half the pending timeout after the request left: the MetaService reclaims a pending
+object only at its deadline, and quarantines its space after that. A read is granted at
+``batch_add_lease`` until the lease's end. Both are capped at ``lease_ttl_ms`` after the request left
+(a restarted MetaService, which knows no pending object and no lease, allocates nothing in a re-joined
+segment for that long, and a reclaimed object's space is quarantined at least that long), and void
+once the client opened a new MetaService connection (the sign of a restart) or the session changed.
+Past that, one ``Grant`` round trip renews them. Removing a lease, finishing or aborting an object, or
+describing a key again drops what was granted for it.
+
+Checksums: each replica's XXH3-64 is computed from what is copied in, while ranges arrive in order from
+the first byte (by the copy loop itself for a copy of the whole object, else over the source after
+each copy); ``finish`` then writes only the header and commits. A replica written out of order (or a
+range written twice) is read back once at ``finish`` to hash it.
 """
 
 from __future__ import annotations
@@ -33,11 +47,13 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import xxhash
 
 from .. import errors
 from .. import protocol as p
 from ..errors import InvalidParameter, MemCacheError, StateMismatch, check_keys
-from ..layout import payload_offset
+from ..layout import HEADER_BYTES, pack_header, payload_offset
+from ..memory import view_at
 from ..rpc import expect
 from ..transfer import CopyOp
 from .membership import Membership, Pieces, Session, in_batches
@@ -66,8 +82,51 @@ class GvaObject:
         return payload_offset(self.offset)
 
 
+@dataclasses.dataclass(slots=True)
+class Granted:
+    """What the MetaService granted for one replica: copies may start locally until ``until``; ``end``
+    is the lease end (reads) it was granted under, both on this process's monotonic clock."""
+
+    until: float
+    end: float
+    connects: int       # the RPC client's connections opened when it was asked (a new one: maybe a restart)
+
+
+class Digest:
+    """The XXH3-64 of one replica's payload, fed while its ranges arrive in order from byte 0."""
+
+    def __init__(self) -> None:
+        self.hasher = xxhash.xxh3_64()
+        self.whole: int | None = None   # the digest the copy loop computed over the whole payload at once
+        self.next = 0                   # bytes hashed so far (the next range must start here)
+        self.in_order = True            # False once a range came out of order: read back at finish
+        self.lock = threading.Lock()
+
+    def add(self, start: int, pieces: Pieces, digest: int | None) -> None:
+        """``pieces`` were copied to ``start``; ``digest``: their XXH3-64 when the copy computed it
+        (a copy of the whole payload)."""
+        with self.lock:
+            if not self.in_order or start != self.next:
+                self.in_order = False
+                return
+            if digest is not None and start == 0:
+                self.whole = digest
+            else:
+                for ptr, n in pieces:
+                    self.hasher.update(view_at(ptr, n))
+            self.next += sum(n for _, n in pieces)
+
+    def value(self, size: int) -> int | None:
+        """The payload's digest when every byte was hashed in order, else None."""
+        with self.lock:
+            if not self.in_order or self.next != size:
+                return None
+            return self.whole if self.whole is not None else self.hasher.intdigest()
+
+
 class GvaBook:
-    """The objects this client described in one session, indexed by segment and payload start."""
+    """The objects this client described in one session, indexed by segment and payload start, with
+    what was granted for them and the digests of those it is writing."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -77,6 +136,8 @@ class GvaBook:
         self.by_key: dict[str, list[GvaObject]] = {}
         self.starts: dict[int, list[int]] = {}     # segment id -> sorted payload starts
         self.at: dict[tuple[int, int], GvaObject] = {}
+        self.grants: dict[str, dict[tuple[int, int, bool], Granted]] = {}   # key -> (gen, segment, write)
+        self.digests: dict[str, dict[int, Digest]] = {}                     # key -> segment -> digest
         self.lock = threading.Lock()
 
     def add(self, objs: list[GvaObject]) -> list[int]:
@@ -113,18 +174,59 @@ class GvaBook:
         self.by_key.setdefault(o.key, []).append(o)
         return self.tag << (OFFSET_BITS + SLOT_BITS) | slot << OFFSET_BITS | o.lo
 
+    def gva_of(self, o: GvaObject) -> int:
+        """The GVA of a replica described here (0: none)."""
+        with self.lock:
+            slot = self.slots.get(o.segment_id)
+            if slot is None or o not in self.by_key.get(o.key, ()):
+                return 0
+            return self.tag << (OFFSET_BITS + SLOT_BITS) | slot << OFFSET_BITS | o.lo
+
     def forget(self, keys: Sequence[str]) -> None:
         with self.lock:
             for k in keys:
                 self._forget(k)
 
     def _forget(self, key: str) -> None:
+        self.grants.pop(key, None)
+        self.digests.pop(key, None)
         for o in self.by_key.pop(key, ()):
             self.at.pop((o.segment_id, o.lo), None)
             starts = self.starts[o.segment_id]
             i = bisect.bisect_left(starts, o.lo)
             if i < len(starts) and starts[i] == o.lo:
                 del starts[i]
+
+    def grant(self, objs: Sequence[GvaObject], write: bool, until: Sequence[float], end: Sequence[float],
+              connects: int) -> None:
+        """Remember what the MetaService granted for these replicas (still described here)."""
+        with self.lock:
+            for o, u, e in zip(objs, until, end, strict=True):
+                if o in self.by_key.get(o.key, ()):
+                    self.grants.setdefault(o.key, {})[(o.generation, o.segment_id, write)] = Granted(u, e, connects)
+
+    def granted(self, objs: Sequence[GvaObject], write: bool, now: float, connects: int) -> float | None:
+        """If every replica's copy may start now on what was granted: the shortest time (seconds) to
+        the end it was granted under; else None (ask the MetaService)."""
+        left = float("inf")
+        with self.lock:
+            for o in objs:
+                g = self.grants.get(o.key, {}).get((o.generation, o.segment_id, write))
+                if g is None or g.until <= now or g.connects != connects:
+                    return None
+                left = min(left, g.end - now)
+        return left
+
+    def revoke(self, keys: Sequence[str], write: bool) -> None:
+        with self.lock:
+            for k in keys:
+                mine = self.grants.get(k, {})
+                for g in [g for g in mine if g[2] == write]:
+                    del mine[g]
+
+    def digest(self, o: GvaObject) -> Digest:
+        with self.lock:
+            return self.digests.setdefault(o.key, {}).setdefault(o.segment_id, Digest())
 
     def objects(self, key: str) -> list[GvaObject]:
         with self.lock:
@@ -162,24 +264,36 @@ class Gva(Membership):
             book = self._gva_book = GvaBook(s)   # a new session: every GVA of the old one is stale
         return book
 
+    def _grant_cap(self, t0: float) -> float:
+        """No grant outlives this: a restarted MetaService (which knows no pending object or lease)
+        allocates in a re-joined segment only ``lease_ttl_ms`` after it re-joined, and reclaimed space
+        is quarantined at least that long."""
+        return t0 + self.session.lease_ttl_s
+
     @in_batches(aligned=1)
     def gva_alloc(self, keys: Sequence[str], sizes: Sequence[int]) -> list[MemCacheError | None]:
-        """Reserve objects to be written range by range (PENDING: invisible until ``gva_finish``)."""
+        """Reserve objects to be written range by range (PENDING: invisible until ``gva_finish``);
+        writing them is granted until half the pending timeout from now."""
         check_keys(list(keys))
         if len(keys) != len(sizes) or len(set(keys)) != len(keys):
             raise InvalidParameter("batch_alloc: keys and sizes differ in length, or a key is repeated")
         for s in sizes:
             if not isinstance(s, int) or s <= 0:
                 raise InvalidParameter(f"batch_alloc: size {s!r} must be a positive int")
+        t0, connects = time.monotonic(), self.rpc.connects
         reply = expect(self._member_call(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes))),
                        p.AllocReply)
         book = self._book()
+        pending_s = book.session.pending_timeout_s
+        until = min(t0 + pending_s / 2, self._grant_cap(t0))   # as a Grant: half the timeout must be left
         out: list[MemCacheError | None] = []
         for k, n, r in zip(keys, sizes, reply.results, strict=True):
             if r.code != errors.SUCCESS:
                 out.append(errors.error_from_code(r.code, f"batch_alloc of {k!r} ({n} bytes) refused"))
                 continue
-            book.add([GvaObject(k, r.generation, loc.segment_id, loc.offset, n, True) for loc in r.locations])
+            objs = [GvaObject(k, r.generation, loc.segment_id, loc.offset, n, True) for loc in r.locations]
+            book.add(objs)
+            book.grant(objs, True, [until] * len(objs), [t0 + pending_s] * len(objs), connects)
             out.append(None)
         return out
 
@@ -197,24 +311,35 @@ class Gva(Membership):
                 out.append((None, []))
                 continue
             f.locations = self._replica_order(f.locations)
-            locs = f.locations
-            out.append((f, book.add([GvaObject(k, f.generation, loc.segment_id, loc.offset, f.size, pending)
-                                     for loc in locs])))
+            known = book.objects(k)
+            objs = [GvaObject(k, f.generation, loc.segment_id, loc.offset, f.size, pending) for loc in f.locations]
+            if known == objs:   # described again as it was: keep its GVAs, grants and digests
+                out.append((f, [book.gva_of(o) for o in objs]))
+            else:
+                out.append((f, book.add(objs)))
         return out
 
     @in_batches()
     def gva_lease(self, keys: Sequence[str], ttl_ms: int) -> list[int]:
-        """Lease committed objects to this client for ``ttl_ms`` (0: the pool's lease_ttl_ms)."""
+        """Lease committed objects to this client for ``ttl_ms`` (0: the pool's lease_ttl_ms); reading
+        the replicas described here is granted until the lease ends."""
         check_keys(list(keys))
         book = self._book()
-        gens = [next((o.generation for o in book.objects(k) if not o.pending), 0) for k in keys]
+        objs = [[o for o in book.objects(k) if not o.pending] for k in keys]
+        gens = [os_[0].generation if os_ else 0 for os_ in objs]
         ttl = ttl_ms or int(self.session.lease_ttl_s * 1000)
-        return expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
-                      p.Codes).codes
+        t0, connects = time.monotonic(), self.rpc.connects
+        codes = expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
+                       p.Codes).codes
+        until, end = min(t0 + ttl / 1000.0, self._grant_cap(t0)), t0 + ttl / 1000.0
+        leased = [o for os_, code in zip(objs, codes, strict=True) if code == errors.SUCCESS for o in os_]
+        book.grant(leased, False, [until] * len(leased), [end] * len(leased), connects)
+        return codes
 
     @in_batches()
     def gva_unlease(self, keys: Sequence[str]) -> list[int]:
         check_keys(list(keys))
+        self._book().revoke(keys, write=False)   # the right to copy out ends now, whatever the reply
         return expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), [0] * len(keys), 0)),
                       p.Codes).codes
 
@@ -222,42 +347,56 @@ class Gva(Membership):
     def gva_copy(self, gvas: Sequence[int], pieces: Sequence[Pieces], write: bool | None) -> None:
         """Copy each local pieces list (laid end to end) to or from the object bytes from ``gvas[i]`` on.
         ``write`` None: the direction each object's state implies. Raises for the whole batch; nothing
-        is copied unless every range is granted."""
+        is copied unless every range is granted (by what was granted before, or by a ``Grant`` now)."""
         assert self.engine is not None
         if len(gvas) != len(pieces):
             raise InvalidParameter(f"{len(gvas)} GVAs and {len(pieces)} buffer lists")
         book = self._book()
-        spans = [book.resolve(g, sum(n for _, n in ps)) for g, ps in zip(gvas, pieces, strict=True)]
+        sizes = [sum(n for _, n in ps) for ps in pieces]
+        spans = [book.resolve(g, n) for g, n in zip(gvas, sizes, strict=True)]
         writes = {o.pending if write is None else write for o, _ in spans}
         if len(writes) != 1:
             raise InvalidParameter("batch_copy with AUTO: the GVAs name both unfinished and finished objects")
         writing = writes.pop()
-        left_s = self._grant(spans, [sum(n for _, n in ps) for ps in pieces], writing)
-        ops = []
-        for (o, start), ps in zip(spans, pieces, strict=True):
-            n = sum(size for _, size in ps)
-            ops.append(CopyOp(self._segment(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
-                              start=start, with_header=False))
+        left_s = book.granted([o for o, _ in spans], writing, time.monotonic(), self.rpc.connects)
+        if left_s is None:
+            left_s = self._grant(book, spans, sizes, writing)
+        hashing = writing and self.config.checksum
+        ops = [CopyOp(self._segment(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
+                      hash=hashing and start == 0 and n == o.size, start=start, with_header=False)
+               for (o, start), ps, n in zip(spans, pieces, sizes, strict=True)]
         t0 = time.monotonic()
         (self.engine.write if writing else self.engine.read)(ops)
         failed = next((op.error for op in ops if op.error is not None), None)
         if failed is not None:
+            if writing:   # some ranges may hold part of the bytes: their digests cannot follow them
+                for o, _ in spans:
+                    book.digest(o).in_order = False
             raise failed
+        if hashing:
+            for (o, start), op in zip(spans, ops, strict=True):
+                book.digest(o).add(start, op.pieces, op.checksum if op.hash else None)
         if not writing and time.monotonic() - t0 > left_s * LEASE_SAFETY:
             self._confirm_objects([o for o, _ in spans])
 
-    def _grant(self, spans: list[tuple[GvaObject, int]], sizes: list[int], write: bool) -> float:
-        """Ask the MetaService whether every range may be copied now; the shortest time left (seconds)."""
+    def _grant(self, book: GvaBook, spans: list[tuple[GvaObject, int]], sizes: list[int], write: bool) -> float:
+        """Ask the MetaService whether every range may be copied now and remember what it granted;
+        the shortest time (seconds) to the end it was granted under."""
         def ask(s: Session) -> p.Grant:
             return p.Grant(s.client_id, s.token, [o.key for o, _ in spans], [o.generation for o, _ in spans],
                            [o.segment_id for o, _ in spans], [st for _, st in spans],
                            [st + n for (_, st), n in zip(spans, sizes, strict=True)], write)
+        t0, connects = time.monotonic(), self.rpc.connects
         reply = expect(self._member_call(ask), p.Granted)
         for (o, start), code in zip(spans, reply.codes, strict=True):
             if code != errors.SUCCESS:
                 raise errors.error_from_code(code, f"{'write into' if write else 'read from'} {o.key!r} "
                                                    f"(generation {o.generation}) at {start} refused")
-        return min(reply.left_ms, default=0) / 1000.0
+        left = [ms / 1000.0 for ms in reply.left_ms]
+        margin = book.session.pending_timeout_s / 2 if write else 0.0   # a write needs half the timeout left
+        book.grant([o for o, _ in spans], write, [min(t0 + x - margin, self._grant_cap(t0)) for x in left],
+                   [t0 + x for x in left], connects)
+        return min(left, default=0.0)
 
     def _confirm_objects(self, objs: list[GvaObject]) -> None:
         """A read outlived its lease: the objects must still be the ones read."""
@@ -269,17 +408,16 @@ class Gva(Membership):
     @in_batches(aligned=1)
     def gva_finish(self, keys: Sequence[str], results: Sequence[int]) -> list[MemCacheError | None]:
         """Publish (result 0) or abort (non-zero) objects allocated with ``gva_alloc``: a published
-        object is read back, written whole with its checksum and header, then committed."""
+        object gets its header (with the digest of what was copied in) and is committed."""
         check_keys(list(keys))
         if len(keys) != len(results) or len(set(keys)) != len(keys):
             raise InvalidParameter("batch_write_finish: keys and results differ in length, or a key is repeated")
         book = self._book()
-        objs = {k: next((o for o in book.objects(k) if o.pending), None) for k in keys}
+        objs = {k: [o for o in book.objects(k) if o.pending] for k in keys}
         out: list[MemCacheError | None] = [None] * len(keys)
         publish, abort = [], []
         for i, (k, r) in enumerate(zip(keys, results, strict=True)):
-            o = objs[k]
-            if o is None:
+            if not objs[k]:
                 out[i] = errors.KeyNotFound(f"{k!r} was not allocated by batch_alloc in this session, or is finished")
             elif r == 0:
                 publish.append(i)
@@ -287,46 +425,78 @@ class Gva(Membership):
                 abort.append(i)
         s = self.session
         if abort:
-            self._abort(s, [o for o in (objs[keys[i]] for i in abort) if o is not None])
+            self._abort(s, [objs[keys[i]][0] for i in abort])
         if publish:
-            self._publish(keys, objs, publish, out, s)
+            self._publish(book, keys, objs, publish, out, s)
         book.forget(keys)
         return out
 
-    def _publish(self, keys: Sequence[str], objs: dict[str, GvaObject | None], idx: list[int],
+    def _publish(self, book: GvaBook, keys: Sequence[str], objs: dict[str, list[GvaObject]], idx: list[int],
                  out: list[MemCacheError | None], s: Session) -> None:
+        """Header, then commit, for each object: its checksum from the digests fed while it was copied
+        in (a replica written out of order is read back once to hash it); all replicas must agree."""
         assert self.engine is not None
-        todo = [(i, objs[keys[i]]) for i in idx]
-        spans = [(o, 0) for _, o in todo if o is not None]
+        reps = [o for i in idx for o in objs[keys[i]]]
+        whole = [(o, 0) for o in reps]
         try:
-            self._grant(spans, [o.size for o, _ in spans], True)
+            if book.granted(reps, True, time.monotonic(), self.rpc.connects) is None:
+                self._grant(book, whole, [o.size for o in reps], True)
         except MemCacheError as e:
-            for i, _ in todo:
+            for i in idx:
                 out[i] = e
             return
-        scratch = [np.empty(o.size, np.uint8) for o, _ in spans]
-        reads = [CopyOp(self._segment(o.segment_id), o.offset, [(b.ctypes.data, o.size)], o.size, o.key,
-                        o.generation) for (o, _), b in zip(spans, scratch, strict=True)]
-        self.engine.read(reads)
-        writes = [CopyOp(r.segment, r.offset, r.pieces, r.nbytes, r.key, r.generation, hash=self.config.checksum)
-                  for r in reads if r.error is None]
-        self.engine.write(writes)
-        written = {w.key: w for w in writes if w.error is None}
-        failed = [o for o, _ in spans if o.key not in written]
+        sums: dict[GvaObject, int] = {}
+        if self.config.checksum:
+            unordered = []
+            for o in reps:
+                d = book.digest(o).value(o.size)
+                if d is None:
+                    unordered.append(o)
+                else:
+                    sums[o] = d
+            sums.update(self._read_back(unordered))
+        errs: dict[str, MemCacheError] = {}
+        checksum: dict[str, int] = {}
+        for o in reps:
+            d = sums.get(o, 0) if self.config.checksum else 0
+            if o in sums or not self.config.checksum:
+                if checksum.setdefault(o.key, d) != d:
+                    errs[o.key] = errors.ChecksumMismatch(f"{o.key!r}: its replicas were written with different bytes")
+            else:
+                errs.setdefault(o.key, errors.TransferFailed(f"{o.key!r}: reading it back to hash it failed"))
+        headers = [np.frombuffer(pack_header(o.key, o.generation, o.size, checksum[o.key]), np.uint8)
+                   for o in reps if o.key not in errs]
+        ops = [CopyOp(self._segment(o.segment_id), o.offset, [(h.ctypes.data, HEADER_BYTES)], HEADER_BYTES, o.key,
+                      o.generation, start=-HEADER_BYTES, with_header=False)   # the header's place, after the payload
+               for o, h in zip([o for o in reps if o.key not in errs], headers, strict=True)]
+        self.engine.write(ops)
+        for op in ops:
+            if op.error is not None:
+                errs.setdefault(op.key, op.error)
+        failed = [objs[k][0] for k in errs]
         if failed:
             self._abort(s, failed)
-        done = [o for o, _ in spans if o.key in written]
-        codes = expect(self.rpc.call(p.Commit(s.client_id, s.token, [o.key for o in done],
-                                              [o.generation for o in done],
-                                              [written[o.key].checksum for o in done])), p.Codes).codes if done else []
-        code_of = dict(zip([o.key for o in done], codes, strict=True))
-        errs = {op.key: op.error for op in [*reads, *writes] if op.error is not None}
-        for i, _ in todo:
+        done = [k for k in dict.fromkeys(o.key for o in reps) if k not in errs]
+        codes = expect(self.rpc.call(p.Commit(s.client_id, s.token, done, [objs[k][0].generation for k in done],
+                                              [checksum[k] for k in done])), p.Codes).codes if done else []
+        code_of = dict(zip(done, codes, strict=True))
+        for i in idx:
             k = keys[i]
             if k in errs:
                 out[i] = errs[k]
             elif code_of.get(k, errors.SUCCESS) != errors.SUCCESS:
                 out[i] = errors.error_from_code(code_of[k], f"batch_write_finish of {k!r} refused")
+
+    def _read_back(self, objs: list[GvaObject]) -> dict[GvaObject, int]:
+        """The digests of replicas written out of order: each read back once (those that fail: absent)."""
+        if not objs:
+            return {}
+        assert self.engine is not None
+        scratch = [np.empty(o.size, np.uint8) for o in objs]
+        reads = [CopyOp(self._segment(o.segment_id), o.offset, [(b.ctypes.data, o.size)], o.size, o.key,
+                        o.generation) for o, b in zip(objs, scratch, strict=True)]
+        self.engine.read(reads)
+        return {o: xxhash.xxh3_64_intdigest(b.data) for o, b, r in zip(objs, scratch, reads, strict=True) if r.error is None}
 
     def _abort(self, s: Session, objs: list[GvaObject]) -> None:
         try:

@@ -115,6 +115,7 @@ class RpcClient:
         self._down = False
         self._down_at = 0.0
         self._closed = False
+        self.connects = 0   # connections opened: one more after a MetaService restart (local/gva.py's grants)
 
     @property
     def url(self) -> str:
@@ -210,7 +211,9 @@ class RpcClient:
         try:
             if addr is None:
                 raise OSError("no HA leader is known (etcd holds no leader key, or is unreachable)")
-            return _Conn(url, addr, timeout_s, self.secret, self.tls)
+            conn = _Conn(url, addr, timeout_s, self.secret, self.tls)
+            self.connects += 1
+            return conn
         except (OSError, AuthFailed) as e:
             self._discard(None)
             self.mark_down(str(e), url)

@@ -97,17 +97,25 @@ class Worker:
                 bad.append("bytes outside the pieces were written")
         return {"codes": codes, "mismatches": bad, "seconds": dt}
 
-    def gva_save(self, keys: list[str], layout: list[int], results: list[int] | None = None) -> dict:
+    def gva_save(self, keys: list[str], layout: list[int], results: list[int] | None = None,
+                 order: list[int] | None = None, garbage_first: bool = False) -> dict:
         """The GVA path's save, as vllm-ascend's layer-wise connector does it: alloc, info, one
-        ``batch_copy`` per layer (each key's slice at its offset in the object), finish."""
+        ``batch_copy`` per layer (each key's slice at its offset in the object), finish. ``order``:
+        the layers' order (default: first to last); ``garbage_first``: layer 0 is first written with
+        other bytes, then again with the right ones."""
         ptrs, sizes, _ = self._layout(keys, layout)
-        for i, k in enumerate(keys):
-            self._scatter(ptrs[i], sizes[i], pattern(k, sum(layout)))
         alloc = self.store.batch_alloc(keys, [sum(layout)] * len(keys))
         gvas = [(i.gva_list() or [0])[0] for i in self.store.batch_get_key_info(keys, 1)]
         starts = np.cumsum([0, *layout]).tolist()
-        copies = [self.store.batch_copy([g + starts[j] for g in gvas], [ps[j] for ps in ptrs], [n] * len(keys), H2G)
-                  for j, n in enumerate(layout)]
+        if garbage_first:
+            for ps in ptrs:
+                self.buf[ps[0] - self.buf.ctypes.data:ps[0] - self.buf.ctypes.data + layout[0]] = 0x5A
+            self.store.batch_copy(gvas, [ps[0] for ps in ptrs], [layout[0]] * len(keys), H2G)
+        for i, k in enumerate(keys):
+            self._scatter(ptrs[i], sizes[i], pattern(k, sum(layout)))
+        copies = [self.store.batch_copy([g + starts[j] for g in gvas], [ps[j] for ps in ptrs],
+                                        [layout[j]] * len(keys), H2G)
+                  for j in (order if order is not None else range(len(layout)))]
         finish = self.store.batch_write_finish(keys, results or [0] * len(keys))
         return {"alloc": alloc, "gvas": gvas, "copies": copies, "finish": finish}
 
@@ -167,7 +175,8 @@ class Worker:
         if op == "remove":
             return {"codes": self.store.remove_batch(cmd["keys"])}
         if op == "gva_save":
-            return self.gva_save(cmd["keys"], cmd["layout"], cmd.get("results"))
+            return self.gva_save(cmd["keys"], cmd["layout"], cmd.get("results"), cmd.get("order"),
+                                 cmd.get("garbage_first", False))
         if op == "gva_load":
             return self.gva_load(cmd["keys"], cmd["layout"], cmd.get("lease_ms", 60_000), cmd.get("layers", False),
                                  cmd.get("unlease", True))

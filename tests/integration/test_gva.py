@@ -6,10 +6,13 @@ code and corrupts nothing (docs/design.md "GVA path")."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from memcache_core import G2H, H2G
-from memcache_core.testing import running_meta_service, started, wait_for
+from memcache_core.layout import payload_offset
+from memcache_core.testing import mapped_segment, running_meta_service, started, wait_for
 from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
@@ -17,6 +20,7 @@ pytestmark = pytest.mark.integration
 LAYOUT = [32 << 10] * 4 + [8 << 10] * 4     # 8 "layers" of one block: K slices then V slices
 SIZE = sum(LAYOUT)
 INVALID_PARAM, OBJECT_EXISTS, NOT_EXISTS, TIMEOUT, STATE_MISMATCH = -3000, -3006, -3007, -3004, -3101
+CHECKSUM_MISMATCH = -3110
 
 
 @pytest.fixture(params=["host_shm", "host_tcp"])
@@ -43,6 +47,37 @@ def test_save_and_load_layer_by_layer_across_processes(pool):
     assert got["copies"] == [0] and got["mismatches"] == []
     plain = b("get", keys=keys, layout=LAYOUT)
     assert plain["codes"] == [0] * 6 and plain["mismatches"] == []
+
+
+def _grants(meta) -> float:
+    """Grant round trips the MetaService answered so far."""
+    m = re.search(r'^memcache_request_seconds_count\{op="Grant"\} (\S+)$', meta.http("/metrics"), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_grants_last_and_checksums_follow_the_copies(meta, pool):
+    """Scenario: A saves layer by layer and B loads layer by layer without one Grant round trip
+    (writes are granted at batch_alloc, reads at batch_add_lease; finish writes only the header with
+    the digest fed by the copies). Layers written out of order, or one written twice with other
+    bytes first, still get a true checksum (read back once at finish): an ordinary get reads them
+    byte-exact. A byte flipped in the segment afterwards is caught by the reader (-3110, a miss)."""
+    p, a, b = pool
+    before = _grants(meta)
+    assert a("gva_save", keys=["g-0", "g-1"], layout=LAYOUT)["finish"] == [0, 0]
+    got = b("gva_load", keys=["g-0", "g-1"], layout=LAYOUT)
+    assert got["copies"] == [0] * len(LAYOUT) and got["mismatches"] == []
+    assert _grants(meta) == before
+    order = list(range(len(LAYOUT)))[::-1]
+    assert a("gva_save", keys=["g-rev"], layout=LAYOUT, order=order)["finish"] == [0]
+    assert a("gva_save", keys=["g-twice"], layout=LAYOUT, garbage_first=True)["finish"] == [0]
+    keys = ["g-0", "g-1", "g-rev", "g-twice"]
+    plain = b("get", keys=keys, layout=LAYOUT)
+    assert plain["codes"] == [0] * 4 and plain["mismatches"] == []
+    for k in keys:
+        loc = meta.http(f"/query_key?key={k}")["locations"][0]
+        with mapped_segment(meta.segment(loc["segment"]).shm_path) as m:
+            m[payload_offset(loc["offset"]) + SIZE - 100] ^= 0xFF
+    assert b("get", keys=keys, layout=LAYOUT)["codes"] == [CHECKSUM_MISMATCH] * 4
 
 
 def test_misuse_returns_a_code_and_corrupts_nothing(pool):
