@@ -25,7 +25,7 @@ logger = logging.getLogger("vllm." + __name__)
 # Keys of vllm-ascend's AscendStoreConnector that have no effect here, accepted for compatibility.
 _COMPAT_ONLY_KEYS = frozenset({
     "mooncake_rpc_port", "prefill_pp_size", "prefill_pp_layer_partition", "prefill_tp_size",
-    "decode_tp_size", "layerwise_prefetch_layers", "layerwise_max_transfer_blocks",
+    "decode_tp_size", "layerwise_max_transfer_blocks",
     "layerwise_max_transfer_bytes", "h2d_stagger_us",
 })
 
@@ -65,8 +65,13 @@ class ConnectorConfig:
     """Save in the background without blocking the step. The source blocks stay alive until the save
     is done (finished requests are freed late, preemptions wait for in-flight saves)."""
     use_layerwise: bool = False
-    """vllm-ascend key: per-layer transfers. Not supported: whole blocks of all layers move as one
-    object; a true value is logged and ignored."""
+    """vllm-ascend key: per-layer transfers over the pool's GVA path (``layerwise.py``): loads overlap
+    the forward layer by layer, saves copy each layer as it is computed. Loads are then synchronous and
+    saves end inside their step (``load_async`` and ``save_async`` are off). KV caches on a CUDA
+    device still move whole blocks (logged)."""
+    layerwise_prefetch_layers: int = 1
+    """vllm-ascend key (with ``use_layerwise``): how many layers a load may run ahead of the layer
+    the forward waits for (layers l+1 .. l+k load while layer l computes)."""
     consumer_is_to_put: bool = False
     """A ``kv_consumer`` instance also saves to the pool."""
     consumer_is_to_load: bool = False
@@ -104,6 +109,8 @@ class ConnectorConfig:
                          "consumer_is_to_load", "discard_partial_chunks", "save_decode_cache",
                          "weights_full_hash"):
                 setattr(cfg, key, _as_bool(key, value))
+            elif key == "layerwise_prefetch_layers":
+                cfg.layerwise_prefetch_layers = int(_as_float(key, value, 1))
             elif key == "lookup_retry_s":
                 cfg.lookup_retry_s = _as_float(key, value, 0.0)
             elif key in store_fields:
@@ -115,9 +122,10 @@ class ConnectorConfig:
         if cfg.backend.lower() != "memcache":
             raise ValueError(
                 f"kv_connector_extra_config.backend: only 'memcache' is supported, got {cfg.backend!r}")
-        if cfg.use_layerwise:
-            logger.warning("MemCacheConnector: use_layerwise is not supported; whole blocks are moved")
-            cfg.use_layerwise = False
+        if cfg.use_layerwise and (cfg.load_async or cfg.save_async):
+            logger.info("MemCacheConnector: use_layerwise loads during the forward and saves inside the step; "
+                        "load_async and save_async are off")
+            cfg.load_async = cfg.save_async = False
         if not cfg.discard_partial_chunks:
             logger.warning("MemCacheConnector: partial blocks are never stored (no block hash); "
                            "discard_partial_chunks=false ignored")

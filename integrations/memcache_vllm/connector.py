@@ -68,6 +68,11 @@ class MemCacheConnector(KVConnectorBase_V1):
             self._worker = MemCacheWorker(vllm_config, kv_cache_config, self._cfg,
                                           self._policy, self._stats)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise hooks run between layers: vLLM must not capture whole-model CUDA graphs.
+        return ConnectorConfig.from_extra_config(extra_config).use_layerwise
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a dropped save is a future miss, never a lost hand-off.
@@ -102,10 +107,15 @@ class MemCacheConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole blocks of all layers are loaded before the forward
+        # use_layerwise: returns once this layer's blocks are in place; else a no-op (whole blocks
+        # of all layers were loaded before the forward)
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # whole blocks are saved in wait_for_save, after the forward
+        # use_layerwise: copies this layer's new blocks now; else a no-op (saved in wait_for_save)
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

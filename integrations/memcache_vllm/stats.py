@@ -27,6 +27,7 @@ FIELDS: tuple[str, ...] = (
     "load_bytes",
     "load_failed_blocks",   # blocks reported through get_block_ids_with_load_errors
     "load_time_s",
+    "layer_wait_s",         # time the forward waited in wait_for_layer_load (use_layerwise)
     "save_blocks",          # blocks written to the pool
     "save_bytes",
     "save_failed_blocks",

@@ -18,6 +18,7 @@ key per block per rank (``batch_put_from_layers`` / ``batch_get_into_layers``).
   their source blocks alive: a finished request is reported in ``finished_sending`` only when its
   saves are done (the scheduler delays the free until then), and a preempted request's in-flight
   saves are waited for before the next forward may overwrite its freed blocks.
+* ``use_layerwise``: loads and saves move layer by layer during the forward (``layerwise.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 from memcache_vllm.config import ConnectorConfig, RolePolicy
 from memcache_vllm.fence import LoadFailureFence
 from memcache_vllm.keys import Namespace
+from memcache_vllm.layerwise import LayerwiseWorker
 from memcache_vllm.layout import (
     BlockLayout,
     DeviceStager,
@@ -185,6 +187,7 @@ class MemCacheWorker:
         self._invalid_blocks: set[int] = set()
         self._fence = LoadFailureFence()
         self._begun: MemCacheConnectorMetadata | None = None
+        self._layerwise: LayerwiseWorker | None = None
 
     @property
     def rank(self) -> tuple[int, int, int]:
@@ -245,6 +248,11 @@ class MemCacheWorker:
                 store.close()
                 raise RuntimeError(f"register_buffer({ptr:#x}, {size}) failed with code {rc}")
         self._store = store
+        if self._cfg.use_layerwise and layout.on_host:
+            self._layerwise = LayerwiseWorker(store, layout, self._cfg.layerwise_prefetch_layers, self._stats)
+        elif self._cfg.use_layerwise:
+            logger.warning("MemCacheConnector: use_layerwise serves KV caches in host memory; these are on %s, "
+                           "so whole blocks are moved", layout.device)
         logger.info("MemCacheConnector worker tp%d pp%d joined %s (%s)",
                     self.tp_rank, self.pp_rank, local.meta_service_url,
                     f"contributing {local.dram_size}" if contributes else "client only")
@@ -261,6 +269,8 @@ class MemCacheWorker:
         if meta is self._begun:
             return
         self._begun = meta
+        if self._layerwise is not None:   # a step that ended in an exception: its saves are aborted
+            self._failed(sorted(self._layerwise.abandon()))
         if meta.epoch != self.epoch:
             logger.info("MemCacheConnector worker tp%d pp%d: namespace epoch %s -> %s",
                         self.tp_rank, self.pp_rank, self.epoch, meta.epoch)
@@ -296,6 +306,11 @@ class MemCacheWorker:
     # -- loads -----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: MemCacheConnectorMetadata) -> None:
+        self._mover_or_none()
+        if self._layerwise is not None:
+            ids = [b for j in meta.loads for b in j.block_ids]
+            self._layerwise.start_load(ids, self.keys([n for j in meta.loads for n in j.names]))
+            return
         sync_jobs = [j for j in meta.loads if not j.is_async]
         for job in meta.loads:
             if job.is_async:
@@ -333,7 +348,31 @@ class MemCacheWorker:
     def _is_fenced(self, job: SaveJob) -> bool:
         return self._fence.fenced(job.context_block_ids)
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layerwise is not None:
+            self._layerwise.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, meta: MemCacheConnectorMetadata) -> None:
+        if self._layerwise is None or not meta.saves:
+            return
+        jobs = [(job.block_ids, self.keys(job.names)) for job in meta.saves if not self._is_fenced(job)]
+        self._layerwise.save_layer(layer_name, jobs)
+
+    def _finish_layerwise(self, lw: LayerwiseWorker, meta: MemCacheConnectorMetadata) -> None:
+        """After the forward: the step's load is whole (its failures reported and fenced), then its
+        saves are published, except those computed over a block that failed to load."""
+        self._failed(sorted(lw.finish_load()))
+        fenced = [job for job in meta.saves if self._is_fenced(job)]
+        if fenced:
+            n = sum(len(job.block_ids) for job in fenced)
+            logger.warning("MemCacheConnector: not saving %d blocks: computed over a block that failed to load", n)
+            self._stats.add(save_fenced_blocks=n)
+        lw.finish_save({b for job in fenced for b in job.block_ids})
+
     def wait_for_save(self, meta: MemCacheConnectorMetadata) -> None:
+        if self._layerwise is not None:
+            self._finish_layerwise(self._layerwise, meta)
+            return
         if not meta.saves:
             return
         mover = self._mover_or_none()
@@ -395,6 +434,8 @@ class MemCacheWorker:
         return MemCacheWorkerMetadata({self.rank: epoch}) if epoch is not None else None
 
     def shutdown(self) -> None:
+        if self._layerwise is not None:
+            self._layerwise.shutdown()
         self._save_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
         if self._store is not None:

@@ -46,7 +46,7 @@ def test_ascend_pool_keys_and_store_keys_are_accepted(caplog: pytest.LogCaptureF
         "consumer_is_to_put": 1, "consumer_is_to_load": False, "discard_partial_chunks": True,
         "meta_service_url": "tcp://127.0.0.1:5999", "dram_size": "2GB", "protocol": "host_tcp",
         "no_such_key": 1})
-    assert cfg.load_async and cfg.consumer_is_to_put and not cfg.use_layerwise
+    assert cfg.use_layerwise and cfg.consumer_is_to_put and not cfg.load_async   # layer-wise loads are sync
     local = cfg.local_config()
     assert (local.meta_service_url, local.dram_size, local.protocol) == ("tcp://127.0.0.1:5999", "2GB", "host_tcp")
     assert "no_such_key" in caplog.text and "use_layerwise" in caplog.text
