@@ -12,9 +12,10 @@ provider's data server (``host_tcp``). Per batch of B blocks (61 layers x (128 K
 * get        ``batch_get_into_layers``;
 * gva load   ``batch_get_key_info``, ``batch_add_lease``, 122 ``batch_copy`` calls, ``batch_remove_lease``;
 
-and the same bytes with one ``memmove`` for reference. Each ``batch_copy`` is granted by the MetaService
-first (one round trip: docs/design.md "The GVA path"), so a layer costs at least a round trip. Figures are medians over ``--reps``; every read is
-checked byte for byte (a mismatch or a failed call aborts with a non-zero exit).
+and the same bytes with one ``memmove`` for reference. The copies run on grants given at ``batch_alloc`` and
+``batch_add_lease`` (no round trip per copy while they last: docs/design.md "The GVA path"), and the finish
+writes only the header. Figures are medians over ``--reps``; every read is checked byte for byte (a mismatch
+or a failed call aborts with a non-zero exit).
 
     python benchmarks/bench_gva.py --protocols host_shm,host_tcp --batches 1,8 --reps 5
 """

@@ -19,6 +19,10 @@ runs after every saved block was evicted to disk (the tier call ``evict``, check
 left): 3. from disk, each block read from the provider's disk tier (direct I/O where DIR's
 filesystem takes it). Also prints the disk's raw sequential read speed, measured on an equally
 large file in DIR with the same kind of I/O.
+
+``--layerwise``: two more instances with ``use_layerwise`` (docs/vllm.md "Layer-wise"): one restores
+the same prompts layer by layer (loads overlap the forward), one computes other prompts and saves them
+layer by layer (inside the step, where the whole-block path saves in the background).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def main() -> int:
     ap.add_argument("--instance", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--plot", metavar="PNG", help="draw cold vs loaded TTFT bars into this PNG (bench extra)")
     ap.add_argument("--disk", metavar="DIR", help="give the pool a disk tier in DIR and add a restore from disk")
+    ap.add_argument("--layerwise", action="store_true", help="add a restore and a cold run with use_layerwise")
+    ap.add_argument("--prefetch-layers", type=int, default=1, help="layerwise_prefetch_layers (with --layerwise)")
     args = ap.parse_args()
     if args.instance:
         run_instance(*args.instance)
@@ -108,13 +114,22 @@ def main() -> int:
                                                  "protocol": "host_shm", "dram_size": "0"}}
             spec = {"model": model, "seeds": seeds, "prompt_tokens": args.prompt_tokens,
                     "max_model_len": args.prompt_tokens + 64, "kv_transfer_config": ktc}
-            (work / "spec.json").write_text(json.dumps(spec))
+            lw_ktc = json.loads(json.dumps(ktc))
+            lw_ktc["kv_connector_extra_config"].update(use_layerwise=True,
+                                                      layerwise_prefetch_layers=args.prefetch_layers)
+            specs = {"cold": spec, "loaded": spec, "disk": spec,
+                     "layerwise": {**spec, "kv_transfer_config": lw_ktc},
+                     "layerwise cold": {**spec, "kv_transfer_config": lw_ktc, "seeds": [x + 100 for x in seeds]}}
+            phases = ["cold", "loaded"] + (["layerwise", "layerwise cold"] if args.layerwise else []) + \
+                (["disk"] if args.disk else [])
             runs = {}
-            for phase in ("cold", "loaded", "disk") if args.disk else ("cold", "loaded"):
+            for phase in phases:
                 if phase == "disk":
                     evict_everything(meta)
-                out = work / f"{phase}.json"
-                subprocess.run([sys.executable, __file__, "--instance", str(work / "spec.json"), str(out)],
+                name = phase.replace(" ", "_")
+                (work / f"{name}.spec.json").write_text(json.dumps(specs[phase]))
+                out = work / f"{name}.json"
+                subprocess.run([sys.executable, __file__, "--instance", str(work / f"{name}.spec.json"), str(out)],
                                check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 runs[phase] = json.loads(out.read_text())
         finally:
@@ -130,6 +145,8 @@ def main() -> int:
           f"{[r['cached'] for r in runs['loaded']]})")
     print(f"speed-up cold/loaded {statistics.median(cold) / statistics.median(loaded):.1f}x; "
           f"first tokens identical: {same}")
+    if args.layerwise:
+        report_layerwise(runs)
     bars = {"cold": cold, "loaded from the pool": loaded}
     if args.disk:
         bars = {"cold": cold, "from DRAM": loaded, "from disk": report_disk(runs, Path(args.disk))}
@@ -138,6 +155,16 @@ def main() -> int:
         import plots
         print("plot:", plots.ttft_bars(bars, args.plot, f"vLLM, {args.prompt_tokens}-token prompts"))
     return 0
+
+
+def report_layerwise(runs: dict[str, Any]) -> None:
+    """The restore and the cold run with use_layerwise beside the whole-block ones."""
+    lw, lw_cold = runs["layerwise"], runs["layerwise cold"]
+    same = all(a["token"] == b["token"] for a, b in zip(runs["cold"], lw, strict=True))
+    print(f"layer-wise restore TTFT median {statistics.median(r['ttft_s'] for r in lw) * 1000:9.1f} ms  (cached "
+          f"tokens {[r['cached'] for r in lw]}); first tokens identical: {same}")
+    print(f"layer-wise cold    TTFT median {statistics.median(r['ttft_s'] for r in lw_cold) * 1000:9.1f} ms  "
+          f"(saves inside the step; cached tokens {[r['cached'] for r in lw_cold]})")
 
 
 def evict_everything(meta: Any) -> None:
