@@ -98,11 +98,12 @@ class Worker:
         return {"codes": codes, "mismatches": bad, "seconds": dt}
 
     def gva_save(self, keys: list[str], layout: list[int], results: list[int] | None = None,
-                 order: list[int] | None = None, garbage_first: bool = False) -> dict:
+                 order: list[int] | None = None, garbage_first: bool = False, whole: bool = False) -> dict:
         """The GVA path's save, as vllm-ascend's layer-wise connector does it: alloc, info, one
         ``batch_copy`` per layer (each key's slice at its offset in the object), finish. ``order``:
         the layers' order (default: first to last); ``garbage_first``: layer 0 is first written with
-        other bytes, then again with the right ones."""
+        other bytes, then again with the right ones; ``whole``: one ``batch_copy_layers`` of every piece
+        instead (the copy loop hashes the whole object)."""
         ptrs, sizes, _ = self._layout(keys, layout)
         alloc = self.store.batch_alloc(keys, [sum(layout)] * len(keys))
         gvas = [(i.gva_list() or [0])[0] for i in self.store.batch_get_key_info(keys, 1)]
@@ -113,9 +114,12 @@ class Worker:
             self.store.batch_copy(gvas, [ps[0] for ps in ptrs], [layout[0]] * len(keys), H2G)
         for i, k in enumerate(keys):
             self._scatter(ptrs[i], sizes[i], pattern(k, sum(layout)))
-        copies = [self.store.batch_copy([g + starts[j] for g in gvas], [ps[j] for ps in ptrs],
-                                        [layout[j]] * len(keys), H2G)
-                  for j in (order if order is not None else range(len(layout)))]
+        if whole:
+            copies = [self.store.batch_copy_layers(gvas, ptrs, sizes, H2G)]
+        else:
+            copies = [self.store.batch_copy([g + starts[j] for g in gvas], [ps[j] for ps in ptrs],
+                                            [layout[j]] * len(keys), H2G)
+                      for j in (order if order is not None else range(len(layout)))]
         finish = self.store.batch_write_finish(keys, results or [0] * len(keys))
         return {"alloc": alloc, "gvas": gvas, "copies": copies, "finish": finish}
 
@@ -176,7 +180,7 @@ class Worker:
             return {"codes": self.store.remove_batch(cmd["keys"])}
         if op == "gva_save":
             return self.gva_save(cmd["keys"], cmd["layout"], cmd.get("results"), cmd.get("order"),
-                                 cmd.get("garbage_first", False))
+                                 cmd.get("garbage_first", False), cmd.get("whole", False))
         if op == "gva_load":
             return self.gva_load(cmd["keys"], cmd["layout"], cmd.get("lease_ms", 60_000), cmd.get("layers", False),
                                  cmd.get("unlease", True))

@@ -58,7 +58,8 @@ def _grants(meta) -> float:
 def test_grants_last_and_checksums_follow_the_copies(meta, pool):
     """Scenario: A saves layer by layer and B loads layer by layer without one Grant round trip
     (writes are granted at batch_alloc, reads at batch_add_lease; finish writes only the header with
-    the digest fed by the copies). Layers written out of order, or one written twice with other
+    the digest fed by the copies, or computed by the copy loop for a copy of the whole object).
+    Layers written out of order, or one written twice with other
     bytes first, still get a true checksum (read back once at finish): an ordinary get reads them
     byte-exact. A byte flipped in the segment afterwards is caught by the reader (-3110, a miss)."""
     p, a, b = pool
@@ -70,14 +71,15 @@ def test_grants_last_and_checksums_follow_the_copies(meta, pool):
     order = list(range(len(LAYOUT)))[::-1]
     assert a("gva_save", keys=["g-rev"], layout=LAYOUT, order=order)["finish"] == [0]
     assert a("gva_save", keys=["g-twice"], layout=LAYOUT, garbage_first=True)["finish"] == [0]
-    keys = ["g-0", "g-1", "g-rev", "g-twice"]
+    assert a("gva_save", keys=["g-whole"], layout=LAYOUT, whole=True)["finish"] == [0]
+    keys = ["g-0", "g-1", "g-rev", "g-twice", "g-whole"]
     plain = b("get", keys=keys, layout=LAYOUT)
-    assert plain["codes"] == [0] * 4 and plain["mismatches"] == []
+    assert plain["codes"] == [0] * 5 and plain["mismatches"] == []
     for k in keys:
         loc = meta.http(f"/query_key?key={k}")["locations"][0]
         with mapped_segment(meta.segment(loc["segment"]).shm_path) as m:
             m[payload_offset(loc["offset"]) + SIZE - 100] ^= 0xFF
-    assert b("get", keys=keys, layout=LAYOUT)["codes"] == [CHECKSUM_MISMATCH] * 4
+    assert b("get", keys=keys, layout=LAYOUT)["codes"] == [CHECKSUM_MISMATCH] * 5
 
 
 def test_misuse_returns_a_code_and_corrupts_nothing(pool):

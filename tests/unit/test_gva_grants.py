@@ -116,3 +116,57 @@ def test_a_gva_resolves_only_inside_an_object_described_in_this_session():
     with pytest.raises(InvalidParameter):
         book.resolve(a, 1)
     assert book.resolve(b, 500)[0].key == "b"
+
+
+def test_client_grants_hold_until_their_end_and_no_further():
+    """Scenario: a grant remembered for a replica lets copies start without asking until its ``until``
+    (time is a parameter), never after it, never once the client opened a new MetaService connection,
+    never for the other direction; removing a lease revokes read grants only; describing the key anew
+    (another generation) or forgetting it drops everything granted for it."""
+    from memcache_core.local.gva import GvaBook, GvaObject
+    from memcache_core.local.membership import Session
+
+    book = GvaBook(Session(3, 0x1234_5601, 1.0, 10.0, None))
+    w, r = GvaObject("w", 5, 77, 0, 1000, True), GvaObject("r", 6, 77, 4096, 1000, False)
+    book.add([w])
+    book.add([r])
+    book.grant([w], True, [10.0], [20.0], connects=1)
+    book.grant([r], False, [12.0], [12.0], connects=1)
+    assert book.granted([w], True, 9.0, 1) == 11.0          # seconds left to the end it was granted under
+    assert book.granted([w, r], True, 9.0, 1) is None       # r holds no write grant
+    assert book.granted([w], True, 10.0, 1) is None         # past until: ask again
+    assert book.granted([w], True, 9.0, 2) is None          # a new connection: maybe a restarted MetaService
+    assert book.granted([w], False, 9.0, 1) is None         # a write grant is not a read grant
+    assert book.granted([r], False, 11.0, 1) == 1.0
+    book.revoke(["r", "w"], write=False)
+    assert book.granted([r], False, 11.0, 1) is None and book.granted([w], True, 9.0, 1) == 11.0
+    book.add([GvaObject("w", 8, 77, 0, 1000, True)])        # the key described anew: another object
+    assert book.granted([w], True, 9.0, 1) is None
+    stale = GvaObject("gone", 1, 77, 8192, 100, True)
+    book.grant([stale], True, [10.0], [20.0], connects=1)   # not described here: nothing remembered
+    assert book.granted([stale], True, 9.0, 1) is None
+
+
+def test_digest_follows_ranges_in_order_and_gives_up_otherwise():
+    """Scenario: the digest fed by copies equals the XXH3-64 of the whole payload when the ranges come
+    in order from byte 0, is the copy loop's own for a copy of the whole payload, and is None (read
+    back at finish) once a range comes out of order or is written twice."""
+    import numpy as np
+    import xxhash
+
+    from memcache_core.local.gva import Digest
+
+    data = np.random.default_rng(3).integers(0, 256, 1000, dtype=np.uint8)
+    p = data.ctypes.data
+    d = Digest()
+    d.add(0, [(p, 300)], None)
+    d.add(300, [(p + 300, 200), (p + 500, 500)], None)
+    assert d.value(1000) == xxhash.xxh3_64_intdigest(data.tobytes())
+    whole = Digest()
+    whole.add(0, [(p, 1000)], 1234)
+    assert whole.value(1000) == 1234
+    for ranges in ([(300, 300), (0, 300), (600, 400)], [(0, 300), (0, 300), (300, 700)], [(0, 300)]):
+        d = Digest()
+        for start, n in ranges:
+            d.add(start, [(p + start, n)], None)
+        assert d.value(1000) is None
