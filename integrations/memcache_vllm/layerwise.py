@@ -31,6 +31,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -266,14 +267,15 @@ class LayerwiseWorker:
         if self.load is not None and layer is not None:
             self.load.wait(layer)
 
-    def save_layer(self, name: str, jobs: list[tuple[list[int], list[str]]]) -> None:
-        """``jobs``: the step's (block ids, keys) to save, used at the step's first layer."""
+    def save_layer(self, name: str, jobs: Callable[[], list[tuple[list[int], list[str]]]]) -> None:
+        """``jobs()``: the step's (block ids, keys) to save, asked for at the step's first layer."""
         layer = self.plan.layer_of(name)
         if layer is None:
             return
         if self.save is None:
-            ids = [b for b_ids, _ in jobs for b in b_ids]
-            keys = [k for _, ks in jobs for k in ks]
+            todo = jobs()
+            ids = [b for b_ids, _ in todo for b in b_ids]
+            keys = [k for _, ks in todo for k in ks]
             if not ids:
                 return
             self.save = LayerSave(self.store, self.plan, ids, keys, self.stats, self._save_pool)

@@ -355,8 +355,8 @@ class MemCacheWorker:
     def save_kv_layer(self, layer_name: str, meta: MemCacheConnectorMetadata) -> None:
         if self._layerwise is None or not meta.saves:
             return
-        jobs = [(job.block_ids, self.keys(job.names)) for job in meta.saves if not self._is_fenced(job)]
-        self._layerwise.save_layer(layer_name, jobs)
+        self._layerwise.save_layer(layer_name, lambda: [(job.block_ids, self.keys(job.names))
+                                                        for job in meta.saves if not self._is_fenced(job)])
 
     def _finish_layerwise(self, lw: LayerwiseWorker, meta: MemCacheConnectorMetadata) -> None:
         """After the forward: the step's load is whole (its failures reported and fenced), then its

@@ -71,9 +71,9 @@ def test_layerwise_save_and_load_through_a_real_pool(store: DistributedObjectSto
     try:
         jobs = [([3, 5], ["k3", "k5"]), ([7, 8], ["k7", "fenced"])]
         for name in src:
-            lw.save_layer(name, jobs)
+            lw.save_layer(name, lambda: jobs)
         lw.finish_save({8})
-        lw.save_layer("l0", [([9], ["half"])])   # the forward stopped after layer 0
+        lw.save_layer("l0", lambda: [([9], ["half"])])   # the forward stopped after layer 0
         lw.finish_save(set())
         assert store.batch_is_exist(["k3", "k5", "k7", "fenced", "half"]) == [1, 1, 1, 0, 0]
         assert store.batch_alloc(["half", "fenced"], [lay_s.block_bytes] * 2) == [0, 0]   # aborted: free
