@@ -212,7 +212,8 @@ class RpcClient:
             if addr is None:
                 raise OSError("no HA leader is known (etcd holds no leader key, or is unreachable)")
             conn = _Conn(url, addr, timeout_s, self.secret, self.tls)
-            self.connects += 1
+            with self._cond:
+                self.connects += 1
             return conn
         except (OSError, AuthFailed) as e:
             self._discard(None)
