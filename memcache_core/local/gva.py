@@ -280,9 +280,10 @@ class Gva(Membership):
         for s in sizes:
             if not isinstance(s, int) or s <= 0:
                 raise InvalidParameter(f"batch_alloc: size {s!r} must be a positive int")
-        t0, connects = time.monotonic(), self.rpc.connects
+        t0 = time.monotonic()
         reply = expect(self._member_call(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes))),
                        p.AllocReply)
+        connects = self.rpc.connects   # read after the call: the connection the reply came on counts
         book = self._book()
         pending_s = book.session.pending_timeout_s
         until = min(t0 + pending_s / 2, self._grant_cap(t0))   # as a Grant: half the timeout must be left
@@ -328,9 +329,10 @@ class Gva(Membership):
         objs = [[o for o in book.objects(k) if not o.pending] for k in keys]
         gens = [os_[0].generation if os_ else 0 for os_ in objs]
         ttl = ttl_ms or int(self.session.lease_ttl_s * 1000)
-        t0, connects = time.monotonic(), self.rpc.connects
+        t0 = time.monotonic()
         codes = expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
                        p.Codes).codes
+        connects = self.rpc.connects
         until, end = min(t0 + ttl / 1000.0, self._grant_cap(t0)), t0 + ttl / 1000.0
         leased = [o for os_, code in zip(objs, codes, strict=True) if code == errors.SUCCESS for o in os_]
         book.grant(leased, False, [until] * len(leased), [end] * len(leased), connects)
@@ -386,8 +388,9 @@ class Gva(Membership):
             return p.Grant(s.client_id, s.token, [o.key for o, _ in spans], [o.generation for o, _ in spans],
                            [o.segment_id for o, _ in spans], [st for _, st in spans],
                            [st + n for (_, st), n in zip(spans, sizes, strict=True)], write)
-        t0, connects = time.monotonic(), self.rpc.connects
+        t0 = time.monotonic()
         reply = expect(self._member_call(ask), p.Granted)
+        connects = self.rpc.connects
         for (o, start), code in zip(spans, reply.codes, strict=True):
             if code != errors.SUCCESS:
                 raise errors.error_from_code(code, f"{'write into' if write else 'read from'} {o.key!r} "

@@ -51,7 +51,7 @@ def test_save_and_load_layer_by_layer_across_processes(pool):
 
 def _grants(meta) -> float:
     """Grant round trips the MetaService answered so far."""
-    m = re.search(r'^memcache_request_seconds_count\{op="Grant"\} (\S+)$', meta.http("/metrics"), re.M)
+    m = re.search(r'^memcache_request_seconds_count\{op="grant"\} (\S+)$', meta.http("/metrics"), re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -68,6 +68,9 @@ def test_grants_last_and_checksums_follow_the_copies(meta, pool):
     got = b("gva_load", keys=["g-0", "g-1"], layout=LAYOUT)
     assert got["copies"] == [0] * len(LAYOUT) and got["mismatches"] == []
     assert _grants(meta) == before
+    # negative control: a copy on no grant (the lease was removed) asks the MetaService, and is refused
+    assert b("gva_copy", gvas=[got["gvas"][0]], size=64, direct=G2H)["code"] == STATE_MISMATCH
+    assert _grants(meta) == before + 1
     order = list(range(len(LAYOUT)))[::-1]
     assert a("gva_save", keys=["g-rev"], layout=LAYOUT, order=order)["finish"] == [0]
     assert a("gva_save", keys=["g-twice"], layout=LAYOUT, garbage_first=True)["finish"] == [0]

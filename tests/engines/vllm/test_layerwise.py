@@ -150,7 +150,7 @@ def test_layerwise_restores_equal_vllm_prefix_hits_and_whole_blocks(model: str, 
                         start("layerwise", pool.kv_transfer_config(use_layerwise=True, layerwise_prefetch_layers=1))]
             ref, lw = (e.result() for e in engines)
             text = meta.http("/metrics")
-            for op in ("Info", "Lease"):
+            for op in ("info", "lease"):
                 m = re.search(rf'^memcache_request_seconds_count{{op="{op}"}} (\S+)$', text, re.M)
                 assert m and float(m.group(1)) > 0, f"L made no {op} request: the layer-wise path did not run"
             engines.append(start("whole_block", pool.kv_transfer_config()))
