@@ -117,7 +117,7 @@ MODELS = {"gqa": ("2", "256", "4", "2"), "mha": ("2", "256", "4", "4")}
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("model", "block"), [
     ("gqa", 32),
-    # ~4 more minutes: opt in (CPU attention takes blocks of multiples of 32 only)
+    # one more engine test (75 s to 5 min here): opt in. CPU attention takes blocks of multiples of 32 only
     pytest.param("mha", 64, marks=pytest.mark.skipif(not os.environ.get("MEMCACHE_ENGINE_ALL_SHAPES"),
                                                      reason="set MEMCACHE_ENGINE_ALL_SHAPES=1 to run")),
 ])
