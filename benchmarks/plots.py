@@ -35,12 +35,7 @@ def bandwidth(rows: list[dict[str, Any]], path: str, title: str = "") -> str:
         ax.legend(fontsize=8)
     for row in axes:
         row[0].set_ylabel("GB/s")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title)
 
 
 def ttft_bars(figures: dict[str, list[float]], path: str, title: str = "") -> str:
@@ -64,10 +59,7 @@ def ttft_bars(figures: dict[str, list[float]], path: str, title: str = "") -> st
     ax.set_ylabel("time to first token (ms), median; dots: each prompt")
     ax.set_title(title or "TTFT")
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def latency_curve(rows: list[dict[str, Any]], path: str, title: str = "") -> str:
@@ -102,6 +94,13 @@ def latency_curve(rows: list[dict[str, Any]], path: str, title: str = "") -> str
     served.grid(True, alpha=0.3)
     served.legend(loc="upper left", fontsize=8)
     share.legend(loc="lower right", fontsize=8)
+    return _save(fig, path, title)
+
+
+def _save(fig: Any, path: str, title: str = "") -> str:
+    """Give ``fig`` its title, write it to ``path`` and free it. Returns ``path``."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -72,6 +72,12 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _table(title: str, table_id: str, headers: tuple[str, ...], rows: str) -> str:
+    """A section of the page: its heading and a table of ``rows`` (already escaped) under ``headers``."""
+    head = "".join(f"<th>{h}</th>" for h in headers)
+    return f'<h2>{title}</h2><table id="{table_id}"><tr>{head}</tr>{rows}</table>'
+
+
 def _segments(s: Snapshot) -> str:
     rows = "".join(
         f'<tr class="segment" data-used="{g.used_bytes}"><td>{g.segment_id}</td><td>{escape(g.host_id)}</td>'
@@ -79,8 +85,8 @@ def _segments(s: Snapshot) -> str:
         f"<td>{human(g.used_bytes)} / {human(g.capacity_bytes)}</td><td>{_bar(g.used_bytes, g.capacity_bytes)}</td>"
         f"<td>{'draining' if g.draining else ''}</td><td>{escape(g.metrics_addr)}</td></tr>"
         for g in s.segments)
-    return ("<h2>Segments</h2><table id=\"segments\"><tr><th>segment</th><th>host</th><th>pid</th><th>tier</th>"
-            f"<th>objects</th><th>used / capacity</th><th>usage</th><th>state</th><th>metrics</th></tr>{rows}</table>")
+    return _table("Segments", "segments", ("segment", "host", "pid", "tier", "objects", "used / capacity", "usage",
+                                            "state", "metrics"), rows)
 
 
 def _disk_tiers(s: Snapshot) -> str:
@@ -92,8 +98,8 @@ def _disk_tiers(s: Snapshot) -> str:
         f"<td>{d.counters.get('writes', 0)}</td><td>{d.counters.get('reads', 0)}</td>"
         f"<td{' class=warn' if errs else ''}>{errs}</td></tr>"
         for d in s.disk_tiers for errs in [sum(d.counters.get(k, 0) for k in DISK_ERRORS)])
-    return ('<h2>Disk tiers</h2><table id="disk-tiers"><tr><th>segment</th><th>policy</th><th>records</th>'
-            f"<th>used / capacity</th><th>usage</th><th>writes</th><th>reads</th><th>errors</th></tr>{rows}</table>")
+    return _table("Disk tiers", "disk-tiers", ("segment", "policy", "records", "used / capacity", "usage", "writes",
+                                                "reads", "errors"), rows)
 
 
 def _drains(s: Snapshot) -> str:
@@ -104,8 +110,8 @@ def _drains(s: Snapshot) -> str:
         f'<td>{d["elapsed_s"]:.0f} s of {d["timeout_s"]:.0f} s</td><td>{d["objects_left"]}</td>'
         f'<td>{d["moved_objects"]} ({human(d["moved_bytes"])})</td><td>{d["dropped_objects"]}</td></tr>'
         for d in s.drains_in_progress)
-    return ('<h2>Drains in progress</h2><table id="drains"><tr><th>segment</th><th>reason</th><th>elapsed</th>'
-            f"<th>objects left</th><th>moved</th><th>dropped</th></tr>{rows}</table>")
+    return _table("Drains in progress", "drains", ("segment", "reason", "elapsed", "objects left", "moved", "dropped"),
+                  rows)
 
 
 def _runs(points: list[tuple[float, float | None]], gap_s: float) -> list[list[tuple[float, float]]]:
@@ -184,5 +190,4 @@ def _members(s: Snapshot) -> str:
         f'<tr class="member"><td>{m.client_id}</td><td>{escape(m.host_id)}</td><td>{m.pid}</td>'
         f"<td>{m.segment_id if m.segment_id is not None else 'client only'}</td><td>{m.last_seen_s:.1f} s ago</td></tr>"
         for m in s.members)
-    return ("<h2>Members</h2><table id=\"members\"><tr><th>member</th><th>host</th><th>pid</th><th>segment</th>"
-            f"<th>last heartbeat</th></tr>{rows}</table>")
+    return _table("Members", "members", ("member", "host", "pid", "segment", "last heartbeat"), rows)
