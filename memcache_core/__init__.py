@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import LocalConfig, MetaConfig, ReplicateConfig
     from .errors import MemCacheError
-    from .local.store import AUTO, G2H, G2L, H2G, L2G, DistributedObjectStore, KeyInfo, open_store
+    from .local.store import DistributedObjectStore, open_store
+    from .local.store_codes import AUTO, G2H, G2L, H2G, L2G, KeyInfo
     from .meta_service import MetaService
 
 _WHERE = {"LocalConfig": "config", "MetaConfig": "config", "ReplicateConfig": "config",
           "MemCacheError": "errors", "MetaService": "meta_service",
-          **{n: "local.store" for n in ("AUTO", "G2H", "G2L", "H2G", "L2G", "DistributedObjectStore", "KeyInfo",
-                                     "open_store")}}
+          "DistributedObjectStore": "local.store", "open_store": "local.store",
+          **{n: "local.store_codes" for n in ("AUTO", "G2H", "G2L", "H2G", "L2G", "KeyInfo")}}
 
 __all__ = ["AUTO", "G2H", "G2L", "H2G", "L2G", "DistributedObjectStore", "KeyInfo", "LocalConfig",
            "MemCacheError", "MetaConfig", "MetaService", "ReplicateConfig", "open_store"]

@@ -1,7 +1,9 @@
 """Every control-plane message, as msgspec Structs (tagged unions decoded with typed decoders).
 
 Client -> MetaService requests are ``Request``; the replies are ``Reply``. A batch call is one
-message: one round trip per batch, never one per key. Framing is in ``rpc/framing.py``.
+message: one round trip per batch, never one per key. Framing is in ``rpc/framing.py``. The records
+the messages carry (``SegmentInfo``, ``Location``, ``Found``, ...) are defined in ``records.py`` and
+read through this module too (``p.Location``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Annotated
 import msgspec
 
 from .errors import MAX_KEY_BYTES
+from .records import AllocResult, DrainMove, Found, JournalEntry, ObjectReport, SegmentBytes, SegmentInfo
+from .records import Location as Location  # no message here holds one directly; read as p.Location
 
 MAX_KEYS = 1 << 13   # keys in one request: the MetaService's single loop answers it in well under a second
 # (1M keys took 17.7 s); a LocalService splits a larger batch into requests of at most this many
@@ -19,46 +23,6 @@ MAX_KEYS = 1 << 13   # keys in one request: the MetaService's single loop answer
 # bound is checked where a key is stored: meta/validate.py), at most MAX_KEYS of them.
 Keys = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES - 1)]],
                  msgspec.Meta(max_length=MAX_KEYS)]
-
-
-class SegmentInfo(msgspec.Struct, frozen=True):
-    """A LocalService's contribution to the pool, as every peer needs to reach it."""
-
-    segment_id: int
-    size: int
-    host_id: str
-    shm_path: str          # shared-memory file, mappable by peers on the same host
-    data_addr: str         # "host:port" of the owner's data server (TCP transfers)
-    tag: str = ""
-    nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
-    metrics_addr: str = ""  # "host:port" of the owner's own /metrics (metrics_port); "" = none
-
-
-class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle
-    segment_id: int
-    offset: int
-
-
-class ObjectReport(msgspec.Struct, array_like=True, frozen=True):
-    """One committed object held in a segment, as its header describes it (MetaService recovery).
-
-    ``offset`` is where the object's header starts; the payload follows it (``layout.py``).
-    ``checksum`` is the payload's XXH3-64, 0 when the writer computed none.
-    """
-
-    key: str
-    offset: int
-    size: int
-    generation: int
-    checksum: int = 0
-
-
-class JournalEntry(msgspec.Struct, array_like=True, frozen=True):
-    """A change to a segment's objects, pushed to its owner on heartbeat replies."""
-
-    seq: int
-    added: bool
-    obj: ObjectReport
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -83,15 +47,6 @@ class Join(msgspec.Struct, tag=True):
 class Leave(msgspec.Struct, tag=True):
     client_id: int
     token: bytes
-
-
-class SegmentBytes(msgspec.Struct, array_like=True, frozen=True):
-    """Payload bytes a member moved through shared memory out of (``read``) and into (``written``)
-    one segment since its last heartbeat: the segment's owner never sees such copies, so the
-    MetaService passes the sums on to it (``HeartbeatReply.served``)."""
-    segment_id: int
-    read: int
-    written: int
 
 
 class Heartbeat(msgspec.Struct, tag=True):
@@ -350,41 +305,14 @@ class HeartbeatReply(_Reply):
     departures: int = 0            # members that left, died or re-joined so far: a change means re-read the segments
 
 
-class DrainMove(msgspec.Struct, array_like=True, frozen=True):
-    """Copy one committed object from the owner's segment (``source_offset``) to ``target``, where
-    space is reserved for it; ``generation`` and ``checksum`` are the committed object's."""
-
-    key: str
-    size: int
-    source_offset: int
-    generation: int
-    checksum: int
-    new_generation: int
-    target: Location
-
-
 class DrainBatch(_Reply):
     moves: list[DrainMove]
     done: bool = False             # nothing is left to move, or the drain ended: stop asking
     left_ms: int = 0               # time left before the drain's deadline
 
 
-class AllocResult(msgspec.Struct, array_like=True):
-    code: int                      # 0 allocated, OBJECT_ALREADY_EXISTS, or a negative error code
-    generation: int = 0
-    locations: list[Location] = []
-
-
 class AllocReply(_Reply):
     results: list[AllocResult]
-
-
-class Found(msgspec.Struct, array_like=True):
-    size: int
-    generation: int
-    locations: list[Location]
-    checksum: int = 0
-    disk: int = 0                  # segment id of the provider holding a disk copy (0: none)
 
 
 class LookupReply(_Reply):

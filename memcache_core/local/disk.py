@@ -36,7 +36,7 @@ from ..errors import ChecksumMismatch, ConfigError, DiskIOError, KeyNotFound
 from ..layout import footprint as segment_footprint
 from ..layout import payload_offset
 from ..memory import Mapping
-from ..protocol import ObjectReport
+from ..records import ObjectReport
 from . import disk_record as rec
 from .aligned import Aligned, AlignedPool
 from .disk_files import (

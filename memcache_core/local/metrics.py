@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from ..auth import admin_authorized
 from ..errors import cannot_listen
 from ..http_guard import GuardedHTTPServer
-from ..protocol import SegmentBytes
+from ..records import SegmentBytes
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from ..layout import (
     unpack_header,
 )
 from ..memory import Mapping, view_at
-from ..protocol import ObjectReport
+from ..records import ObjectReport
 
 logger = logging.getLogger(__name__)
 

@@ -9,81 +9,19 @@ returns b"" when the key is absent. Pointer arguments must lie inside buffers gi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from .. import errors
-from ..config import LocalConfig, ReplicateConfig, local_config_from_env
+from ..config import LocalConfig, local_config_from_env
 from ..errors import InvalidParameter, MemCacheError, NotInitialized
 from .buffers import BufferRegistry, buffer_address
 from .service import LocalService
+from .store_codes import DIRECTIONS, G2H, H2G, KeyInfo, as_code, code_of, codes_of, int_arg, replication
 
 logger = logging.getLogger(__name__)
 
-# copy directions (accepted for compatibility; the path is chosen from the buffer and the segment)
-L2G, G2L, G2H, H2G, AUTO = 0, 1, 2, 3, 4
-
 T = TypeVar("T")
-
-
-class KeyInfo:
-    """What ``get_key_info`` returns, with memcache_hybrid's accessor methods. ``gva_list()`` holds one
-    GVA per replica in a segment (``local/gva.py``), in the order of ``loc_list()``; a copy held on a
-    disk tier only has a location and medium but no GVA."""
-
-    def __init__(self, size: int, locations: list[int], media: list[str], gvas: list[int] | None = None) -> None:
-        self._size, self._locs, self._media, self._gvas = size, locations, media, gvas or []
-
-    def size(self) -> int:
-        return self._size
-
-    def loc_list(self) -> list[int]:
-        return list(self._locs)
-
-    def type_list(self) -> list[str]:
-        return list(self._media)
-
-    def gva_list(self) -> list[int]:
-        return list(self._gvas)
-
-    def __repr__(self) -> str:
-        return f"KeyInfo(size={self._size}, locations={self._locs}, gvas={[hex(g) for g in self._gvas]})"
-
-
-def _code(fn: Callable[[], int]) -> int:
-    try:
-        return fn()
-    except MemCacheError as e:
-        logger.debug("call failed: %s", e)
-        return e.code
-    except (TypeError, ValueError) as e:
-        logger.debug("call refused: %s", e)
-        return errors.INVALID_PARAM
-
-
-def _codes(n: int, fn: Callable[[], list[int]]) -> list[int]:
-    try:
-        return fn()
-    except MemCacheError as e:
-        logger.debug("batch call failed: %s", e)
-        return [e.code] * n
-    except (TypeError, ValueError) as e:
-        logger.debug("batch call refused: %s", e)
-        return [errors.INVALID_PARAM] * n
-
-
-def _replication(rc: Any) -> tuple[int, list[int]]:
-    """(replicaNum, preferredLocalServiceIDs) of a put's replicateConfig: ours, memcache_hybrid's, or
-    any object with those attributes; validated (-3000 naming the field)."""
-    if rc is None:
-        return 1, []
-    cfg = ReplicateConfig(getattr(rc, "replicaNum", 1), list(getattr(rc, "preferredLocalServiceIDs", None) or []))
-    cfg.validate()
-    return cfg.replicaNum, list(cfg.preferredLocalServiceIDs)
-
-
-def _as_code(e: MemCacheError | None) -> int:
-    return errors.SUCCESS if e is None else e.code
 
 
 class DistributedObjectStore:
@@ -189,19 +127,19 @@ class DistributedObjectStore:
 
     def _put(self, keys: Sequence[str], pieces: list[list[tuple[int, int]]], errs: list[MemCacheError | None],
              rc: Any) -> list[int]:
-        replicas, preferred = _replication(rc)
+        replicas, preferred = replication(rc)
         ok = [i for i, e in enumerate(errs) if e is None]
         res = self._service().put([keys[i] for i in ok], [pieces[i] for i in ok], replicas, preferred)
         for i, e in zip(ok, res, strict=True):
             errs[i] = e
-        return [_as_code(e) for e in errs]
+        return [as_code(e) for e in errs]
 
     def batch_put_from_layers(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]],
                               direct: int = H2G, replicateConfig: Any = None) -> list[int]:  # noqa: N803
         def run() -> list[int]:
             pieces, errs = self._checked(keys, ptrs, sizes)
             return self._put(keys, pieces, errs, replicateConfig)
-        return _codes(len(keys), run)
+        return codes_of(len(keys), run)
 
     def put_from_layers(self, key: str, ptrs: list[int], sizes: list[int], direct: int = H2G,
                         replicateConfig: Any = None) -> int:  # noqa: N803
@@ -230,7 +168,7 @@ class DistributedObjectStore:
                 keep.append(anchor)
             codes = self._put(keys, pieces, [None] * len(keys), replicateConfig)
             return next((c for c in codes if c != 0), 0)
-        return _code(run)
+        return code_of(run)
 
     def put(self, key: str, buf: Any, replicateConfig: Any = None) -> int:  # noqa: N803
         return self.put_batch([key], [buf], replicateConfig)
@@ -245,8 +183,8 @@ class DistributedObjectStore:
             res, _ = self._service().get([keys[i] for i in ok], [pieces[i] for i in ok])
             for i, e in zip(ok, res, strict=True):
                 errs[i] = e
-            return [_as_code(e) for e in errs]
-        return _codes(len(keys), run)
+            return [as_code(e) for e in errs]
+        return codes_of(len(keys), run)
 
     def get_into_layers(self, key: str, ptrs: list[int], sizes: list[int], direct: int = G2H) -> int:
         return self.batch_get_into_layers([key], [ptrs], [sizes], direct)[0]
@@ -284,13 +222,13 @@ class DistributedObjectStore:
     # ---- exist / remove / info ----------------------------------------------------------------------
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return _codes(len(keys), lambda: list(map(int, self._service().exist(keys))))
+        return codes_of(len(keys), lambda: list(map(int, self._service().exist(keys))))
 
     def is_exist(self, key: str) -> int:
         return self.batch_is_exist([key])[0]
 
     def remove_batch(self, keys: list[str]) -> list[int]:
-        return _codes(len(keys), lambda: self._service().remove(keys))
+        return codes_of(len(keys), lambda: self._service().remove(keys))
 
     def remove(self, key: str) -> int:
         return self.remove_batch([key])[0]
@@ -298,13 +236,13 @@ class DistributedObjectStore:
     def remove_by_prefix(self, prefix: str) -> int:
         """Remove every committed object whose key starts with ``prefix`` (a tenant's namespace) in one
         call. Returns how many were removed, or a negative code. Not in memcache_hybrid's API."""
-        return _code(lambda: self._service().remove_prefix(prefix))
+        return code_of(lambda: self._service().remove_prefix(prefix))
 
     def remove_all(self) -> int:
         def run() -> int:
             self._service().remove_all()
             return errors.SUCCESS
-        return _code(run)
+        return code_of(run)
 
     # ---- tiers ----------------------------------------------------------------------------------------
 
@@ -312,7 +250,7 @@ class DistributedObjectStore:
         """Bring objects a provider holds on its disk tier back into DRAM ahead of reading them: a code
         per key (0 in DRAM, -3007 not in the pool). The media and flags arguments are accepted for
         memcache_hybrid's signature; the tiers here are DRAM over disk."""
-        return _codes(len(keys), lambda: self._service().prefetch(keys))
+        return codes_of(len(keys), lambda: self._service().prefetch(keys))
 
     def pool_has_disk_tier(self) -> bool:
         """Whether, at the last heartbeat, a provider of the pool had a disk tier (without one no object
@@ -322,7 +260,7 @@ class DistributedObjectStore:
     def evict(self, keys: list[str], src_media: Any = None, dst_media: Any = None, flags: int = 0) -> list[int]:
         """Keep objects on their provider's disk tier only: a code per key (0 done, -3007 not in the
         pool, -3101 not on disk yet: its provider was asked to write it, call again later)."""
-        return _codes(len(keys), lambda: self._service().evict(keys))
+        return codes_of(len(keys), lambda: self._service().evict(keys))
 
     def batch_get_key_info(self, keys: list[str], flag: int = 0) -> list[KeyInfo]:
         """Size, replica locations, media and GVAs of each key's object: committed ones, and those this
@@ -350,10 +288,10 @@ class DistributedObjectStore:
         a key that exists. ``media`` 0 (HBM) or 1 (DRAM): objects are placed in the pool's DRAM;
         ``leaseTtlMs`` is accepted (the pending deadline is the MetaService's)."""
         def run() -> list[int]:
-            _int_arg("media", media, 0, 1)
-            _int_arg("leaseTtlMs", leaseTtlMs, 0, 86_400_000)
-            return [_as_code(e) for e in self._service().gva_alloc(keys, sizes)]
-        return _codes(len(keys), run)
+            int_arg("media", media, 0, 1)
+            int_arg("leaseTtlMs", leaseTtlMs, 0, 86_400_000)
+            return [as_code(e) for e in self._service().gva_alloc(keys, sizes)]
+        return codes_of(len(keys), run)
 
     def batch_copy(self, gva_ptrs: list[int], buffer_ptrs: list[int], sizes: list[int], direct: int,
                    flag: int = 0) -> int:
@@ -372,38 +310,31 @@ class DistributedObjectStore:
             if not (len(gva_ptrs) == len(buffer_ptrs) == len(sizes)):
                 raise InvalidParameter(f"gva_ptrs ({len(gva_ptrs)}), buffer_ptrs ({len(buffer_ptrs)}) and "
                                        f"sizes ({len(sizes)}) differ in length")
-            if direct not in _DIRECTIONS:
+            if direct not in DIRECTIONS:
                 raise InvalidParameter(f"direct: {direct!r} is not L2G (0), G2L (1), G2H (2), H2G (3) or AUTO (4)")
             pieces = [self._buffers.pieces(ps, ss) for ps, ss in zip(buffer_ptrs, sizes, strict=True)]
-            self._service().gva_copy(gva_ptrs, pieces, _DIRECTIONS[direct])
+            self._service().gva_copy(gva_ptrs, pieces, DIRECTIONS[direct])
             return errors.SUCCESS
-        return _code(run)
+        return code_of(run)
 
     def batch_write_finish(self, keys: list[str], results: list[int]) -> list[int]:
         """Publish (result 0) or abort (non-zero) objects of ``batch_alloc``; a published object is
         readable from then on, with its checksum computed over all its bytes. A code per key."""
-        return _codes(len(keys), lambda: [_as_code(e) for e in self._service().gva_finish(keys, results)])
+        return codes_of(len(keys), lambda: [as_code(e) for e in self._service().gva_finish(keys, results)])
 
     def batch_add_lease(self, keys: list[str], leaseTtlMs: int = 0) -> list[int]:  # noqa: N803
         """Lease committed objects to this store for ``leaseTtlMs`` (0: the pool's ``lease_ttl_ms``):
         copies out of them through GVAs need it, and eviction and removal wait for it. A code per key."""
         def run() -> list[int]:
-            _int_arg("leaseTtlMs", leaseTtlMs, 0, 86_400_000)
+            int_arg("leaseTtlMs", leaseTtlMs, 0, 86_400_000)
             return self._service().gva_lease(keys, leaseTtlMs)
-        return _codes(len(keys), run)
+        return codes_of(len(keys), run)
 
     def batch_remove_lease(self, keys: list[str]) -> int:
         """End this store's leases of ``batch_add_lease``: 0, or the first key's error (-3007 where it
         held none)."""
-        return _code(lambda: next((c for c in self._service().gva_unlease(keys) if c != 0), errors.SUCCESS))
+        return code_of(lambda: next((c for c in self._service().gva_unlease(keys) if c != 0), errors.SUCCESS))
 
-
-_DIRECTIONS: dict[int, bool | None] = {L2G: True, H2G: True, G2L: False, G2H: False, AUTO: None}
-
-
-def _int_arg(name: str, v: Any, lo: int, hi: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise InvalidParameter(f"{name}: {v!r} is not an int in [{lo}, {hi}]")
 
 
 def open_store(config: LocalConfig, device_id: int = 0, init_bm: bool = True) -> DistributedObjectStore:

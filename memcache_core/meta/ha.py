@@ -232,7 +232,7 @@ def _lease(client: Any, lease_id: int) -> Any:
 def reset(core: MetaServiceCore, election: LeaderElection, won: bool) -> None:
     """Forget the table, members and epoch (new ones, as a restarted MetaService has). On winning,
     the config store is read back from etcd first (a failure there aborts the win)."""
-    from .service import new_epoch
+    from .members import new_epoch
     table = core.fresh_table()
     if won:
         table.reserve = GenerationReservation(election.etcd, election.config.ha_cluster_id)

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import msgspec
 
-from ..protocol import Found, JournalEntry, Location, ObjectReport, SegmentInfo
+from ..records import Found, JournalEntry, Location, ObjectReport, SegmentInfo
 from .allocator import Allocator
 from .lru import OUT, Links, Lru
 

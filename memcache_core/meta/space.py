@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..layout import footprint
-from ..protocol import Location
+from ..records import Location
 from .allocator import aligned
 from .objects import Counters, Obj, Segment
 
@@ -24,7 +24,7 @@ class Space:
     counters: Counters
     disk_tiers: dict[int, Any]
 
-    if TYPE_CHECKING:   # the table's own, used here
+    if TYPE_CHECKING:   # the table's own (``removals.py``), used here
         def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None: ...
 
         def _drop_replica(self, obj: Obj, loc: Location, now: float) -> None: ...

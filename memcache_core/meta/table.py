@@ -18,7 +18,8 @@ Time is passed in (``now``, monotonic seconds) so the logic is testable without 
 
 The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``, a segment's LRU list in ``lru.py``
 (an object leaves a segment's list before it loses its location there); choosing segments, allocating,
-evicting and freeing space in ``space.py`` (a mixin of ``ObjectTable``).
+evicting and freeing space in ``space.py``, get / exist / leases in ``lookups.py``, removals and taking
+objects and replicas out in ``removals.py`` (mixins of ``ObjectTable``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from typing import Any
 
 from .. import errors
 from ..layout import footprint
-from ..protocol import Codes, Found, Location, ObjectReport, SegmentInfo
+from ..records import Location, ObjectReport, SegmentInfo
 from . import generations
 from .allocator import Allocator, aligned
+from .lookups import Lookups
 from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
+from .removals import Removals
 from .space import Space
 
 logger = logging.getLogger(__name__)
@@ -60,7 +63,7 @@ class _Drawn:
             i += 1
 
 
-class ObjectTable(Space):
+class ObjectTable(Lookups, Removals, Space):
     def __init__(self, high: float, low: float, lease_ttl_s: float, pending_timeout_s: float,
                  first_generation: int) -> None:
         self.high, self.low = high / 100.0, low / 100.0
@@ -301,185 +304,11 @@ class ObjectTable(Space):
             self.doomed = still
         return n
 
-    # ---- get / exist / remove ----------------------------------------------------------------------
-
-    def lookup(self, key: str, now: float, lease: bool) -> Obj | None:
-        self.counters.lookups += 1
-        obj = self.objects.get(key)
-        if obj is None or not obj.committed:
-            return None
-        self.counters.hits += 1
-        if not obj.locations:
-            self.counters.disk_hits += 1
-        if lease:
-            self._touch(obj, self._lease_end(now))
-        return obj
-
-    def lookup_many(self, keys: list[str], now: float, lease: bool) -> list[Found | None]:  # noqa: C901
-        """``lookup`` of each key, answered as the protocol's ``Found`` (a batch get's hot path)."""
-        objects, segments, disk_hits = self.objects, self.segments, 0
-        out: list[Found | None] = []
-        end = self._lease_end(now) if lease else 0.0
-        for k in keys:
-            obj = objects.get(k)
-            if obj is None or not obj.committed:
-                out.append(None)
-                continue
-            if not lease:
-                pass
-            elif obj.more is None and (sid1 := obj.packed & FIRST_SEGMENT):   # ``_touch`` unrolled
-                if end > obj.lease_until:
-                    obj.lease_until = end
-                segments[sid1 - 1].lru.touch(obj)
-            else:
-                self._touch(obj, end)
-            found = obj.found()
-            disk_hits += not found.locations
-            out.append(found)
-        c = self.counters
-        c.lookups += len(keys)
-        c.hits += len(keys) - out.count(None)
-        c.disk_hits += disk_hits
-        return out
-
-    def lease(self, obj: Obj, lease_end: float) -> None:
-        """Lease a committed object until ``lease_end`` (the GVA path's ``batch_add_lease``, ``gva.py``)."""
-        self._touch(obj, lease_end)
-
-    def _lease_end(self, now: float) -> float:
-        if self._lease_for[0] is not now:   # the keys of one request share their lease end
-            self._lease_for = (now, now + self.lease_ttl_s)
-        return self._lease_for[1]
-
-    def _touch(self, obj: Obj, lease_end: float) -> None:
-        """A leased read: the lease never shrinks, and the object becomes the most recent in its segments."""
-        if lease_end > obj.lease_until:
-            obj.lease_until = lease_end
-        if obj.more is None:   # one location (or none: on disk only)
-            sid = obj.first_segment
-            if sid is not None:
-                self.segments[sid].lru.touch(obj)
-        else:
-            for loc in obj.locations:
-                self.segments[loc.segment_id].lru.touch(obj)
-
-    def exists(self, key: str) -> bool:
-        obj = self.objects.get(key)
-        return obj is not None and obj.committed
-
-    def validate(self, key: str, generation: int) -> bool:
-        obj = self.objects.get(key)
-        return obj is not None and obj.committed and obj.generation == generation
-
-    def remove(self, key: str, now: float) -> int:
-        obj = self.objects.get(key)
-        if obj is None or not obj.committed:
-            return errors.OBJECT_NOT_EXISTS
-        self.counters.removes += 1
-        self._unlink(obj, now)
-        return errors.SUCCESS
-
-    def remove_prefix(self, prefix: str, now: float) -> int:
-        keys = [k for k, o in self.objects.items() if o.committed and k.startswith(prefix)]
-        for k in keys:
-            self._unlink(self.objects[k], now)
-        self.counters.removes += len(keys)
-        return len(keys)
-
-    def corrupt(self, key: str, generation: int, now: float, segment_id: int | None = None) -> bool:
-        """A reader saw this object's bytes fail their checksum: count it and drop the object, or only
-        the replica in ``segment_id`` when others are left (the reader moves on to them)."""
-        self.counters.integrity_failures += 1
-        obj = self.objects.get(key)
-        if obj is None or not obj.committed or obj.generation != generation:
-            return False
-        bad = [loc for loc in obj.locations if loc.segment_id == segment_id]
-        if bad and (len(obj.locations) > 1 or obj.disk is not None):
-            self._drop_replica(obj, bad[0], now)
-        else:
-            self._unlink(obj, now)
-        return True
-
-    def _drop_replica(self, obj: Obj, loc: Location, now: float) -> None:
-        """Take one replica out of a committed object; its space is freed once the object's lease ends."""
-        seg = self.segments.get(loc.segment_id)
-        if seg is not None:   # out of its LRU list before the location goes (the list finds its links by it)
-            if seg.lru.get(obj.key) is obj:
-                del seg.lru[obj.key]
-            seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
-        obj.locations = [x for x in obj.locations if x != loc]
-        gone = new_obj(obj.key, obj.size, obj.generation, [loc], lease_until=obj.lease_until)
-        if gone.lease_until > now:
-            self.doomed.append(gone)
-        else:
-            self._free_space(gone)
-        self._mark(obj)
-
-    def removing(self, remove: Callable[[], list[int]], epoch: int) -> Codes:
-        """Run a removal; the reply names each segment whose owner must clear headers (``confirmed``)."""
-        before = {sid: seg.journal_seq for sid, seg in self.segments.items()}
-        codes = remove()
-        return Codes(codes, [(sid, seg.serial, seg.journal_seq) for sid, seg in self.segments.items()
-                             if seg.journal_seq != before.get(sid)], epoch)
-
-    def confirmed(self, segment_id: int, serial: int, seq: int) -> bool:
-        """Has the owner cleared the headers journaled up to ``seq`` (acknowledged them on a heartbeat)?
-        A segment no longer in the table (its owner left or was declared dead), or in it again after a
-        re-join, has nothing to wait for: a re-joining owner's reports of removed objects are refused
-        (``unconfirmed``)."""
-        seg = self.segments.get(segment_id)
-        return seg is None or seg.serial != serial or seg.acked >= seq
-
-    def remove_all(self, now: float) -> int:
-        keys = [k for k, o in self.objects.items() if o.committed]
-        for k in keys:
-            self._unlink(self.objects[k], now)
-        self.counters.removes += len(keys)
-        return len(keys)
-
     # ---- internals -----------------------------------------------------------------------------------
 
     @property
     def under_replicated(self) -> int:
         return len(self.under)
-
-    def _mark(self, obj: Obj) -> None:
-        """Keep ``under`` in step with this object's replica count."""
-        if obj.more is None:   # one replica asked for, not marked: nothing to change
-            return
-        under = (obj.committed and 0 < len(obj.locations) < obj.replicas  # disk-only objects are not "under"
-                 and self.objects.get(obj.key) is obj)
-        if under:
-            self.under.setdefault(obj.key, obj)   # (already there: keeps its place in the visiting order)
-        elif self.under.get(obj.key) is obj:
-            del self.under[obj.key]
-
-    def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None:
-        """Take the object out of the table; free its space now, or when its lease ends."""
-        for loc in obj.locations:   # out of the LRU lists first: they find neighbours in ``objects``
-            seg = self.segments.get(loc.segment_id)
-            if seg is None:
-                continue
-            seg.lru.discard(obj)
-            seg.record_removed(ObjectReport(obj.key, loc.offset, obj.size, obj.generation, obj.checksum))
-        if self.objects.get(obj.key) is obj:
-            del self.objects[obj.key]
-            if not obj.committed:
-                self.pending -= 1
-                self._settled(obj)
-            elif self.listener is not None:
-                self.listener(False, obj, obj.locations)
-            if obj.disk is not None:   # its disk tier deletes the record
-                self.disk_drops.setdefault(obj.disk[0], []).append(
-                    ObjectReport(obj.key, 0, obj.size, obj.disk[1], obj.checksum))
-                obj.disk = None
-        self._mark(obj)
-        if keep_space:
-            return
-        if obj.committed and obj.lease_until > now:
-            self.doomed.append(obj)
-        else:
-            self._free_space(obj)
 
     # ---- for drains (meta/drain.py) ------------------------------------------------------------------
 

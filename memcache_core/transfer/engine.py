@@ -29,7 +29,7 @@ import xxhash
 
 from ..errors import ChecksumMismatch, ConfigError, MemCacheError, TransferFailed
 from ..memory import Mapping, buffer_address, view_at
-from ..protocol import SegmentInfo
+from ..records import SegmentInfo
 from . import native
 from .ops import CopyOp as CopyOp
 from .shm import ShmTransport

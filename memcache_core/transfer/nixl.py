@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import InvalidParameter, PeerUnavailable, TransferFailed
 from ..memory import Mapping
-from ..protocol import SegmentInfo
+from ..records import SegmentInfo
 from .nixl_agent import make_agent, own_nixl_logging
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import dataclasses
 
 from ..errors import MemCacheError
 from ..layout import pack_header, payload_offset
-from ..protocol import SegmentInfo
+from ..records import SegmentInfo
 
 
 @dataclasses.dataclass(slots=True)

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from ..config import shm_dir
 from ..errors import PeerUnavailable
 from ..memory import Mapping
-from ..protocol import SegmentInfo
+from ..records import SegmentInfo
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,149 @@
+"""Membership of the MetaService: the member record and epoch, issuing ids, join (with the objects a
+re-joining member reports), heartbeats (journal, served bytes, drain and repair flags) and dropping a
+member that left or died. A mixin of ``MetaServiceCore`` (``service.py`` holds the state)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hmac
+import logging
+import secrets
+import time
+
+import msgspec
+
+from .. import errors
+from .. import protocol as p
+from ..config import MetaConfig
+from . import disk
+from .drain import Drains
+from .repair import Repairs
+from .table import ObjectTable
+
+logger = logging.getLogger(__name__)
+
+
+def new_epoch() -> int:
+    """A MetaService's epoch: random, so members tell a restarted (or newly elected) table apart."""
+    return secrets.randbits(31) or 1
+
+
+@dataclasses.dataclass
+class Member:
+    client_id: int
+    host_id: str
+    pid: int
+    segment_id: int | None
+    last_seen: float
+    token: bytes = b""
+
+
+class Membership:
+    """Members joining, beating and leaving (a mixin; ``MetaServiceCore`` sets the state)."""
+
+    config: MetaConfig
+    epoch: int
+    table: ObjectTable
+    members: dict[int, Member]
+    member_events: collections.Counter[str]
+    served: dict[int, list[int]]
+    drains: Drains
+    repairs: Repairs
+
+    def _member(self, cid: int, token: bytes, now: float) -> Member:
+        m = self.members.get(cid)
+        if m is None or not hmac.compare_digest(m.token, token):
+            raise errors.NotAMember(f"client {cid} is not a member of this MetaService (epoch {self.epoch}); "
+                                    f"it re-joins on its next heartbeat")
+        m.last_seen = now
+        return m
+
+    def _issue_id(self, req: p.Join) -> int:
+        """The id a joining member gets: the one it proposes when it is re-joining (so its segment id
+        stays stable for peers that cached it), else a fresh one from the OS's random source. Ids
+        are never drawn from ``random``: engines seed it the same way in every process."""
+        cid = req.client_id
+        old = self.members.get(cid)
+        if old is not None and req.token and hmac.compare_digest(old.token, req.token):
+            return cid   # the same member re-joining (it holds that id's token)
+        if 0 < cid and old is None and cid not in self.table.segments:
+            return cid   # a member of a previous MetaService (epoch) re-joining with its id
+        while True:
+            cid = secrets.randbits(62) or 1
+            if cid not in self.members and cid not in self.table.segments:
+                return cid
+
+    def _join(self, req: p.Join, now: float) -> p.Reply:
+        cid = self._issue_id(req)
+        # generations issued from now on are above every one this member heard of (meta/generations.py)
+        self.table.bump_generation(req.generation_ceiling)
+        if cid in self.members:
+            self._drop_member(cid, "re-joined")
+        seg_id = None
+        if req.segment is not None:
+            seg_id = cid
+            info = msgspec.structs.replace(req.segment, segment_id=cid)
+            # Reads leased by a previous MetaService (or before this member was declared dead) may
+            # still be copying out of the reported objects' neighbourhood: no new object goes into a
+            # re-joined segment until such a lease would have ended.
+            grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects else 0.0
+            refused = self.table.add_segment(info, req.objects, alloc_after=grace,
+                                             recovering=self.repairs.settling(now), now=now)
+            seg = self.table.segments[seg_id]
+            for r in refused:   # tell the owner to forget objects that now mean something else
+                seg.record_removed(r)
+            if req.objects:
+                self.member_events["recoveries"] += 1
+                self.member_events["recovered_objects"] += len(req.objects) - len(refused)
+            if req.disk_objects:
+                self.member_events["recovered_disk_objects"] += disk.add_reports(self.table, seg_id, req.disk_objects)
+            logger.info("LocalService %d joined from %s pid %d: segment of %d bytes, %d objects recovered",
+                        cid, req.host_id, req.pid, info.size, len(req.objects) - len(refused))
+        else:
+            logger.info("client %d joined from %s pid %d (no segment)", cid, req.host_id, req.pid)
+        token = secrets.token_bytes(16)
+        self.member_events["joins"] += 1
+        self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token)
+        return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token,
+                        generation_ceiling=self.table.gen_ceiling)
+
+    def _heartbeat(self, cid: int, token: bytes, ack: int, now: float, moved: list[p.SegmentBytes]) -> p.Reply:
+        m = self.members.get(cid)
+        if m is None or not hmac.compare_digest(m.token, token):
+            return p.HeartbeatReply(self.epoch, known=False)
+        m.last_seen = now
+        for r in moved:   # held for each segment's owner until its next heartbeat; totals for /metrics
+            if r.segment_id in self.table.segments:
+                held = self.served.setdefault(r.segment_id, [0, 0, 0, 0])
+                held[0] += r.read
+                held[1] += r.written
+                held[2] += r.read
+                held[3] += r.written
+        journal: list[p.JournalEntry] = []
+        served: list[int] = []
+        if m.segment_id is not None:
+            journal = self.table.segments[m.segment_id].journal_since(ack)
+            mine = self.served.get(m.segment_id)
+            if mine is not None and (mine[0] or mine[1]):
+                served, mine[0], mine[1] = mine[:2], 0, 0
+        return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id),
+                                repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers),
+                                generation_ceiling=self.table.gen_ceiling, served=served,
+                                departures=sum(self.member_events[e] for e in ("leaves", "deaths", "rejoins")))
+
+    def _drop_member(self, cid: int, why: str) -> None:
+        m = self.members.pop(cid, None)
+        if m is None:
+            return
+        if m.segment_id is not None:
+            self.drains.segment_left(m.segment_id, time.monotonic())
+            self.repairs.segment_left(m.segment_id, time.monotonic())
+        self.member_events["leaves" if why == "left" else "deaths" if "dead" in why else "rejoins"] += 1
+        lost = self.table.drop_segment(m.segment_id) if m.segment_id is not None else 0
+        if m.segment_id is not None:
+            self.served.pop(m.segment_id, None)
+        self.table.reclaim(time.monotonic(), {cid})
+        if why != "re-joined":                # (a re-joining member reports its objects next)
+            self.repairs.plan(time.monotonic())   # the survivors learn it on their next heartbeat
+        logger.info("client %d %s; %d objects left the pool with its segment", cid, why, lost)

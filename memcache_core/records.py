@@ -1,0 +1,84 @@
+"""The records control-plane messages carry (``protocol.py``): a segment, a location, an object's
+report and journal entry, the bytes moved through a segment, and the per-key results of Alloc, Lookup
+and a drain's moves. Leaf structs: the MetaService's table and the transfer engines use them too."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SegmentInfo(msgspec.Struct, frozen=True):
+    """A LocalService's contribution to the pool, as every peer needs to reach it."""
+
+    segment_id: int
+    size: int
+    host_id: str
+    shm_path: str          # shared-memory file, mappable by peers on the same host
+    data_addr: str         # "host:port" of the owner's data server (TCP transfers)
+    tag: str = ""
+    nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
+    metrics_addr: str = ""  # "host:port" of the owner's own /metrics (metrics_port); "" = none
+
+
+class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle
+    segment_id: int
+    offset: int
+
+
+class ObjectReport(msgspec.Struct, array_like=True, frozen=True):
+    """One committed object held in a segment, as its header describes it (MetaService recovery).
+
+    ``offset`` is where the object's header starts; the payload follows it (``layout.py``).
+    ``checksum`` is the payload's XXH3-64, 0 when the writer computed none.
+    """
+
+    key: str
+    offset: int
+    size: int
+    generation: int
+    checksum: int = 0
+
+
+class JournalEntry(msgspec.Struct, array_like=True, frozen=True):
+    """A change to a segment's objects, pushed to its owner on heartbeat replies."""
+
+    seq: int
+    added: bool
+    obj: ObjectReport
+
+
+
+class SegmentBytes(msgspec.Struct, array_like=True, frozen=True):
+    """Payload bytes a member moved through shared memory out of (``read``) and into (``written``)
+    one segment since its last heartbeat: the segment's owner never sees such copies, so the
+    MetaService passes the sums on to it (``HeartbeatReply.served``)."""
+    segment_id: int
+    read: int
+    written: int
+
+
+class DrainMove(msgspec.Struct, array_like=True, frozen=True):
+    """Copy one committed object from the owner's segment (``source_offset``) to ``target``, where
+    space is reserved for it; ``generation`` and ``checksum`` are the committed object's."""
+
+    key: str
+    size: int
+    source_offset: int
+    generation: int
+    checksum: int
+    new_generation: int
+    target: Location
+
+
+class AllocResult(msgspec.Struct, array_like=True):
+    code: int                      # 0 allocated, OBJECT_ALREADY_EXISTS, or a negative error code
+    generation: int = 0
+    locations: list[Location] = []
+
+
+class Found(msgspec.Struct, array_like=True):
+    size: int
+    generation: int
+    locations: list[Location]
+    checksum: int = 0
+    disk: int = 0                  # segment id of the provider holding a disk copy (0: none)
