@@ -33,7 +33,7 @@ STATE_MISMATCH = -3101
 WRITE_IN_PROGRESS = -3102      # project code: another writer's put of the key is not committed yet
 CHECKSUM_MISMATCH = -3110      # project code: the bytes read do not match the object's checksum
 DISK_IO_ERROR = -3111          # project code: the disk tier could not read or write a record (I/O error, disk full)
-QUOTA_EXCEEDED = -3112         # project code: the writer holds as many puts in flight as the MetaService allows
+QUOTA_EXCEEDED = -3112         # project code: the writer keeps or has in flight as much as the MetaService allows
 NOT_LEADER = -3120             # project code: this MetaService is a standby (HA), or answered with an old term
 LEASE_NOT_EXPIRED = -3104
 
@@ -104,15 +104,17 @@ class DiskIOError(MemCacheError):
 
 
 class QuotaExceeded(MemCacheError):
-    """This member already holds as many uncommitted puts (objects or bytes) as the MetaService allows
-    (``member_max_pending_objects``, ``member_max_pending_bytes``): nothing was stored."""
+    """This member already holds as many uncommitted puts (``member_max_pending_objects``,
+    ``member_max_pending_bytes``) or keeps as many objects in the pool (``member_max_objects``,
+    ``member_max_bytes``) as the MetaService allows: nothing was stored."""
 
     code = QUOTA_EXCEEDED
 
     def __str__(self) -> str:
-        return (f"{self.args[0] if self.args else 'put refused'}: this member's puts in flight are at the "
-                "MetaService's quota (member_max_pending_objects / member_max_pending_bytes); retry once "
-                "they commit, or raise the quota")
+        return (f"{self.args[0] if self.args else 'put refused'}: this member is at a MetaService quota: "
+                "its puts in flight (member_max_pending_objects / member_max_pending_bytes; retry once they "
+                "commit) or the objects it keeps (member_max_objects / member_max_bytes; remove some, or "
+                "raise the quota)")
 
 
 class NotAMember(MemCacheError):

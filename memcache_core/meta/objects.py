@@ -20,26 +20,30 @@ from .lru import OUT, Links, Lru
 MAX_JOURNAL = 1_000_000
 
 # ``Obj.packed``, lowest bits first: the first location's segment id + 1 (64 bits; 0: no location),
-# size (48), the first location's offset (48), generation (64), checksum (64). Wider values are
-# refused, never truncated. (The segment id is lowest: a read finds it with one ``&``.)
+# size (48), the first location's offset (48), generation (64), checksum (64), then the writer's slot
+# (12: the quota of what a member keeps, ``ObjectTable.kept_of``; 0: counted against no one), in bits
+# the int holds anyway (300 bits, ten 30-bit digits). Wider values are refused, never truncated. (The
+# segment id is lowest: a read finds it with one ``&``.)
 _M48, _M64 = (1 << 48) - 1, (1 << 64) - 1
-_SIZE, _OFF, _GEN, _SUM = 64, 112, 160, 224
+_SIZE, _OFF, _GEN, _SUM, _WRITER = 64, 112, 160, 224, 288
+WRITER_SLOTS = (1 << 12) - 1   # writers that can hold objects at once (slot 0 is nobody's)
 FIRST_SEGMENT = _M64   # for the table's read path: (packed & FIRST_SEGMENT) - 1, when not 0
 
 
-def pack(size: int, generation: int, checksum: int, first: Location | None) -> int:
+def pack(size: int, generation: int, checksum: int, first: Location | None, writer_slot: int = 0) -> int:
     sid1, off = (first.segment_id + 1, first.offset) if first is not None else (0, 0)
-    if (size | off) >> 48 or (sid1 | generation | checksum) >> 64:
+    if (size | off) >> 48 or (sid1 | generation | checksum) >> 64 or not 0 <= writer_slot <= WRITER_SLOTS:
         raise ValueError(f"object field out of range: size {size}, generation {generation}, "
-                         f"checksum {checksum}, location {first}")
-    return sid1 | size << _SIZE | off << _OFF | generation << _GEN | checksum << _SUM
+                         f"checksum {checksum}, location {first}, writer slot {writer_slot}")
+    return sid1 | size << _SIZE | off << _OFF | generation << _GEN | checksum << _SUM | writer_slot << _WRITER
 
 
-def with_checksum(packed: int, checksum: int) -> int:
-    """A pending object's ``packed`` (checksum 0) with the checksum its writer committed."""
-    if checksum >> 64:
-        raise ValueError(f"checksum out of range: {checksum}")
-    return packed | checksum << _SUM
+def with_checksum(packed: int, checksum: int, writer_slot: int = 0) -> int:
+    """A pending object's ``packed`` (checksum 0) with the checksum its writer committed and the slot
+    its committed object is counted under."""
+    if checksum >> 64 or not 0 <= writer_slot <= WRITER_SLOTS:
+        raise ValueError(f"checksum or writer slot out of range: {checksum}, {writer_slot}")
+    return packed | checksum << _SUM | writer_slot << _WRITER
 
 
 class Extra(msgspec.Struct, gc=False):
@@ -85,7 +89,12 @@ class Obj(msgspec.Struct, eq=False, gc=False):
 
     @property
     def checksum(self) -> int:
-        return self.packed >> _SUM
+        return self.packed >> _SUM & _M64
+
+    @property
+    def writer_slot(self) -> int:
+        """Whose quota this committed object counts in (``ObjectTable.kept_of``); 0: no one's."""
+        return self.packed >> _WRITER
 
     @property
     def first_segment(self) -> int | None:
@@ -112,7 +121,7 @@ class Obj(msgspec.Struct, eq=False, gc=False):
         self.prev, self.next = nodes.get(locs[0].segment_id, (OUT, OUT)) if locs else (OUT, OUT)
         more.rest = tuple(locs[1:])
         more.links = tuple(Links(*nodes.get(loc.segment_id, (OUT, OUT))) for loc in locs[1:])
-        self.packed = pack(self.size, self.generation, self.checksum, locs[0] if locs else None)
+        self.packed = pack(self.size, self.generation, self.checksum, locs[0] if locs else None, self.writer_slot)
         self._tidy()
 
     def found(self) -> Found:
@@ -122,13 +131,13 @@ class Obj(msgspec.Struct, eq=False, gc=False):
         locs = [Location(sid1 - 1, v >> _OFF & _M48)] if sid1 else []
         more = self.more
         if more is None:
-            return Found(v >> _SIZE & _M48, v >> _GEN & _M64, locs, v >> _SUM, 0)
-        return Found(v >> _SIZE & _M48, v >> _GEN & _M64, locs + list(more.rest), v >> _SUM,
+            return Found(v >> _SIZE & _M48, v >> _GEN & _M64, locs, v >> _SUM & _M64, 0)
+        return Found(v >> _SIZE & _M48, v >> _GEN & _M64, locs + list(more.rest), v >> _SUM & _M64,
                      more.disk[0] if more.disk is not None else 0)
 
     def set_version(self, generation: int, checksum: int) -> None:
         locs = self.locations
-        self.packed = pack(self.size, generation, checksum, locs[0] if locs else None)
+        self.packed = pack(self.size, generation, checksum, locs[0] if locs else None, self.writer_slot)
 
     @property
     def replicas(self) -> int:

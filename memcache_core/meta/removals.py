@@ -29,6 +29,7 @@ class Removals:
 
     if TYPE_CHECKING:   # the table's and ``space.py``'s own, used here
         def _settled(self, obj: Obj) -> None: ...
+        def _unkept(self, obj: Obj) -> None: ...
 
         def _free_space(self, obj: Obj) -> None: ...
 
@@ -122,8 +123,10 @@ class Removals:
             if not obj.committed:
                 self.pending -= 1
                 self._settled(obj)
-            elif self.listener is not None:
-                self.listener(False, obj, obj.locations)
+            else:
+                self._unkept(obj)
+                if self.listener is not None:
+                    self.listener(False, obj, obj.locations)
             if obj.disk is not None:   # its disk tier deletes the record
                 self.disk_drops.setdefault(obj.disk[0], []).append(
                     ObjectReport(obj.key, 0, obj.size, obj.disk[1], obj.checksum))

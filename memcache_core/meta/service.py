@@ -99,7 +99,8 @@ class MetaServiceCore(Membership):
                                            None if math.isinf(s.alloc_after) else round(max(0.0, s.alloc_after - now), 3),
                                            math.isinf(s.alloc_after))
                         for i, s in sorted(t.segments.items())]
-            members = [stats.MemberStats(m.client_id, m.host_id, m.pid, m.segment_id, round(now - m.last_seen, 3))
+            members = [stats.MemberStats(m.client_id, m.host_id, m.pid, m.segment_id, round(now - m.last_seen, 3),
+                                         *t.kept_of.get(m.client_id, (0, 0)))
                        for m in sorted(self.members.values(), key=lambda m: m.client_id)]
             c = t.counters
             outcomes: dict[str, dict[str, int]] = {}
@@ -192,7 +193,7 @@ class MetaServiceCore(Membership):
                 policy, own, segs, rng = self.config.placement_policy, member.segment_id, t.segments, self.rng
                 return p.AllocReply([p.AllocResult(*t.alloc(cid, k, s, replicas,
                                                              placement.order(policy, segs, own, rng), now, pref))
-                                     if self._within_quota(cid, s * replicas) else REFUSED
+                                     if self._within_quota(cid, s, replicas, now) else REFUSED
                                      for k, s in zip(keys, sizes, strict=True)])
             case p.Commit(keys=keys, generations=gens, checksums=sums):
                 sums = sums or [0] * len(keys)
@@ -269,12 +270,28 @@ class MetaServiceCore(Membership):
 
     # ---- membership -------------------------------------------------------------------------------
 
-    def _within_quota(self, cid: int, nbytes: int) -> bool:
-        """May this member allocate one more object of ``nbytes`` (all replicas)? Its puts in flight
-        are bounded: a pending object cannot be evicted, so they are what a member can pin."""
-        objects, held = self.table.pending_of.get(cid, (0, 0))
-        max_bytes = self.config.member_max_pending_bytes
-        return objects < self.config.member_max_pending_objects and not (max_bytes and held + nbytes > max_bytes)
+    def _within_quota(self, cid: int, size: int, replicas: int, now: float) -> bool:
+        """May this member allocate one more object of ``size`` payload bytes? Its puts in flight are
+        bounded (a pending object cannot be evicted, so they are what a member can pin), and so is what
+        it keeps: its committed objects plus those in flight (``member_max_objects`` / ``_bytes``). At
+        that quota its own least recently used objects are evicted to make room, as in a full pool;
+        when none can be (leased, or all in flight), the Alloc is refused."""
+        c, t = self.config, self.table
+        objects, held = t.pending_of.get(cid, (0, 0))
+        if objects >= c.member_max_pending_objects or (c.member_max_pending_bytes
+                                                      and held + size * replicas > c.member_max_pending_bytes):
+            return False
+        if (c.member_max_objects and objects >= c.member_max_objects) or (c.member_max_bytes
+                                                                           and held + size > c.member_max_bytes):
+            return False   # (pending bytes count replicas; kept bytes do not: ``held`` bounds the payload)
+        while True:
+            kept, kept_bytes = t.kept_of.get(cid, (0, 0))
+            over = ((c.member_max_objects and kept + objects >= c.member_max_objects)
+                    or (c.member_max_bytes and kept_bytes + held + size > c.member_max_bytes))
+            if not over:
+                return t.can_keep(cid)
+            if not t.evict_own(cid, now):
+                return False
 
     def _preferred(self, preferred: list[int]) -> list[int]:
         """The segments of the writer's preferred members (``preferredLocalServiceIDs``): tried first."""

@@ -56,6 +56,8 @@ class MemberStats(msgspec.Struct):
     pid: int
     segment_id: int | None
     last_seen_s: float
+    kept_objects: int = 0   # committed objects it wrote that the pool keeps (member_max_objects)
+    kept_bytes: int = 0     # their payload bytes (member_max_bytes)
 
 
 class RequestStats(msgspec.Struct):

@@ -188,6 +188,7 @@ def render(s: Snapshot) -> str:
 def _members(s: Snapshot) -> str:
     rows = "".join(
         f'<tr class="member"><td>{m.client_id}</td><td>{escape(m.host_id)}</td><td>{m.pid}</td>'
-        f"<td>{m.segment_id if m.segment_id is not None else 'client only'}</td><td>{m.last_seen_s:.1f} s ago</td></tr>"
+        f"<td>{m.segment_id if m.segment_id is not None else 'client only'}</td><td>{m.last_seen_s:.1f} s ago</td>"
+        f"<td>{_count(m.kept_objects)}</td></tr>"
         for m in s.members)
-    return _table("Members", "members", ("member", "host", "pid", "segment", "last heartbeat"), rows)
+    return _table("Members", "members", ("member", "host", "pid", "segment", "last heartbeat", "objects kept"), rows)

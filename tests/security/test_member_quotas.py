@@ -1,0 +1,147 @@
+"""What one member keeps in the pool is bounded (``member_max_objects``, ``member_max_bytes``): its
+committed objects wherever they lie plus its puts in flight. Past the quota its Alloc is refused with
+-3112 and nothing stored is lost; the count follows the table through remove, eviction and the death
+of the segment holding the objects; after a MetaService restart the recovered objects count against
+no one (segment headers do not name their writer)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from memcache_core import DistributedObjectStore, errors
+from memcache_core import protocol as p
+from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
+from tests.integration.stores import StoreProcess
+from tests.security.wire import addr_of, ask, authed
+
+pytestmark = pytest.mark.integration
+
+
+def _kept(meta: MetaServiceProcess, cid: int) -> tuple[int, int] | None:
+    """(objects, bytes) the member keeps, as the MetaService's stats report it; None: not a member."""
+    for m in meta.http("/api/v1/stats")["members"]:
+        if m["client_id"] == cid:
+            return m["kept_objects"], m["kept_bytes"]
+    return None
+
+
+def _put_raw(s: socket.socket, cid: int, token: bytes, keys: list[str], size: int) -> list[int]:
+    """Alloc and commit (no payload written: the count is the MetaService's) as a raw member."""
+    got = ask(s, p.Alloc(cid, token, keys, [size] * len(keys)))
+    assert isinstance(got, p.AllocReply), got
+    ok = [(k, r.generation) for k, r in zip(keys, got.results, strict=True) if r.code == 0]
+    if ok:
+        done = ask(s, p.Commit(cid, token, [k for k, _ in ok], [g for _, g in ok], []))
+        assert isinstance(done, p.Codes) and done.codes == [0] * len(ok), done
+    return [r.code for r in got.results]
+
+
+def test_a_member_keeps_at_most_its_quota_and_a_refused_put_loses_nothing():
+    """Scenario: a member puts up to its quota of kept objects and bytes and reads them (leased: none
+    can be evicted); one more object, or one too large for the bytes left, is refused with -3112
+    naming the settings, everything stored reads back byte-exact and the refused keys are absent;
+    removing objects gives the quota back."""
+    with running_meta_service(member_max_objects=6, member_max_bytes=6 * 1024 + 512, lease_ttl_ms=120_000) as meta:
+        store = DistributedObjectStore()
+        assert store.setup(meta.local_config()) == 0
+        assert store.init(0, True) == 0
+        try:
+            cid = store.get_local_service_id()
+            values = {f"q{i}": bytes([i]) * 1024 for i in range(5)}
+            assert store.put_batch(list(values), list(values.values())) == 0
+            assert store.get_batch(list(values)) == list(values.values())   # leased for two minutes
+            assert _kept(meta, cid) == (5, 5 * 1024)
+            assert store.put("big", b"b" * 2048) == errors.QUOTA_EXCEEDED   # past the bytes
+            values["q5"] = b"5" * 1024
+            assert store.put("q5", values["q5"]) == 0 and store.get("q5") == values["q5"]
+            assert store.put("q6", b"x") == errors.QUOTA_EXCEEDED            # past the objects
+            assert store.batch_is_exist(["big", "q6"]) == [0, 0]
+            assert store.get_batch(list(values)) == list(values.values())
+            assert _kept(meta, cid) == (6, 6 * 1024)
+            msg = str(errors.error_from_code(errors.QUOTA_EXCEEDED, "cannot put 'q6'"))
+            assert "member_max_objects" in msg and "member_max_bytes" in msg
+            assert store.remove_batch(["q0", "q1"]) == [0, 0]
+            del values["q0"], values["q1"]
+            assert _kept(meta, cid) == (4, 4 * 1024)
+            values["q6"] = b"6" * 1024
+            assert store.put("q6", values["q6"]) == 0
+            assert store.get_batch(list(values)) == list(values.values())
+        finally:
+            store.close()
+
+
+def test_at_its_quota_a_member_evicts_its_own_objects_and_a_restart_counts_them_against_no_one():
+    """Scenario: a member at its quota of kept objects puts more: its own least recently used
+    unleased objects are evicted to make room (as in a full pool), never another member's, and every
+    object left reads back byte-exact. After a MetaService restart the recovered objects are back,
+    counted against no one (segment headers do not name their writer)."""
+    with running_meta_service(member_max_objects=4, heartbeat_timeout_ms=1500, lease_ttl_ms=500) as meta:
+        other = StoreProcess(meta)
+        store = DistributedObjectStore()
+        assert store.setup(meta.local_config(heartbeat_interval_ms=200)) == 0
+        assert store.init(0, True) == 0
+        try:
+            assert other("put", keys=["other"], layout=[64])["codes"] == [0]
+            cid = store.get_local_service_id()
+            values = {f"k{i}": bytes([65 + i]) * 512 for i in range(10)}
+            for k, v in values.items():
+                assert store.put(k, v) == 0, k
+            assert store.batch_is_exist(list(values)) == [0] * 6 + [1] * 4
+            assert store.get_batch(list(values)[6:]) == list(values.values())[6:]
+            assert store.is_exist("other") == 1 and _kept(meta, cid) == (4, 4 * 512)
+
+            meta.stop()
+            meta.start()
+            kept = list(values)[6:]
+            wait_for(lambda: store.batch_is_exist(kept + ["other"]) == [1] * 5, 30,
+                     "the members to re-join and report their objects")
+            assert store.get_batch(kept) == [values[k] for k in kept]
+            cid = store.get_local_service_id()
+            assert _kept(meta, cid) == (0, 0)   # recovered: the headers do not say who wrote them
+
+            def stored() -> bool:   # a re-joined segment takes new objects once older leases would end
+                code = store.put("after", b"a" * 1024)
+                assert code in (0, errors.OUT_OF_MEMORY), code
+                return code == 0
+            wait_for(stored, 10, "the re-joined segment to take new objects")
+            assert _kept(meta, cid) == (1, 1024)
+        finally:
+            store.close()
+            other.stop()
+
+
+def test_eviction_and_the_death_of_the_holding_segment_give_the_writers_quota_back():
+    """Scenario: an insider (a member without a segment) writes into another member's segment. Far
+    more than the segment holds goes through and is evicted under pressure: the count stays what the
+    pool keeps of it; when the segment's owner dies, the objects leave the pool and so does the count."""
+    with running_meta_service(member_max_objects=100, heartbeat_timeout_ms=1500) as meta:
+        provider = StoreProcess(meta, dram_size="64MB")
+        s = authed(addr_of(meta.meta_service_url))
+        try:
+            j = ask(s, p.Join(0, "insider", os.getpid()))
+            assert isinstance(j, p.Joined), j
+            cid, token = j.client_id, j.token
+            keys: list[str] = []
+            for i in range(30):   # 30 x 4 MiB through a 64 MB segment
+                keys.append(f"ev{i}")
+                assert _put_raw(s, cid, token, keys[-1:], 4 << 20) == [0], f"put {i} refused"
+            held = ask(s, p.Exist(keys))
+            assert isinstance(held, p.Flags)
+            kept = _kept(meta, cid)
+            assert kept is not None and kept[0] == sum(held.flags) and 0 < kept[0] < 16, (kept, held.flags)
+            assert kept[1] == kept[0] * (4 << 20)
+
+            provider.kill()
+
+            def released() -> bool:
+                assert isinstance(ask(s, p.Heartbeat(cid, token)), p.HeartbeatReply)   # the insider lives on
+                return _kept(meta, cid) == (0, 0)
+            wait_for(released, 20, "the dead segment's objects to leave the writer's count")
+        finally:
+            s.close()
+            provider.stop()
+
+

@@ -1,0 +1,108 @@
+"""What each member keeps in the pool (``ObjectTable.kept_of``, the ``member_max_objects`` /
+``member_max_bytes`` quotas): counted at commit, given back whichever way an object leaves the table,
+and carried by the object itself (``Obj.writer_slot``) so nothing scans the table."""
+
+from __future__ import annotations
+
+from memcache_core import protocol as p
+from memcache_core.layout import footprint
+from memcache_core.meta.allocator import aligned
+from memcache_core.meta.objects import WRITER_SLOTS
+from memcache_core.meta.table import ObjectTable
+
+
+def _table(*sizes: int) -> ObjectTable:
+    t = ObjectTable(90, 80, 10.0, 120.0, 1 << 40)
+    for sid, size in enumerate(sizes, start=1):
+        t.add_segment(p.SegmentInfo(sid, size, f"h{sid}", f"/dev/shm/memcache-{sid}-ab", "127.0.0.1:9"))
+    return t
+
+
+def _put(t: ObjectTable, writer: int, key: str, size: int, order: list[int], replicas: int = 1) -> None:
+    code, gen, _ = t.alloc(writer, key, size, replicas, order, 0.0)
+    assert code == 0 and t.commit(writer, key, gen, 0.0, checksum=(1 << 64) - 1) == 0
+
+
+def _consistent(t: ObjectTable) -> None:
+    """The counts are the table's: recounted from the objects' slots, and slots freed when empty."""
+    want: dict[int, list[int]] = {}
+    for o in t.objects.values():
+        if o.committed and o.writer_slot:
+            w = want.setdefault(t.writer_in[o.writer_slot], [0, 0])
+            w[0] += 1
+            w[1] += o.size
+    assert t.kept_of == want
+    assert set(t.slot_of) == set(want) and len(t._free_slots) == WRITER_SLOTS - len(want)
+
+
+def test_kept_objects_are_counted_per_writer_and_given_back_on_remove_and_death_of_a_segment():
+    """Scenario: two writers put into two segments (one object with two replicas); remove, the death of
+    one segment (its single-replica objects leave, the replicated one lives on) and remove_all each give
+    the writers' counts back; the checksum and fields stay intact beside the slot."""
+    t = _table(1 << 20, 1 << 20)
+    _put(t, 101, "a", 100, [1])
+    _put(t, 101, "b", 200, [2])
+    _put(t, 202, "c", 300, [1, 2], replicas=2)
+    assert t.kept_of == {101: [2, 300], 202: [1, 300]}
+    assert t.objects["a"].checksum == (1 << 64) - 1 and t.objects["c"].size == 300
+    _consistent(t)
+    assert t.remove("b", 1.0) == 0 and t.kept_of[101] == [1, 100]
+    t.drop_segment(1)   # "a" had its only copy there; "c" keeps its replica in segment 2
+    assert 101 not in t.kept_of and t.kept_of == {202: [1, 300]} and "c" in t.objects
+    _consistent(t)
+    t.remove_all(2.0)
+    assert t.kept_of == {} and not t.slot_of
+    _consistent(t)
+
+
+def test_eviction_gives_the_writers_count_back():
+    """Scenario: one writer fills a small segment past its high-water mark; the objects evicted to
+    make room leave its count, which stays equal to what the table holds."""
+    t = _table(20 * aligned(footprint(1000)))
+    for i in range(40):
+        _put(t, 7, f"k{i}", 1000, [1])
+        t.evict_all(float(i))
+    assert t.counters.evictions > 0
+    assert t.kept_of[7][0] == sum(1 for o in t.objects.values() if o.committed) < 40
+    _consistent(t)
+
+
+def test_recovered_objects_count_against_no_one_and_a_moved_object_keeps_its_writer():
+    """Scenario: after a MetaService restart the segments' reports do not name the writer: recovered
+    objects count against no member (slot 0). A replica dropped after a checksum failure keeps the
+    object's writer."""
+    t = _table(1 << 20)
+    t.add_segment(p.SegmentInfo(9, 1 << 20, "h9", "/dev/shm/memcache-9-ab", "127.0.0.1:9"),
+                  [p.ObjectReport("old", 0, 10, 5, 0)])
+    assert t.objects["old"].writer_slot == 0 and t.kept_of == {}
+    _put(t, 3, "new", 10, [1, 9], replicas=2)
+    assert t.corrupt("new", t.objects["new"].generation, 1.0, segment_id=1)
+    assert t.objects["new"].writer_slot == t.slot_of[3] and t.kept_of == {3: [1, 10]}
+    _consistent(t)
+
+
+def test_slots_run_out_only_for_a_writer_without_one():
+    """Scenario: every slot is held; a writer holding one can still be counted, a new one cannot
+    (the MetaService refuses its Alloc: ``can_keep``); a slot comes back when its writer holds nothing."""
+    t = _table(1 << 30)
+    for w in range(1, WRITER_SLOTS + 1):
+        _put(t, w, f"k{w}", 1, [1])
+    assert t.can_keep(1) and not t.can_keep(WRITER_SLOTS + 1)
+    assert t.remove("k1", 1.0) == 0 and t.can_keep(WRITER_SLOTS + 1)
+    _put(t, WRITER_SLOTS + 1, "new", 1, [1])
+    _consistent(t)
+
+
+def test_evict_own_takes_the_writers_least_recent_unleased_object_and_no_one_elses():
+    """Scenario: writers 1 and 2 share a segment; writer 1 evicts one of its own: its least recently
+    used unleased one (a leased one is skipped), never writer 2's, and nothing when all its are leased."""
+    t = _table(1 << 20)
+    _put(t, 2, "theirs", 10, [1])
+    for k in ("a", "b", "c"):
+        _put(t, 1, k, 10, [1])
+    assert t.lookup("a", 0.0, True) is not None   # leased until 10.0, and now the most recent
+    assert t.evict_own(1, 1.0) and "b" not in t.objects and t.kept_of[1] == [2, 20]
+    assert t.evict_own(1, 1.0) and "c" not in t.objects
+    assert not t.evict_own(1, 1.0) and "a" in t.objects and "theirs" in t.objects
+    assert not t.evict_own(99, 1.0)
+    _consistent(t)
