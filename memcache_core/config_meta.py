@@ -110,6 +110,9 @@ class MetaConfig:
     """Payload bytes one member may keep in the pool (committed objects it wrote, counted once whatever
     their replicas, plus its puts in flight); an Alloc beyond it is refused (-3112). 0: no bound but the
     pool's size (its objects are evicted like any other's)."""
+    member_max_leases: Annotated[int, Meta(ge=0, le=1 << 40), NUMBER] = 1 << 20
+    """Leases one member may hold at once on the GVA path (``batch_add_lease``); a lease beyond it is
+    refused (-3112) for that key. 0: no bound."""
     auth_enable: Bool = True
     """Every connection proves it holds the pool secret (HMAC challenge-response) before anything
     else; false only for a single trusted host (docs/security.md)."""

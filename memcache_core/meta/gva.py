@@ -12,7 +12,8 @@ Anything else is a per-range code, and the caller copies nothing for that range:
 object removed, replaced, reclaimed, or from before a MetaService restart, whose table has no pending
 objects and no leases) or a forged one never reaches another object's bytes.
 
-Leases of the GVA path are held per caller (``ObjectTable.held``: key -> caller -> (generation, end));
+Leases of the GVA path are held per caller (``ObjectTable.held``: key -> caller -> (generation, end);
+``ObjectTable.leases_of`` counts each caller's, bounded by ``member_max_leases``);
 each one also extends the object's ``lease_until``, which keeps eviction and space reuse away exactly
 as a get's lease does. Removing a lease ends the caller's right to copy out; the object stays pinned
 until the end it was leased to (another reader's lease may still count on it).
@@ -38,8 +39,9 @@ def info(t: ObjectTable, cid: int, keys: list[str]) -> p.InfoReply:
 
 
 def add_lease(t: ObjectTable, cid: int, keys: list[str], generations: list[int], ttl_s: float,
-              now: float) -> list[int]:
-    """Lease committed objects to the caller until ``now + ttl_s`` (a generation of 0: the current one)."""
+              now: float, max_leases: int = 0) -> list[int]:
+    """Lease committed objects to the caller until ``now + ttl_s`` (a generation of 0: the current one).
+    A caller holding ``max_leases`` (0: no bound) gets no new one: QUOTA_EXCEEDED for that key."""
     codes = []
     end = now + ttl_s
     for k, g in zip(keys, generations, strict=True):
@@ -48,10 +50,14 @@ def add_lease(t: ObjectTable, cid: int, keys: list[str], generations: list[int],
             codes.append(errors.OBJECT_NOT_EXISTS)
         elif g and obj.generation != g:
             codes.append(errors.STATE_MISMATCH)
+        elif max_leases and t.leases_of.get(cid, 0) >= max_leases and cid not in t.held.get(obj.key, {}):
+            codes.append(errors.QUOTA_EXCEEDED)
         else:
             t.lease(obj, end)
             mine = t.held.setdefault(obj.key, {})
             gen_end = mine.get(cid)
+            if gen_end is None:
+                t.leases_of[cid] = t.leases_of.get(cid, 0) + 1
             mine[cid] = (obj.generation, max(end, gen_end[1]) if gen_end and gen_end[0] == obj.generation else end)
             codes.append(errors.SUCCESS)
     return codes
@@ -65,6 +71,7 @@ def remove_lease(t: ObjectTable, cid: int, keys: list[str]) -> list[int]:
         if mine is None or mine.pop(cid, None) is None:
             codes.append(errors.OBJECT_NOT_EXISTS)
             continue
+        _released(t, cid)
         if not mine:
             del t.held[k]
         codes.append(errors.SUCCESS)
@@ -114,4 +121,14 @@ def _prune(t: ObjectTable, key: str, mine: dict[int, tuple[int, float]], now: fl
     for cid in [c for c, (g, end) in mine.items()
                 if end <= now or obj is None or not obj.committed or obj.generation != g]:
         del mine[cid]
+        _released(t, cid)
     return not mine
+
+
+def _released(t: ObjectTable, cid: int) -> None:
+    """One lease of the caller's ended (``ObjectTable.leases_of``)."""
+    n = t.leases_of.get(cid, 0) - 1
+    if n > 0:
+        t.leases_of[cid] = n
+    else:
+        t.leases_of.pop(cid, None)

@@ -223,7 +223,7 @@ class MetaServiceCore(Membership):
                 validate.timeout_ms(ttl_ms)
                 if ttl_ms == 0:
                     return p.Codes(gva.remove_lease(t, cid, keys))
-                return p.Codes(gva.add_lease(t, cid, keys, gens, ttl_ms / 1000.0, now))
+                return p.Codes(gva.add_lease(t, cid, keys, gens, ttl_ms / 1000.0, now, self.config.member_max_leases))
             case p.Grant():
                 validate.grant(req)
                 return gva.grant(t, cid, req, now)

@@ -105,6 +105,7 @@ class ObjectTable(Lookups, Removals, Space):
         self.promoting: dict[tuple[str, int], tuple[int, int, float, int]] = {}   # meta/disk.py
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
         self.held: dict[str, dict[int, tuple[int, float]]] = {}   # GVA path's leases: key -> caller -> (gen, end)
+        self.leases_of: dict[int, int] = {}   # caller -> how many of ``held``'s leases it has (a quota)
 
     # ---- segments -------------------------------------------------------------------------------
 

@@ -145,3 +145,29 @@ def test_eviction_and_the_death_of_the_holding_segment_give_the_writers_quota_ba
             provider.stop()
 
 
+
+
+def test_a_member_holds_at_most_its_quota_of_gva_leases():
+    """Scenario: a lease of the GVA path pins an object against eviction; one member leases more keys
+    than ``member_max_leases``: the ones past it get -3112 (nothing else changes), renewing a lease it
+    holds still works, another member's quota is its own, and ending a lease gives one back."""
+    with running_meta_service(member_max_leases=3) as meta:
+        store = DistributedObjectStore()
+        assert store.setup(meta.local_config()) == 0
+        assert store.init(0, True) == 0
+        s = authed(addr_of(meta.meta_service_url))
+        try:
+            keys = [f"l{i}" for i in range(5)]
+            assert store.put_batch(keys, [bytes([i]) * 256 for i in range(5)]) == 0
+            assert store.batch_add_lease(keys, 60_000) == [0, 0, 0, errors.QUOTA_EXCEEDED, errors.QUOTA_EXCEEDED]
+            assert store.batch_add_lease(keys[:3], 60_000) == [0, 0, 0]   # renewals are not new leases
+            j = ask(s, p.Join(0, "other", os.getpid()))
+            assert isinstance(j, p.Joined), j
+            other = ask(s, p.Lease(j.client_id, j.token, keys[2:], [0] * 3, 60_000))
+            assert isinstance(other, p.Codes) and other.codes == [0, 0, 0], other
+            assert store.batch_remove_lease(keys[:1]) == 0
+            assert store.batch_add_lease(keys[3:], 60_000) == [0, errors.QUOTA_EXCEEDED]
+            assert store.get_batch(keys) == [bytes([i]) * 256 for i in range(5)]
+        finally:
+            s.close()
+            store.close()
