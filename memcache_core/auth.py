@@ -19,7 +19,8 @@ also proves the server knows the secret (no fake MetaService or data server). Th
 takes ``Authorization: Bearer <admin_token(secret)>`` on every route but ``/health``.
 
 The secret is a file (``auth_secret_path``, or ``MEMCACHE_SECRET_PATH``, or
-``~/.config/memcache/pool.secret``). A MetaService creates the default file (0600, 32 random bytes)
+``~/.config/memcache/pool-<pool_name>.secret``, or ``~/.config/memcache/pool.secret`` for a pool
+without a ``pool_name``). A MetaService creates the default file (0600, 32 random bytes)
 when it is missing, so a single-host pool is authenticated with no configuration at all; for a pool
 across hosts, copy the file to each host (docs/security.md). ``auth_enable: false`` turns all of this
 off, for a single trusted host only.
@@ -53,19 +54,22 @@ class AuthFailed(MemCacheError):
     """The peer did not prove it holds the pool secret (or we could not)."""
 
 
-def default_secret_path() -> str:
-    return os.environ.get(SECRET_ENV) or os.path.join(os.path.expanduser("~"), ".config", "memcache",
-                                                      "pool.secret")
+def default_secret_path(pool_name: str = "") -> str:
+    """$MEMCACHE_SECRET_PATH, else the user's file of the pool named ``pool_name`` (``pool_name``
+    setting), else the user's one file for unnamed pools (shared by every unnamed pool of the user)."""
+    name = f"pool-{pool_name}.secret" if pool_name else "pool.secret"
+    return os.environ.get(SECRET_ENV) or os.path.join(os.path.expanduser("~"), ".config", "memcache", name)
 
 
-def load_secret(path: str, create: bool = False) -> bytes:
-    """Read the pool secret; with ``create`` make it (0600, random) when the file does not exist.
+def load_secret(path: str, create: bool = False, pool_name: str = "") -> bytes:
+    """Read the pool secret (``path``, else ``default_secret_path(pool_name)``); with ``create`` make
+    it (0600, random) when the file does not exist.
 
     Refused (ConfigError naming the file and the remedy): a symlink another user could have made,
     not a regular file, owned by
     another user (root's is fine: a Kubernetes Secret mount), readable or writable by others, readable
     by a group this process is not in, writable by its group, or under 32 random bytes' worth."""
-    path = path or default_secret_path()
+    path = path or default_secret_path(pool_name)
     if create and not os.path.exists(path):
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         try:

@@ -35,6 +35,8 @@ def add_parsers(sub: Any) -> None:
         sp.add_argument("--url", default=os.environ.get("MEMCACHE_ADMIN_URL", "http://127.0.0.1:8000"),
                         help="the MetaService's metrics_url (default $MEMCACHE_ADMIN_URL or %(default)s)")
         sp.add_argument("--secret-path", default="", help="pool secret file (default: the pool's default)")
+        sp.add_argument("--pool-name", default=os.environ.get("MEMCACHE_POOL_NAME", ""),
+                        help="the pool's pool_name, which names its default secret file ($MEMCACHE_POOL_NAME)")
         sp.add_argument("--token", default=os.environ.get("MEMCACHE_ADMIN_TOKEN", ""),
                         help="admin token instead of the secret ($MEMCACHE_ADMIN_TOKEN)")
         sp.add_argument("--no-auth", action="store_true", help="the pool runs with auth_enable: false")
@@ -52,23 +54,25 @@ def add_parsers(sub: Any) -> None:
             sp.add_argument("--prefix", default="", required=name == "remove", help="key prefix")
     sp = sub.add_parser("token", help="print the admin token (Authorization: Bearer ...) for Prometheus or curl")
     sp.add_argument("--secret-path", default="", help="pool secret file (default: the pool's default)")
+    sp.add_argument("--pool-name", default=os.environ.get("MEMCACHE_POOL_NAME", ""),
+                    help="the pool's pool_name, which names its default secret file ($MEMCACHE_POOL_NAME)")
 
 
 def token(args: argparse.Namespace) -> int:
-    print(_admin_token(args.secret_path))
+    print(_admin_token(args.secret_path, args.pool_name))
     return 0
 
 
-def _admin_token(secret_path: str) -> str:
+def _admin_token(secret_path: str, pool_name: str = "") -> str:
     """The admin token of the pool whose secret is at ``secret_path`` (empty: the default file); a
     secret that cannot be read is a one-line error naming the file and what to do."""
     from .auth import admin_token, default_secret_path, load_secret
     from .errors import ConfigError
     try:
-        return admin_token(load_secret(secret_path))
+        return admin_token(load_secret(secret_path, pool_name=pool_name))
     except ConfigError as e:
         raise SystemExit(f"memcache: {e}. Pass the pool's secret file with --secret-path (the MetaService's "
-                         f"auth_secret_path; default {default_secret_path()}), or the token with --token "
+                         f"auth_secret_path; default {default_secret_path(pool_name)}), or the token with --token "
                          f"or $MEMCACHE_ADMIN_TOKEN") from None
 
 
@@ -77,7 +81,7 @@ class AdminClient:
         self.url = args.url.rstrip("/")
         self.headers: dict[str, str] = {}
         if not args.no_auth:
-            token = args.token or _admin_token(args.secret_path)
+            token = args.token or _admin_token(args.secret_path, args.pool_name)
             self.headers["Authorization"] = f"Bearer {token}"
         self.ctx = ssl.create_default_context(cafile=args.cacert or None) if self.url.startswith("https") else None
 

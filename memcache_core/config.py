@@ -36,7 +36,7 @@ from .config_meta import check_etcd_auth as check_etcd_auth
 from .errors import ConfigError
 from .values import FALSE_WORDS as FALSE_WORDS  # re-exported: integrations and tests import them from here
 from .values import TRUE_WORDS as TRUE_WORDS
-from .values import WILDCARD_HOSTS, check_log_level, parse_meta_target, parse_size
+from .values import WILDCARD_HOSTS, check_cluster_id, check_log_level, parse_meta_target, parse_size
 from .values import MetaTarget as MetaTarget
 from .values import parse_bool as parse_bool
 from .values import parse_etcd_endpoints as parse_etcd_endpoints
@@ -131,7 +131,13 @@ class LocalConfig:
     """Authenticate to the MetaService and to peers' data servers with the pool secret, and require
     it from peers on this LocalService's data server; must match the MetaService's setting."""
     auth_secret_path: Str = ""
-    """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH or ~/.config/memcache/pool.secret."""
+    """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH, else the pool's default file
+    (``pool_name``)."""
+    pool_name: Str = ""
+    """Names the pool: its default secret file is ~/.config/memcache/pool-<pool_name>.secret, so two
+    pools of one user on one host do not share a secret. 1-64 letters, digits, '_', '.' or '-';
+    empty: the user's one default file for unnamed pools (pool.secret). Set it alike on the
+    MetaService and its members; auth_secret_path and $MEMCACHE_SECRET_PATH take precedence."""
     tls_enable: bool = False
     """Encrypt the control, config-store, data and admin planes with TLS (docs/security.md)."""
     tls_ca_path: str = ""
@@ -212,6 +218,8 @@ class LocalConfig:
 
 
 def _urls(cfg: LocalConfig) -> None:
+    if cfg.pool_name:
+        check_cluster_id(cfg.pool_name, "pool_name")
     if parse_meta_target(cfg.meta_service_url, "meta_service_url").etcd:
         check_etcd_auth(cfg, cfg.meta_service_url)
     parse_url(cfg.config_store_url, "config_store_url", ("tcp",))

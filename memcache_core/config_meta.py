@@ -117,8 +117,13 @@ class MetaConfig:
     """Every connection proves it holds the pool secret (HMAC challenge-response) before anything
     else; false only for a single trusted host (docs/security.md)."""
     auth_secret_path: Str = ""
-    """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH or ~/.config/memcache/pool.secret
-    (a MetaService creates that default file, 0600, when it is missing)."""
+    """File holding the pool secret; empty = $MEMCACHE_SECRET_PATH, else the pool's default file
+    (``pool_name``), which a MetaService creates (0600) when it is missing."""
+    pool_name: Str = ""
+    """Names the pool: its default secret file is ~/.config/memcache/pool-<pool_name>.secret, so two
+    pools of one user on one host do not share a secret. 1-64 letters, digits, '_', '.' or '-';
+    empty: the user's one default file for unnamed pools (pool.secret). Set it alike on the
+    MetaService and its members; auth_secret_path and $MEMCACHE_SECRET_PATH take precedence."""
     config_store_max_value_bytes: Annotated[int, Meta(ge=1, le=1 << 30), NUMBER] = 1 << 20
     """Largest value the config store accepts."""
     config_store_max_total_bytes: Annotated[int, Meta(ge=1, le=1 << 34), NUMBER] = 64 << 20
@@ -173,6 +178,8 @@ HA_LEASE_TTL_MS = Annotated[int, Meta(ge=2000, le=600_000), NUMBER]   # read (an
 
 def _ha(cfg: MetaConfig) -> None:
     """With ``ha_enable``: etcd endpoints, a cluster id, a lease of whole seconds (unread without it)."""
+    if cfg.pool_name:
+        check_cluster_id(cfg.pool_name, "pool_name")
     if not cfg.ha_enable:
         return
     parse_etcd_endpoints(cfg.ha_etcd_endpoints, "ha_etcd_endpoints")

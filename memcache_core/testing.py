@@ -200,7 +200,8 @@ class MetaServiceProcess:
     def local_config(self, **overrides: Any) -> Any:
         from .config import LocalConfig
         cfg = LocalConfig(meta_service_url=self.meta_service_url, config_store_url=self.config_store_url,
-                          protocol="host_shm", dram_size="64MB", client_timeout_seconds=5)
+                          protocol="host_shm", dram_size="64MB", client_timeout_seconds=5,
+                          pool_name=self.config.get("pool_name", ""))
         for k, v in overrides.items():
             setattr(cfg, k, v)
         cfg.validate()
@@ -235,7 +236,8 @@ class MetaServiceProcess:
         if self.config.get("auth_enable", True) is False:
             return {}
         from .auth import admin_token, load_secret
-        return {"Authorization": f"Bearer {admin_token(load_secret(self.config.get('auth_secret_path', '')))}"}
+        secret = load_secret(self.config.get("auth_secret_path", ""), pool_name=self.config.get("pool_name", ""))
+        return {"Authorization": f"Bearer {admin_token(secret)}"}
 
     def http(self, path: str, authorized: bool = True) -> Any:
         url, ctx = self.metrics_url + path, None
@@ -259,7 +261,8 @@ class MetaServiceProcess:
         """A control-plane client with the pool's secret (the caller closes it)."""
         from .auth import load_secret
         from .rpc import RpcClient
-        return RpcClient(self.meta_service_url, timeout_s, 0, load_secret(self.config.get("auth_secret_path", "")))
+        secret = load_secret(self.config.get("auth_secret_path", ""), pool_name=self.config.get("pool_name", ""))
+        return RpcClient(self.meta_service_url, timeout_s, 0, secret)
 
     def segment(self, segment_id: int) -> Any:
         """A member's ``SegmentInfo`` as its peers get it (``GetSegments`` on the control plane)."""

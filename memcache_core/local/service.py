@@ -64,7 +64,7 @@ class LocalService(Writes, Reads, Gva):
             require_memfabric(config.protocol)
         self.config = config
         self.host_id = config.host_id or env_host_id()
-        self.secret = load_secret(config.auth_secret_path) if config.auth_enable else None
+        self.secret = load_secret(config.auth_secret_path, pool_name=config.pool_name) if config.auth_enable else None
         self._tls_client = tls.client_context(config)
         self.rpc = RpcClient(config.meta_service_url, config.client_timeout_seconds,
                              config.client_retry_milliseconds, self.secret, tls=self._tls_client,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from .. import errors, tls
 from .. import protocol as p
-from ..auth import load_secret
+from ..auth import SECRET_ENV, default_secret_path, load_secret
 from ..config import MetaConfig, parse_url
 from ..rpc import FrameServer
 from ..rpc.framing import raise_fd_limit
@@ -33,9 +33,13 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
     raise_fd_limit()
     core = MetaServiceCore(config)
     stop = stop or threading.Event()
-    secret = load_secret(config.auth_secret_path, create=True) if config.auth_enable else None
+    secret = load_secret(config.auth_secret_path, create=True, pool_name=config.pool_name) if config.auth_enable else None
     if secret is None:
         logger.warning("auth_enable is false: anyone who reaches these ports controls the pool")
+    elif not (config.auth_secret_path or config.pool_name or os.environ.get(SECRET_ENV)):
+        logger.info("the pool secret is %s, shared by every pool without a pool_name that this user runs "
+                    "on this host; set pool_name (or auth_secret_path) to give this pool its own",
+                    default_secret_path())
     handler = _handler(core)
     server = FrameServer([parse_url(config.meta_service_url, "meta_service_url", ("tcp",)),
                           parse_url(config.config_store_url, "config_store_url", ("tcp",))],

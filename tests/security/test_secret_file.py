@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memcache_core import DistributedObjectStore
+from memcache_core import DistributedObjectStore, errors
 from memcache_core.testing import MetaServiceProcess, running_meta_service
 
 pytestmark = pytest.mark.integration
@@ -94,3 +94,37 @@ def test_good_secret_files_are_accepted_by_the_pool(tmp_path):
                 assert store.get("k") == b"v" * 64
             finally:
                 store.close()
+
+
+def test_two_pools_of_one_user_on_one_host_get_their_own_default_secret(tmp_path, monkeypatch):
+    """Scenario: before, every pool of a user defaulted to ~/.config/memcache/pool.secret, so two pools on
+    one host authenticated each other's members. A pool with a ``pool_name`` gets its own default file
+    (pool-<name>.secret, created by its MetaService): a member of pool B cannot join pool A; pool A's
+    members join with no secret configured; an explicit auth_secret_path still wins; a pool without a
+    name keeps the old default file; a malformed name is refused naming the setting."""
+    monkeypatch.setenv("HOME", str(tmp_path))   # the MetaServices (children) and the stores read it
+    monkeypatch.delenv("MEMCACHE_SECRET_PATH", raising=False)
+    conf = tmp_path / ".config" / "memcache"
+    with running_meta_service(pool_name="a") as pool_a, running_meta_service(pool_name="b"):
+        a, b = (conf / "pool-a.secret").read_bytes(), (conf / "pool-b.secret").read_bytes()
+        assert a != b and not (conf / "pool.secret").exists()
+        member_a = DistributedObjectStore()
+        assert member_a.setup(pool_a.local_config()) == 0 and member_a.init(0, True) == 0
+        member_b = DistributedObjectStore()
+        explicit = DistributedObjectStore()
+        try:
+            assert member_a.put("k", b"v" * 64) == 0 and member_a.get("k") == b"v" * 64
+            assert member_b.setup(pool_a.local_config(pool_name="b")) == 0
+            assert member_b.init(0, True) == errors.META_NOT_CONNECTED   # pool B's secret: refused by pool A
+            assert explicit.setup(pool_a.local_config(pool_name="b", auth_secret_path=str(conf / "pool-a.secret"))) == 0
+            assert explicit.init(0, True) == 0 and explicit.get("k") == b"v" * 64
+        finally:
+            explicit.close()
+            member_b.close()
+            member_a.close()
+    with running_meta_service():
+        assert (conf / "pool.secret").exists()
+    from memcache_core.config import LocalConfig
+    from memcache_core.errors import ConfigError
+    with pytest.raises(ConfigError, match="pool_name"):
+        LocalConfig(pool_name="../other")
