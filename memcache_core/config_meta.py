@@ -138,6 +138,10 @@ class MetaConfig:
     """The private key of ``tls_cert_path`` (PEM)."""
     max_connections: Annotated[int, Meta(ge=16, le=1 << 20), NUMBER] = 4096
     """Connections the control plane keeps open at once; more are refused."""
+    max_connections_per_address: Annotated[int, Meta(ge=1, le=1 << 20), NUMBER] = 512
+    """Control-plane connections one source address may hold open at once (authenticated or not);
+    more are refused, so one host's processes cannot take every slot. Above what a host's members
+    open (a store keeps at most 8)."""
     idle_timeout_seconds: Annotated[float, Meta(ge=1, le=86400 * 7)] = 600
     """A control-plane connection silent this long is closed (a client reconnects on its next call)."""
     poll_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 200

@@ -45,7 +45,8 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
                           parse_url(config.config_store_url, "config_store_url", ("tcp",))],
                          handler, secret, config.max_connections,
                          config.idle_timeout_seconds, tls.server_context(config),
-                         keys=("meta_service_url", "config_store_url"))
+                         keys=("meta_service_url", "config_store_url"),
+                         max_per_source=config.max_connections_per_address)
     admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
     if threading.current_thread() is threading.main_thread():   # before /health answers: a SIGTERM
         for sig in (signal.SIGTERM, signal.SIGINT):               # right after it must stop cleanly

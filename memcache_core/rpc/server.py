@@ -15,8 +15,8 @@ from ..auth import NO_SESSION, ServerHandshake, Session
 from ..errors import cannot_listen
 from .framing import FRAME_HEAD, is_addr_in_use, is_out_of_descriptors, take_frame
 
-__all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLIES", "MAX_PENDING_REPLY", "MAX_PREAUTH_PER_SOURCE", "PREAUTH_TIMEOUT_S", "FrameServer",
-           "is_addr_in_use"]
+__all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLIES", "MAX_PENDING_REPLY", "MAX_PER_SOURCE", "MAX_PREAUTH_PER_SOURCE",
+           "PREAUTH_TIMEOUT_S", "FrameServer", "is_addr_in_use"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ PREAUTH_TIMEOUT_S = 5.0          # a deadline for the whole handshake (TLS and t
 MAX_PREAUTH_PER_SOURCE = 64      # connections of one source address still in their handshake
 PREAUTH_SHARE = 4                # at most 1/4 of max_connections in their handshake: the rest is kept
                                  # for authenticated members
+MAX_PER_SOURCE = 512             # connections of one source address open at once, authenticated or not
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -53,8 +54,9 @@ class FrameServer:
     64 bytes); at most ``MAX_PREAUTH_PER_SOURCE`` connections of one address, and a quarter of
     ``max_connections`` in all, may be in their handshake at once (a new one closes the oldest: an
     honest handshake takes milliseconds, so idle or trickling connections cannot hold the slots), so
-    the other slots stay for authenticated members; at most ``max_connections`` are open (more are
-    refused); one silent for ``idle_timeout_s`` is closed; a peer that does not
+    the other slots stay for authenticated members; at most ``max_connections`` are open, and at most
+    ``max_per_source`` of one address (more are refused: an insider's many connections cannot take
+    the slots of members elsewhere); one silent for ``idle_timeout_s`` is closed; a peer that does not
     read its replies is disconnected once ``MAX_PENDING_REPLY`` bytes wait for it, or once the replies
     waiting for all connections together would pass ``MAX_PENDING_REPLIES``; unfinished frames
     of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
@@ -64,9 +66,12 @@ class FrameServer:
 
     def __init__(self, binds: list[tuple[str, int]], handler: Callable[[bytes], bytes],
                  secret: bytes | None = None, max_connections: int = 4096, idle_timeout_s: float = 600.0,
-                 tls: ssl.SSLContext | None = None, keys: tuple[str, ...] = ()) -> None:
+                 tls: ssl.SSLContext | None = None, keys: tuple[str, ...] = (),
+                 max_per_source: int = MAX_PER_SOURCE) -> None:
         """``keys`` name the settings of ``binds`` (for the error when one cannot be listened on)."""
         self.handler = handler
+        self.max_per_source = max_per_source
+        self._open_of: dict[str, int] = {}   # source address -> its connections open
         self.tls = tls
         self.secret = secret
         self.max_connections = max_connections
@@ -141,6 +146,10 @@ class FrameServer:
         if len(self._peers) >= self.max_connections:
             self._refuse(conn, f"all {self.max_connections} connections are in use")
             return
+        if self._open_of.get(source, 0) >= self.max_per_source:
+            self._refuse(conn, f"{source} has {self.max_per_source} connections open "
+                               f"(max_connections_per_address)")
+            return
         preauth = self.secret is not None or self.tls is not None
         if preauth:   # room for this one: the oldest still in its handshake goes (an honest one takes ms)
             mine = self._preauth.get(source, {})
@@ -157,6 +166,7 @@ class FrameServer:
         now = time.monotonic()
         self._peers[conn] = peer = _Peer(hs, now, source, now, authenticated=not preauth,
                                          tls_pending=self.tls is not None)
+        self._open_of[source] = self._open_of.get(source, 0) + 1
         if preauth:
             self._preauth.setdefault(source, {})[conn] = None
             self._preauth_all[conn] = None
@@ -345,6 +355,11 @@ class FrameServer:
             if peer.out is not None:
                 self._pending -= len(peer.out)
             self._authenticated(conn, peer)   # no longer in its handshake either way
+            n = self._open_of.get(peer.source, 0) - 1
+            if n > 0:
+                self._open_of[peer.source] = n
+            else:
+                self._open_of.pop(peer.source, None)
         conn.close()
 
     def close(self) -> None:

@@ -138,3 +138,67 @@ def test_a_member_holds_at_most_its_quota_of_puts_in_flight():
         finally:
             s.close()
             store.close()
+
+
+def _hold(meta: MetaServiceProcess, source: str, tries: int) -> list[socket.socket]:
+    """Open ``tries`` authenticated control connections from ``source``; those the server kept."""
+    held: list[socket.socket] = []
+    for _ in range(tries):
+        try:
+            held.append(authed(addr_of(meta.meta_service_url), source=source))
+        except (OSError, errors.MemCacheError):
+            pass   # refused: closed before or during the handshake
+    return held
+
+
+def test_an_insider_holding_its_connections_per_address_leaves_room_and_answers_for_others():
+    """Scenario: an insider (holding the secret) opens every control connection it can from one
+    address (127.0.0.2) and keeps sending maximal Exists on them. At most max_connections_per_address
+    are kept; an honest member from another address still joins and its is_exist is answered, right,
+    every time within the deadline. Negative control: with the cap at max_connections the insider's
+    connections take every slot and the same member cannot join."""
+    with running_meta_service(max_connections=64, max_connections_per_address=64) as meta:
+        held = _hold(meta, "127.0.0.2", 64)
+        try:
+            assert len(held) == 64, "the insider could not fill the slots: the control shows nothing"
+            store = DistributedObjectStore()
+            assert store.setup(meta.local_config(client_timeout_seconds=2, dram_size="0")) == 0
+            assert store.init(0, False) == errors.META_NOT_CONNECTED   # every slot is the insider's
+        finally:
+            for s in held:
+                s.close()
+    with running_meta_service(max_connections=64, max_connections_per_address=16,
+                              heartbeat_timeout_ms=1500) as meta:
+        held = _hold(meta, "127.0.0.2", 64)
+        assert len(held) == 16, len(held)
+        done = threading.Event()
+        keys = [f"probe-{i}" for i in range(p.MAX_KEYS)]
+
+        def insist(s: socket.socket) -> None:
+            while not done.is_set():
+                assert isinstance(ask(s, p.Exist(keys)), p.Flags)
+
+        insiders = [threading.Thread(target=insist, args=(s,), daemon=True) for s in held]
+        store = DistributedObjectStore()
+        try:
+            for t in insiders:
+                t.start()
+            assert store.setup(meta.local_config(heartbeat_interval_ms=200)) == 0
+            assert store.init(0, True) == 0
+            assert store.put("honest", b"h" * 256) == 0
+            lat = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                assert store.is_exist("honest") == 1 and store.is_exist("absent") == 0
+                lat.append(time.perf_counter() - t0)
+            print(f"honest is_exist pairs while 16 insider connections send {p.MAX_KEYS}-key Exists: "
+                  f"p50 {sorted(lat)[15] * 1e3:.0f} ms, worst {max(lat) * 1e3:.0f} ms")
+            assert max(lat) < 5.0, f"an honest is_exist pair took {max(lat):.2f} s"
+            assert store.get("honest") == b"h" * 256
+        finally:
+            done.set()
+            for t in insiders:
+                t.join(10)
+            for s in held:
+                s.close()
+            store.close()

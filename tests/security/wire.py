@@ -36,9 +36,10 @@ def frame(req: p.Request, rid: int = 1, s: socket.socket | None = None) -> bytes
     return seal_frame(rid, p.request_encoder.encode(req), SESSIONS[s] if s is not None else NO_SESSION)
 
 
-def authed(addr: tuple[str, int], key: bytes | None = None) -> socket.socket:
-    """A connection that passed the handshake (with the pool's secret unless ``key`` is given)."""
-    s = socket.create_connection(addr, timeout=10)
+def authed(addr: tuple[str, int], key: bytes | None = None, source: str | None = None) -> socket.socket:
+    """A connection that passed the handshake (with the pool's secret unless ``key`` is given), from
+    the ``source`` address when given (another loopback address: another host, as the server sees it)."""
+    s = socket.create_connection(addr, timeout=10, source_address=(source, 0) if source else None)
     SESSIONS[s] = client_handshake(s, secret() if key is None else key)
     return s
 
