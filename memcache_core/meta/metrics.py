@@ -45,6 +45,8 @@ COUNTERS = (   # (metric name, Counters field, help)
      "Objects dropped on recovery because a re-joining member reported a newer generation of the key."),
     ("disk_hits_total", "disk_hits", "Lookups that found the object on a disk tier only."),
     ("promotions_total", "promotions", "Disk-only objects brought back into DRAM (repeated hits, prefetch)."),
+    ("uncounted_writes_total", "uncounted_writes",
+     "Commits counted against no member's quota (member_max_objects): 4,095 other writers kept objects."),
 )
 DISK_EVENTS = ("writes", "write_bytes", "write_errors", "writes_skipped", "writes_stale", "reads", "read_bytes",
                "read_errors", "integrity_failures", "lru_drops", "promotions")

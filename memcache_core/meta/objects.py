@@ -251,3 +251,4 @@ class Counters:
     disk_drops: int = 0             # disk-only objects gone for good (their tier dropped the record)
     disk_hits: int = 0              # lookups that found an object on disk only
     promotions: int = 0             # disk-only objects brought back into DRAM
+    uncounted_writes: int = 0       # commits counted against no member's quota: every writer slot was held

@@ -289,7 +289,7 @@ class MetaServiceCore(Membership):
             over = ((c.member_max_objects and kept + objects >= c.member_max_objects)
                     or (c.member_max_bytes and kept_bytes + held + size > c.member_max_bytes))
             if not over:
-                return t.can_keep(cid)
+                return True
             if not t.evict_own(cid, now):
                 return False
 

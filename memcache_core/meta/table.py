@@ -261,16 +261,17 @@ class ObjectTable(Lookups, Removals, Space):
             if held[0] <= 0:
                 del self.pending_of[obj.owner]
 
-    def can_keep(self, client_id: int) -> bool:
-        """Can this writer's next object be counted (it holds a slot, or one is free)?"""
-        return client_id in self.slot_of or bool(self._free_slots)
-
     def _slot(self, writer: int) -> int:
-        """The slot a writer's committed objects carry; 0 (counted against no one) when none is free
-        (``can_keep`` refused its Alloc then, unless slots ran out between its Alloc and Commit)."""
+        """The slot a writer's committed objects carry; 0 (counted against no one) when none is free:
+        4,095 other writers keep objects. (Refusing its put instead would let an insider that joins
+        4,095 times lock every new writer out; counted against no one, it escapes a quota only with
+        4,095 memberships, that is 4,095 quotas, already.)"""
         slot = self.slot_of.get(writer)
         if slot is None:
-            if not writer or not self._free_slots:
+            if not writer:
+                return 0
+            if not self._free_slots:
+                self.counters.uncounted_writes += 1
                 return 0
             slot = self.slot_of[writer] = self._free_slots.pop()
             self.writer_in[slot] = writer

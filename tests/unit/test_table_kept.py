@@ -81,15 +81,19 @@ def test_recovered_objects_count_against_no_one_and_a_moved_object_keeps_its_wri
     _consistent(t)
 
 
-def test_slots_run_out_only_for_a_writer_without_one():
-    """Scenario: every slot is held; a writer holding one can still be counted, a new one cannot
-    (the MetaService refuses its Alloc: ``can_keep``); a slot comes back when its writer holds nothing."""
+def test_when_every_slot_is_held_a_new_writer_is_stored_and_counted_against_no_one():
+    """Scenario: 4,095 writers keep objects (every slot held); a new writer's put is still stored (never
+    refused: an insider joining 4,095 times must not lock new writers out), counted against no one
+    (``uncounted_writes``); once a slot comes back, the next writer is counted again."""
     t = _table(1 << 30)
     for w in range(1, WRITER_SLOTS + 1):
         _put(t, w, f"k{w}", 1, [1])
-    assert t.can_keep(1) and not t.can_keep(WRITER_SLOTS + 1)
-    assert t.remove("k1", 1.0) == 0 and t.can_keep(WRITER_SLOTS + 1)
-    _put(t, WRITER_SLOTS + 1, "new", 1, [1])
+    new = WRITER_SLOTS + 1
+    _put(t, new, "uncounted", 1, [1])
+    assert t.objects["uncounted"].writer_slot == 0 and new not in t.kept_of and t.counters.uncounted_writes == 1
+    assert t.remove("k1", 1.0) == 0
+    _put(t, new, "counted", 1, [1])
+    assert t.kept_of[new] == [1, 1]
     _consistent(t)
 
 
