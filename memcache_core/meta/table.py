@@ -281,12 +281,14 @@ class ObjectTable(Lookups, Removals, Space):
     def evict_own(self, writer: int, now: float) -> bool:
         """Evict one of the writer's own committed, unleased objects to make room under its quota (as a
         full segment evicts): the first found from the least recent end of the segments' LRU lists,
-        looking at ``OWN_LOOKAHEAD`` objects at most in all. False: none found, the Alloc is refused."""
+        the writer's own segment first (where ``local_first`` placement puts its objects), looking at
+        ``OWN_LOOKAHEAD`` objects at most in all. False: none found, the Alloc is refused."""
         slot = self.slot_of.get(writer)
         if slot is None:
             return False
         budget = OWN_LOOKAHEAD
-        for seg in self.segments.values():
+        own = self.segments.get(writer)   # a member's segment id is its client id
+        for seg in ([own] if own is not None else []) + [s for s in self.segments.values() if s is not own]:
             for obj in seg.lru.values():
                 if obj.writer_slot == slot and obj.lease_until <= now:
                     self.counters.evictions += 1
