@@ -103,9 +103,10 @@ class MetaConfig:
     the pool's size. An Alloc beyond it is refused (-3112)."""
     member_max_objects: Annotated[int, Meta(ge=0, le=1 << 40), NUMBER] = 1 << 24
     """Objects one member may keep in the pool (committed objects it wrote, wherever they are, plus its
-    puts in flight); an Alloc beyond it is refused (-3112) until its objects are removed or evicted.
-    0: no bound. The default (16,777,216) bounds what one member makes the MetaService hold (~2.5 GB of
-    table) and is above what a member of a 1 TB pool of 64 KB pages writes."""
+    puts in flight). At it, its own least recently used unleased objects are evicted for new ones;
+    with none evictable, an Alloc is refused (-3112). 0: no bound. The default (16,777,216) bounds
+    what one member makes the MetaService hold (2.5-5 GB of table, by key length: ~150-290 bytes an
+    object) at what a 1 TiB pool holds of 64 KiB pages."""
     member_max_bytes: Annotated[int, Meta(ge=0, le=1 << 60), NUMBER] = 0
     """Payload bytes one member may keep in the pool (committed objects it wrote, counted once whatever
     their replicas, plus its puts in flight); an Alloc beyond it is refused (-3112). 0: no bound but the
