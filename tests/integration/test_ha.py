@@ -40,12 +40,13 @@ FAILOVER_CODES = {errors.META_NOT_CONNECTED, errors.NOT_LEADER, errors.CLIENT_NO
 
 
 class Pool:
-    def __init__(self, d: str) -> None:
+    def __init__(self, d: str, **overrides: Any) -> None:
+        """Three HA MetaServices on a fresh etcd; ``overrides``: more MetaConfig settings for each."""
         self.etcd = EtcdProcess(d).start()
         self.cluster = f"t{random.getrandbits(32):x}"
         self.metas = [MetaServiceProcess(d, ha_enable=True, ha_etcd_endpoints=self.etcd.endpoint,
                                          ha_cluster_id=self.cluster, ha_lease_ttl_ms=TTL_S * 1000,
-                                         heartbeat_timeout_ms=3000, lease_ttl_ms=2000).start()
+                                         heartbeat_timeout_ms=3000, lease_ttl_ms=2000, **overrides).start()
                       for _ in range(3)]
         self.stores: list[StoreProcess] = []
 

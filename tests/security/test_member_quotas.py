@@ -1,13 +1,16 @@
 """What one member keeps in the pool is bounded (``member_max_objects``, ``member_max_bytes``): its
 committed objects wherever they lie plus its puts in flight. Past the quota its Alloc is refused with
 -3112 and nothing stored is lost; the count follows the table through remove, eviction and the death
-of the segment holding the objects; after a MetaService restart the recovered objects count against
-no one (segment headers do not name their writer)."""
+of the segment holding the objects; after a MetaService restart or an HA failover the recovered
+objects count against no one (segment headers do not name their writer). GVA leases are bounded per
+member too (``member_max_leases``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import tempfile
 
 import pytest
 
@@ -15,6 +18,7 @@ from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
 from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
 from tests.integration.stores import StoreProcess
+from tests.integration.test_ha import FAILOVER_CODES, TTL_S, Pool
 from tests.security.wire import addr_of, ask, authed
 
 pytestmark = pytest.mark.integration
@@ -24,6 +28,14 @@ def _kept(meta: MetaServiceProcess, cid: int) -> tuple[int, int] | None:
     """(objects, bytes) the member keeps, as the MetaService's stats report it; None: not a member."""
     for m in meta.http("/api/v1/stats")["members"]:
         if m["client_id"] == cid:
+            return m["kept_objects"], m["kept_bytes"]
+    return None
+
+
+def _kept_of_pid(meta: MetaServiceProcess, pid: int) -> tuple[int, int] | None:
+    """``_kept`` of the member whose process is ``pid``."""
+    for m in meta.http("/api/v1/stats")["members"]:
+        if m["pid"] == pid:
             return m["kept_objects"], m["kept_bytes"]
     return None
 
@@ -171,3 +183,36 @@ def test_a_member_holds_at_most_its_quota_of_gva_leases():
         finally:
             s.close()
             store.close()
+
+
+def test_after_an_ha_failover_the_recovered_objects_count_against_no_one_and_new_puts_do():
+    """Scenario: a member keeps its quota of 8 objects; the HA leader is killed. The new leader learns
+    the objects back from the members' reports, counted against no one; the member's new puts are
+    counted from zero, and past 8 evict its own oldest new object, never a recovered one."""
+    with tempfile.TemporaryDirectory(prefix="memcache-ha-") as d:
+        pool = Pool(d, member_max_objects=8)
+        try:
+            leader = pool.leader()
+            s = pool.store(pool.etcd_url)
+            old = [f"old{i}" for i in range(8)]
+            for k in old:
+                assert s("put", keys=[k], layout=[1024])["codes"] == [0]
+            assert _kept_of_pid(leader, s.proc.pid) == (8, 8 * 1024)
+            leader.kill()
+            new_leader = pool.leader(TTL_S + 8, [m for m in pool.metas if m is not leader])
+            wait_for(lambda: s("get", keys=old, layout=[1024])["codes"] == [0] * 8, 30,
+                     "the member to re-join the new leader with its objects")
+            assert _kept_of_pid(new_leader, s.proc.pid) == (0, 0)
+
+            def put(key: str) -> bool:   # the re-joined segment takes new objects after its grace
+                code = s("put", keys=[key], layout=[1024])["codes"][0]
+                assert code == 0 or code in FAILOVER_CODES, code
+                return code == 0
+            new = [f"new{i}" for i in range(9)]
+            for k in new:
+                wait_for(functools.partial(put, k), 15, f"the put of {k}")
+            got = s("get", keys=old + new, layout=[1024])
+            assert got["mismatches"] == [] and got["codes"] == [0] * 8 + [errors.OBJECT_NOT_EXISTS] + [0] * 8, got
+            assert _kept_of_pid(new_leader, s.proc.pid) == (8, 8 * 1024)
+        finally:
+            pool.close()
