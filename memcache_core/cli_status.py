@@ -72,8 +72,8 @@ def _admin_token(secret_path: str, pool_name: str = "") -> str:
         return admin_token(load_secret(secret_path, pool_name=pool_name))
     except ConfigError as e:
         raise SystemExit(f"memcache: {e}. Pass the pool's secret file with --secret-path (the MetaService's "
-                         f"auth_secret_path; default {default_secret_path(pool_name)}), or the token with --token "
-                         f"or $MEMCACHE_ADMIN_TOKEN") from None
+                         f"auth_secret_path; default {default_secret_path(pool_name)}) or its --pool-name (the "
+                         f"pool_name setting), or the token with --token or $MEMCACHE_ADMIN_TOKEN") from None
 
 
 class AdminClient:
