@@ -111,6 +111,10 @@ class MetaConfig:
     """Payload bytes one member may keep in the pool (committed objects it wrote, counted once whatever
     their replicas, plus its puts in flight); an Alloc beyond it is refused (-3112). 0: no bound but the
     pool's size (its objects are evicted like any other's)."""
+    max_members: Annotated[int, Meta(ge=1, le=1 << 24), NUMBER] = 65536
+    """Members (LocalServices and clients) joined at once; a Join of a new member beyond it is refused
+    (-3112). Each member gets its quotas, so this also bounds what joining again and again gets an
+    insider; silent members leave after ``heartbeat_timeout_ms``."""
     member_max_leases: Annotated[int, Meta(ge=0, le=1 << 40), NUMBER] = 1 << 20
     """Leases one member may hold at once on the GVA path (``batch_add_lease``); a lease beyond it is
     refused (-3112) for that key. 0: no bound."""

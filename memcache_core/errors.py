@@ -33,7 +33,7 @@ STATE_MISMATCH = -3101
 WRITE_IN_PROGRESS = -3102      # project code: another writer's put of the key is not committed yet
 CHECKSUM_MISMATCH = -3110      # project code: the bytes read do not match the object's checksum
 DISK_IO_ERROR = -3111          # project code: the disk tier could not read or write a record (I/O error, disk full)
-QUOTA_EXCEEDED = -3112         # project code: the writer keeps or has in flight as much as the MetaService allows
+QUOTA_EXCEEDED = -3112         # project code: a member is at a MetaService quota (member_max_*, max_members)
 NOT_LEADER = -3120             # project code: this MetaService is a standby (HA), or answered with an old term
 LEASE_NOT_EXPIRED = -3104
 
@@ -106,11 +106,14 @@ class DiskIOError(MemCacheError):
 class QuotaExceeded(MemCacheError):
     """This member already holds as many uncommitted puts (``member_max_pending_objects``,
     ``member_max_pending_bytes``) or keeps as many objects in the pool (``member_max_objects``,
-    ``member_max_bytes``) as the MetaService allows: nothing was stored."""
+    ``member_max_bytes``) or holds as many GVA leases (``member_max_leases``) as the MetaService allows:
+    nothing was stored. Also a Join refused because ``max_members`` are joined."""
 
     code = QUOTA_EXCEEDED
 
     def __str__(self) -> str:
+        if self.args and "max_members" in str(self.args[0]):   # a Join refused: the message says it all
+            return str(self.args[0])
         return (f"{self.args[0] if self.args else 'put refused'}: this member is at a MetaService quota: "
                 "its puts in flight (member_max_pending_objects / member_max_pending_bytes; retry once they "
                 "commit) or the objects it keeps (member_max_objects / member_max_bytes; remove some, or "

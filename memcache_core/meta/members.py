@@ -76,6 +76,10 @@ class Membership:
 
     def _join(self, req: p.Join, now: float) -> p.Reply:
         cid = self._issue_id(req)
+        if cid not in self.members and len(self.members) >= self.config.max_members:
+            return p.Error(errors.QUOTA_EXCEEDED, f"the MetaService holds max_members ({self.config.max_members}) "
+                                                  f"members: no new one joins until one leaves or falls silent "
+                                                  f"(heartbeat_timeout_ms); raise max_members for a larger pool")
         # generations issued from now on are above every one this member heard of (meta/generations.py)
         self.table.bump_generation(req.generation_ceiling)
         if cid in self.members:

@@ -216,3 +216,29 @@ def test_after_an_ha_failover_the_recovered_objects_count_against_no_one_and_new
             assert _kept_of_pid(new_leader, s.proc.pid) == (8, 8 * 1024)
         finally:
             pool.close()
+
+
+def test_joining_again_and_again_is_bounded_by_max_members(caplog):
+    """Scenario: each membership has its own quotas, so an insider could multiply them (and the
+    MetaService's member table) by joining again and again. At most max_members are joined at once: a
+    new member past it is refused with -3112 naming the setting, joined members go on, and a member
+    that leaves makes room."""
+    with running_meta_service(max_members=4) as meta:
+        s = authed(addr_of(meta.meta_service_url))
+        store = DistributedObjectStore()
+        try:
+            joined = [ask(s, p.Join(0, "insider", os.getpid())) for _ in range(4)]
+            assert all(isinstance(j, p.Joined) for j in joined), joined
+            fifth = ask(s, p.Join(0, "insider", os.getpid()))
+            assert isinstance(fifth, p.Error) and fifth.code == errors.QUOTA_EXCEEDED and "max_members" in fifth.message
+            assert store.setup(meta.local_config()) == 0
+            assert store.init(0, True) == errors.QUOTA_EXCEEDED and "max_members" in caplog.text
+            for j in joined:
+                assert isinstance(j, p.Joined)
+                assert isinstance(ask(s, p.Heartbeat(j.client_id, j.token)), p.HeartbeatReply)
+            first = joined[0]
+            assert isinstance(first, p.Joined) and isinstance(ask(s, p.Leave(first.client_id, first.token)), p.Ok)
+            assert store.init(0, True) == 0 and store.put("k", b"v" * 64) == 0 and store.get("k") == b"v" * 64
+        finally:
+            s.close()
+            store.close()
