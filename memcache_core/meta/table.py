@@ -32,8 +32,9 @@ from typing import Any
 from .. import errors
 from ..layout import footprint
 from ..records import Location, ObjectReport, SegmentInfo
-from . import generations, objects
+from . import generations
 from .allocator import Allocator, aligned
+from .kept import WRITER_SLOTS, Kept
 from .lookups import Lookups
 from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
 from .removals import Removals
@@ -42,7 +43,6 @@ from .space import Space
 logger = logging.getLogger(__name__)
 
 MAX_UNCONFIRMED_SEGMENTS = 1024   # dead segments whose unconfirmed removals are kept (oldest forgotten first)
-OWN_LOOKAHEAD = 256   # objects looked at, least recent first, for one of a writer's own to evict (``evict_own``)
 
 
 class _Drawn:
@@ -64,7 +64,7 @@ class _Drawn:
             i += 1
 
 
-class ObjectTable(Lookups, Removals, Space):
+class ObjectTable(Kept, Lookups, Removals, Space):
     def __init__(self, high: float, low: float, lease_ttl_s: float, pending_timeout_s: float,
                  first_generation: int) -> None:
         self.high, self.low = high / 100.0, low / 100.0
@@ -80,12 +80,12 @@ class ObjectTable(Lookups, Removals, Space):
         self.counters = Counters()
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
         self.pending_of: dict[int, list[int]] = {}   # writer -> [its pending objects, their bytes] (quotas)
-        # writer -> [its committed objects in the table, their payload bytes] (quotas); each such writer
-        # has a slot its objects carry (``Obj.writer_slot``), given back when it holds none
+        # writer -> [its committed objects in the table, their payload bytes] (``kept.py``); each such
+        # writer has a slot its objects carry (``Obj.writer_slot``), given back when it holds none
         self.kept_of: dict[int, list[int]] = {}
         self.slot_of: dict[int, int] = {}       # writer -> its slot
         self.writer_in: dict[int, int] = {}     # slot -> writer
-        self._free_slots = list(range(objects.WRITER_SLOTS, 0, -1))
+        self._free_slots = list(range(WRITER_SLOTS, 0, -1))
         # committed objects with fewer replicas than asked for, in the order re-replication visits them
         self.under: collections.OrderedDict[str, Obj] = collections.OrderedDict()
         # KV events: (stored?, object, the locations concerned); called before the table forgets them
@@ -261,58 +261,6 @@ class ObjectTable(Lookups, Removals, Space):
             if held[0] <= 0:
                 del self.pending_of[obj.owner]
 
-    def _slot(self, writer: int) -> int:
-        """The slot a writer's committed objects carry; 0 (counted against no one) when none is free:
-        4,095 other writers keep objects. (Refusing its put instead would let an insider that joins
-        4,095 times lock every new writer out; counted against no one, it escapes a quota only with
-        4,095 memberships, that is 4,095 quotas, already.)"""
-        slot = self.slot_of.get(writer)
-        if slot is None:
-            if not writer:
-                return 0
-            if not self._free_slots:
-                self.counters.uncounted_writes += 1
-                return 0
-            slot = self.slot_of[writer] = self._free_slots.pop()
-            self.writer_in[slot] = writer
-            self.kept_of[writer] = [0, 0]
-        return slot
-
-    def evict_own(self, writer: int, now: float) -> bool:
-        """Evict one of the writer's own committed, unleased objects to make room under its quota (as a
-        full segment evicts): the first found from the least recent end of the segments' LRU lists,
-        the writer's own segment first (where ``local_first`` placement puts its objects), looking at
-        ``OWN_LOOKAHEAD`` objects at most in all. False: none found, the Alloc is refused."""
-        slot = self.slot_of.get(writer)
-        if slot is None:
-            return False
-        budget = OWN_LOOKAHEAD
-        own = self.segments.get(writer)   # a member's segment id is its client id
-        for seg in ([own] if own is not None else []) + [s for s in self.segments.values() if s is not own]:
-            for obj in seg.lru.values():
-                if obj.writer_slot == slot and obj.lease_until <= now:
-                    self.counters.evictions += 1
-                    self.counters.evicted_bytes += obj.size
-                    self._unlink(obj, now)
-                    return True
-                budget -= 1
-                if budget <= 0:
-                    return False
-        return False
-
-    def _unkept(self, obj: Obj) -> None:
-        """A committed object left the table: its writer's count of kept objects is given back."""
-        slot = obj.writer_slot
-        writer = self.writer_in.get(slot)
-        if writer is None:
-            return
-        kept = self.kept_of[writer]
-        kept[0] -= 1
-        kept[1] -= obj.size
-        if kept[0] <= 0:
-            del self.kept_of[writer], self.slot_of[writer], self.writer_in[slot]
-            self._free_slots.append(slot)
-
     def commit(self, client_id: int, key: str, generation: int, now: float, checksum: int = 0) -> int:
         obj = self.objects.get(key)
         if obj is None or obj.generation != generation or obj.owner not in (client_id, 0):
@@ -326,9 +274,7 @@ class ObjectTable(Lookups, Removals, Space):
         slot = self._slot(writer)
         obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum, slot), more=obj.more)
         if slot:
-            kept = self.kept_of[writer]
-            kept[0] += 1
-            kept[1] += obj.size
+            self._kept(writer, obj)
         self.pending -= 1
         if obj.more is None:   # one location, one replica asked for: never under-replicated
             self.segments[(obj.packed & FIRST_SEGMENT) - 1].lru.append(obj)

@@ -115,7 +115,7 @@ def test_evict_own_takes_the_writers_least_recent_unleased_object_and_no_one_els
 def test_evict_own_looks_in_the_writers_own_segment_first():
     """Scenario: segment 1 is full of another writer's objects (more than the look-ahead); writer 2 at
     its quota still finds its own object in its own segment 2."""
-    from memcache_core.meta.table import OWN_LOOKAHEAD
+    from memcache_core.meta.kept import OWN_LOOKAHEAD
     t = _table(1 << 24, 1 << 20)
     for i in range(OWN_LOOKAHEAD + 10):
         _put(t, 1, f"theirs{i}", 1, [1])
