@@ -20,7 +20,8 @@ STEP: {"generate": [[token ids], ...], "max_tokens": N, "batch": false}
                                                                preempted or left running, C joins
                                                                (engine_in_process only)
 A STEP with "lora": [name, int id, path] generates with that LoRA adapter.
-SPEC may also carry "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank", and
+SPEC may also carry "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank",
+"tensor_parallel_size" (each rank's worker bound to its share of this process's CPUs), and
 "engine_in_process": true (vLLM's engine core in this process, not its own: the requests of a batch
 step are then all scheduled together, from the first step on).
 OUT: {"steps": [[{"token_ids", "logprobs", "num_cached_tokens", "elapsed_s"}, ...] | null, ...],
@@ -101,8 +102,18 @@ def _failed_load(llm: Any, case: dict[str, Any], params: Any) -> list[dict[str, 
     return [_output(done[rid], time.perf_counter() - t) for rid in ("A", "C") if rid in done]
 
 
+def bind_ranks(tp: int) -> None:
+    """vLLM on CPU binds the threads of rank ``r`` to NUMA node ``r`` and refuses more ranks than
+    nodes: unless told otherwise, give each rank its share of this process's CPUs instead."""
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = [cpus[r * len(cpus) // tp:(r + 1) * len(cpus) // tp] or cpus[r % len(cpus):][:1] for r in range(tp)]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, s)) for s in shares))
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("tensor_parallel_size", 1) > 1:
+        bind_ranks(spec["tensor_parallel_size"])
     if spec.get("engine_in_process"):
         # The engine core runs in this process: a batch's requests all reach the scheduler before
         # its first step, instead of racing that step over a socket.
@@ -116,7 +127,7 @@ def main() -> None:
     )
     if spec.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
-    for key in ("hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank"):
+    for key in ("hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank", "tensor_parallel_size"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
     if spec.get("kv_transfer_config"):

@@ -1,0 +1,122 @@
+"""Tensor parallelism (TP 2) against real vLLM engines: each rank stores its own key per block
+(docs/vllm.md "Keys"), and restores, whole-block and layer-wise (docs/vllm.md "Layer-wise"), read
+every rank's share back byte for byte.
+
+On this CPU backend the two ranks are two worker processes, each bound to its share of the CPUs
+(``llm_runner.bind_ranks``), talking over gloo and shared memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import P1, P5, Engine, Pool, assert_same_output, make_model
+
+from memcache_core import DistributedObjectStore, LocalConfig
+from memcache_core.testing import running_meta_service
+
+pytestmark = pytest.mark.engine
+
+TP = 2
+BLOCK = 32
+MAX_TOKENS = 8
+RANK_KEY = re.compile(r"^(?P<head>.*@)tp(?P<rank>\d+)of(?P<size>\d+)@pp0of1@(?P<block>[^@]+)$")
+
+
+def metric(res: dict[str, Any], name: str) -> float:
+    m = res["metrics"]
+    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
+
+
+def read_objects(meta: Any, keys: list[str]) -> list[bytes]:
+    """The committed objects ``keys``, read by a client of the pool that holds no memory."""
+    store = DistributedObjectStore()
+    cfg = LocalConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
+                      protocol="host_shm", dram_size="0")
+    assert store.setup(cfg) == 0 and store.init(0, init_bm=False) == 0
+    try:
+        return store.get_batch(keys)
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) -> None:
+    """Scenario, TP 2 (GQA model, 2 KV heads: one per rank). Engine L (use_layerwise, vLLM's prefix
+    cache on) computes P5 cold and saves it layer by layer, runs P5 and P1 again (vLLM's own
+    prefix-cache hits), then drops its prefix cache and runs P5 and P1 once more, loading them layer
+    by layer from the pool. Engine W, a fresh TP-2 instance on the whole-block path, starts beside L,
+    waits until L is done, then restores P5 and P1 from what L saved.
+
+    Every restore's tokens and logprobs equal L's cold P5 and vLLM's own prefix-cache hit of P1. The
+    pool holds one key per block per rank: for each of P5's blocks a ``tp0of2`` and a ``tp1of2`` key,
+    with the same namespace and block name and different bytes (each rank's own KV head). Each
+    engine's load and save counts are its two ranks' sum: both ranks loaded every block, none failed."""
+    tiny = make_model("lw-gqa", "2", "256", "4", "2")
+    done = tmp_path / "writer.done"
+    gen: Any = lambda p: {"generate": [p], "max_tokens": MAX_TOKENS}   # noqa: E731
+    reset = {"reset_prefix_cache": {"reset_connector": False}}
+    hit1, hit5 = (len(P1) - 1) // BLOCK * BLOCK, (len(P5) - 1) // BLOCK * BLOCK
+
+    def start(name: str, kv: dict[str, Any], steps: list[dict[str, Any]], **spec: Any) -> Engine:
+        # engine core in the runner's process: one process fewer to start per engine
+        full = {"model": tiny, "block_size": BLOCK, "steps": steps, "kv_transfer_config": kv,
+                "tensor_parallel_size": TP, "enable_prefix_caching": False, "engine_in_process": True, **spec}
+        return Engine(full, tmp_path, name)
+
+    with running_meta_service() as meta:
+        pool = Pool(meta, tmp_path)
+        engines: list[Engine] = []
+        try:
+            pool.start_local_service("256MB")
+            engines += [
+                start("layerwise", pool.kv_transfer_config(use_layerwise=True, layerwise_prefetch_layers=1),
+                      [gen(P5), gen(P5), gen(P1), reset, gen(P5), reset, gen(P1), {"signal_file": str(done)}],
+                      enable_prefix_caching=True),
+                # started now, so that both engines' start-ups overlap; it reads once L is done
+                start("whole_block", pool.kv_transfer_config(),
+                      [{"wait_for_file": str(done), "timeout_s": 600}, gen(P5), gen(P1)]),
+            ]
+            lw, whole = (e.result() for e in engines)
+            keys = pool.keys()
+            objects = dict(zip(keys, read_objects(meta, keys), strict=True))
+        finally:
+            for e in engines:
+                e.kill()
+            pool.stop()
+
+    # (b) every rank wrote its own key per block
+    by_block: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
+    for key in keys:
+        m = RANK_KEY.match(key)
+        assert m and int(m["size"]) == TP, f"{key!r} does not name its rank as tp<r>of{TP}"
+        by_block[m["head"], m["block"]][int(m["rank"])] = key
+    assert len(by_block) == len(P5) // BLOCK, f"one namespace and {len(P5) // BLOCK} blocks expected: {keys}"
+    for ranks in by_block.values():
+        assert sorted(ranks) == list(range(TP)), f"a block without a key of every rank: {ranks}"
+        k0, k1 = ranks[0], ranks[1]
+        assert len(objects[k0]) == len(objects[k1]) > 0, f"{k0} / {k1}: not both readable, or not one shape"
+        assert objects[k0] != objects[k1], f"{k0} and {k1} hold the same bytes: not each rank's own KV head"
+
+    # (a) restores equal the cold computation and vLLM's own prefix-cache hit
+    cold5, hit5_vllm, hit1_vllm, _, lw5, _, lw1, _ = lw["steps"]
+    _, w5, w1 = whole["steps"]
+    assert cold5[0]["num_cached_tokens"] == 0
+    assert (hit5_vllm[0]["num_cached_tokens"], hit1_vllm[0]["num_cached_tokens"]) == (hit5, hit1)
+    assert lw["steps"][3] is True and lw["steps"][5] is True, "L could not drop its prefix cache"
+    assert [r[0]["num_cached_tokens"] for r in (lw5, lw1, w5, w1)] == [hit5, hit1, hit5, hit1]
+    assert_same_output(hit5_vllm[0], cold5[0], "vLLM's own prefix-cache hit of P5 against its computation")
+    for what, got, want in (("layer-wise restore of P5", lw5, cold5), ("layer-wise restore of P1", lw1, hit1_vllm),
+                            ("whole-block restore of P5 in a fresh TP-2 engine", w5, cold5),
+                            ("whole-block restore of P1 in a fresh TP-2 engine", w1, hit1_vllm)):
+        assert_same_output(got[0], want[0], what)
+    for res in (lw, whole):
+        assert metric(res, "memcache_load_failed_blocks") == 0
+    assert metric(lw, "memcache_save_blocks") == TP * len(P5) // BLOCK
+    assert metric(lw, "memcache_load_blocks") == TP * (hit5 + hit1) // BLOCK
+    assert metric(whole, "memcache_load_blocks") == TP * (hit5 + hit1) // BLOCK
