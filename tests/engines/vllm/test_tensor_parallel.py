@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import P1, P5, Engine, Pool, assert_same_output, make_model
+from vllm_harness import P1, P2, P5, Engine, Pool, assert_same_output, make_model
 
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core.testing import running_meta_service
@@ -47,21 +47,24 @@ def read_objects(meta: Any, keys: list[str]) -> list[bytes]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) -> None:
-    """Scenario, TP 2 (GQA model, 2 KV heads: one per rank). Engine L (use_layerwise, vLLM's prefix
-    cache on) computes P5 cold and saves it layer by layer, runs P5 and P1 again (vLLM's own
-    prefix-cache hits), then drops its prefix cache and runs P5 and P1 once more, loading them layer
-    by layer from the pool. Engine W, a fresh TP-2 instance on the whole-block path, starts beside L,
-    waits until L is done, then restores P5 and P1 from what L saved.
+    """Scenario, TP 2 (GQA model, 2 KV heads: one per rank). Engine W, a fresh TP-2 consumer on the
+    whole-block path, computes P2 cold while the pool is empty. Then engine L (use_layerwise, vLLM's
+    prefix cache on) computes P5 cold and saves it layer by layer, runs P5 and P1 again (vLLM's own
+    prefix-cache hits), and, dropping its prefix cache before each, runs P5 and P1 loading them layer
+    by layer from the pool, and P2, which loads P1's blocks layer by layer, computes the rest and
+    saves its new blocks layer by layer. Then W restores P5, P1 and P2 from what L saved.
 
-    Every restore's tokens and logprobs equal L's cold P5 and vLLM's own prefix-cache hit of P1. The
-    pool holds one key per block per rank: for each of P5's blocks a ``tp0of2`` and a ``tp1of2`` key,
-    with the same namespace and block name and different bytes (each rank's own KV head). Each
-    engine's load and save counts are its two ranks' sum: both ranks loaded every block, none failed."""
+    Every restore's tokens and logprobs equal a cold computation (P5 in L, P2 in W) or vLLM's own
+    prefix-cache hit (P1). The pool holds one key per block per rank: for each block a ``tp0of2`` and
+    a ``tp1of2`` key, with the same namespace and block name and different bytes (each rank's own KV
+    head). Each engine's load and save counts are its two ranks' sum: both ranks loaded every block,
+    none failed."""
     tiny = make_model("lw-gqa", "2", "256", "4", "2")
-    done = tmp_path / "writer.done"
+    w_cold, l_done = tmp_path / "reader_cold.done", tmp_path / "writer.done"
     gen: Any = lambda p: {"generate": [p], "max_tokens": MAX_TOKENS}   # noqa: E731
     reset = {"reset_prefix_cache": {"reset_connector": False}}
-    hit1, hit5 = (len(P1) - 1) // BLOCK * BLOCK, (len(P5) - 1) // BLOCK * BLOCK
+    hit1, hit = (len(P1) - 1) // BLOCK * BLOCK, (len(P5) - 1) // BLOCK * BLOCK   # P2 and P5: 450 tokens
+    shared = len(P1) // BLOCK * BLOCK    # P2's blocks in P5's objects
 
     def start(name: str, kv: dict[str, Any], steps: list[dict[str, Any]], **spec: Any) -> Engine:
         # engine core in the runner's process: one process fewer to start per engine
@@ -74,13 +77,15 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
         engines: list[Engine] = []
         try:
             pool.start_local_service("256MB")
+            # started together, so that their start-ups overlap; the files order their steps
             engines += [
                 start("layerwise", pool.kv_transfer_config(use_layerwise=True, layerwise_prefetch_layers=1),
-                      [gen(P5), gen(P5), gen(P1), reset, gen(P5), reset, gen(P1), {"signal_file": str(done)}],
+                      [{"wait_for_file": str(w_cold), "timeout_s": 600}, gen(P5), gen(P5), gen(P1), reset,
+                       gen(P5), reset, gen(P1), reset, gen(P2), {"signal_file": str(l_done)}],
                       enable_prefix_caching=True),
-                # started now, so that both engines' start-ups overlap; it reads once L is done
-                start("whole_block", pool.kv_transfer_config(),
-                      [{"wait_for_file": str(done), "timeout_s": 600}, gen(P5), gen(P1)]),
+                start("whole_block", pool.kv_transfer_config(kv_role="kv_consumer", consumer_is_to_load=True),
+                      [gen(P2), {"signal_file": str(w_cold)}, {"wait_for_file": str(l_done), "timeout_s": 600},
+                       gen(P5), gen(P1), gen(P2)]),
             ]
             lw, whole = (e.result() for e in engines)
             keys = pool.keys()
@@ -96,7 +101,8 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
         m = RANK_KEY.match(key)
         assert m and int(m["size"]) == TP, f"{key!r} does not name its rank as tp<r>of{TP}"
         by_block[m["head"], m["block"]][int(m["rank"])] = key
-    assert len(by_block) == len(P5) // BLOCK, f"one namespace and {len(P5) // BLOCK} blocks expected: {keys}"
+    assert len(by_block) == len(P5) // BLOCK + len(P2) // BLOCK - shared // BLOCK, \
+        f"one namespace and the blocks of P5 and P2 expected: {keys}"
     for ranks in by_block.values():
         assert sorted(ranks) == list(range(TP)), f"a block without a key of every rank: {ranks}"
         k0, k1 = ranks[0], ranks[1]
@@ -104,19 +110,23 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
         assert objects[k0] != objects[k1], f"{k0} and {k1} hold the same bytes: not each rank's own KV head"
 
     # (a) restores equal the cold computation and vLLM's own prefix-cache hit
-    cold5, hit5_vllm, hit1_vllm, _, lw5, _, lw1, _ = lw["steps"]
-    _, w5, w1 = whole["steps"]
-    assert cold5[0]["num_cached_tokens"] == 0
-    assert (hit5_vllm[0]["num_cached_tokens"], hit1_vllm[0]["num_cached_tokens"]) == (hit5, hit1)
-    assert lw["steps"][3] is True and lw["steps"][5] is True, "L could not drop its prefix cache"
-    assert [r[0]["num_cached_tokens"] for r in (lw5, lw1, w5, w1)] == [hit5, hit1, hit5, hit1]
-    assert_same_output(hit5_vllm[0], cold5[0], "vLLM's own prefix-cache hit of P5 against its computation")
+    _, cold5, hit5_vllm, hit1_vllm, reset1, lw5, reset2, lw1, reset3, lw2, _ = (
+        s[0] if isinstance(s, list) else s for s in lw["steps"])
+    cold2, _, _, w5, w1, w2 = (s[0] if isinstance(s, list) else s for s in whole["steps"])
+    assert [reset1, reset2, reset3] == [True] * 3, "L could not drop its prefix cache"
+    assert [r["num_cached_tokens"] for r in (cold5, hit5_vllm, hit1_vllm, lw5, lw1, lw2)] == \
+        [0, hit, hit1, hit, hit1, shared]
+    assert [r["num_cached_tokens"] for r in (cold2, w5, w1, w2)] == [0, hit, hit1, hit]
+    assert_same_output(hit5_vllm, cold5, "vLLM's own prefix-cache hit of P5 against its computation")
     for what, got, want in (("layer-wise restore of P5", lw5, cold5), ("layer-wise restore of P1", lw1, hit1_vllm),
+                            ("layer-wise partial restore of P2", lw2, cold2),
                             ("whole-block restore of P5 in a fresh TP-2 engine", w5, cold5),
-                            ("whole-block restore of P1 in a fresh TP-2 engine", w1, hit1_vllm)):
-        assert_same_output(got[0], want[0], what)
+                            ("whole-block restore of P1 in a fresh TP-2 engine", w1, hit1_vllm),
+                            ("whole-block restore of P2 (saved layer by layer over a load)", w2, cold2)):
+        assert_same_output(got, want, what)
     for res in (lw, whole):
         assert metric(res, "memcache_load_failed_blocks") == 0
-    assert metric(lw, "memcache_save_blocks") == TP * len(P5) // BLOCK
-    assert metric(lw, "memcache_load_blocks") == TP * (hit5 + hit1) // BLOCK
-    assert metric(whole, "memcache_load_blocks") == TP * (hit5 + hit1) // BLOCK
+    assert metric(lw, "memcache_save_blocks") == TP * len(by_block)
+    assert metric(lw, "memcache_load_blocks") == TP * (hit + hit1 + shared) // BLOCK
+    assert metric(whole, "memcache_save_blocks") == 0
+    assert metric(whole, "memcache_load_blocks") == TP * (hit + hit1 + hit) // BLOCK
