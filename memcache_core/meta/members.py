@@ -124,17 +124,18 @@ class Membership:
                 held[1] += r.written
                 held[2] += r.read
                 held[3] += r.written
-        journal: list[p.JournalEntry] = []
-        served: list[int] = []
-        if m.segment_id is not None:
-            journal = self.table.segments[m.segment_id].journal_since(ack)
-            mine = self.served.get(m.segment_id)
-            if mine is not None and (mine[0] or mine[1]):
-                served, mine[0], mine[1] = mine[:2], 0, 0
-        return p.HeartbeatReply(self.epoch, known=True, journal=journal, drain=self.drains.draining(m.segment_id),
-                                repair=self.repairs.wanted(m.segment_id), disk_tiers=len(self.table.disk_tiers),
-                                generation_ceiling=self.table.gen_ceiling, served=served,
-                                departures=sum(self.member_events[e] for e in ("leaves", "deaths", "rejoins")))
+        t, events, sid = self.table, self.member_events, m.segment_id
+        reply = p.HeartbeatReply(self.epoch, known=True, disk_tiers=len(t.disk_tiers), generation_ceiling=t.gen_ceiling,
+                                 departures=events["leaves"] + events["deaths"] + events["rejoins"])
+        if sid is None:   # (a member without a segment: nothing else is its own)
+            return reply
+        reply.journal = t.segments[sid].journal_since(ack)
+        mine = self.served.get(sid)
+        if mine is not None and (mine[0] or mine[1]):
+            reply.served, mine[0], mine[1] = mine[:2], 0, 0
+        reply.drain = self.drains.draining(sid)
+        reply.repair = self.repairs.wanted(sid)
+        return reply
 
     def _drop_member(self, cid: int, why: str) -> None:
         m = self.members.pop(cid, None)

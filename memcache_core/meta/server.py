@@ -59,11 +59,15 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
                 config.metrics_url)
     interval = min(config.evict_check_interval_seconds, config.heartbeat_timeout_ms / 4000.0, 1.0)
     next_house = time.monotonic() + interval
-    spin_s, spin_until = config.poll_spin_us / 1e6, 0.0   # poll on after a request instead of sleeping
+    # poll on after a request instead of sleeping; not after heartbeats alone (256 members send 256 a
+    # second, each alone: the polls would cost more than the heartbeats, and nothing waits on a reply)
+    spin_s, spin_until = config.poll_spin_us / 1e6, 0.0
     try:
         while not stop.is_set():
             now = time.monotonic()
-            if server.poll(0.0 if now < spin_until else max(0.0, min(next_house - now, 0.2))):
+            answered = core.answered
+            if server.poll(0.0 if now < spin_until else max(0.0, min(next_house - now, 0.2))) \
+                    and core.answered != answered:
                 spin_until = time.monotonic() + spin_s
             elif now < spin_until:
                 os.sched_yield()   # a busy host's other work goes first; an idle one comes straight back
@@ -109,7 +113,9 @@ def answer(core: MetaServiceCore, payload: bytes, term: int = 0) -> bytes:
             except Exception as e:  # noqa: BLE001 - a handler's bug is an error reply, never the end
                 logger.exception("request %s failed", name)
                 reply = p.Error(errors.ERROR, f"{type(e).__name__}: {e}")
-            stats.count_outcomes(core.outcomes, req, reply)
+            if type(reply) is not p.HeartbeatReply:   # (no outcome of a heartbeat is counted)
+                core.answered += 1
+                stats.count_outcomes(core.outcomes, req, reply)
         core.metrics.observe(name, time.perf_counter() - t0, failed=isinstance(reply, p.Error))
     reply.term = term
     try:

@@ -65,6 +65,7 @@ class MetaServiceCore(Membership):
         self.served: dict[int, list[int]] = {}
         self.history = stats.History(config.stats_sample_interval_seconds)
         self.lock = threading.Lock()   # the HTTP thread reads under it
+        self.answered = 0              # requests answered but heartbeats (the serving loop polls on after one)
         self.started = time.monotonic()
         self.ha: Any = None            # the LeaderElection with ha_enable (meta/ha.py)
         self.rng = random.Random(secrets.randbits(64))   # placement's randomness, never the app's seed
