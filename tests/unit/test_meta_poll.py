@@ -54,17 +54,19 @@ def test_heartbeats_alone_are_not_followed_by_polling(tmp_path, monkeypatch):
         joined = client.call(p.Join(0, "host-a", os.getpid()))
         assert isinstance(joined, p.Joined)
         beat = p.Heartbeat(joined.client_id, joined.token)
+
+        def heartbeat() -> None:
+            reply = client.call(beat)
+            assert isinstance(reply, p.HeartbeatReply) and reply.known
         # the Join was a request: the loop polls on for SPIN_S after it; two heartbeats answered
         # after that deadline mean every poll it started before has ended
         end = time.monotonic() + SPIN_S
-        while time.monotonic() < end:
-            time.sleep(SPIN_S / 4)
+        wait_for(lambda: time.monotonic() >= end, 10, "the polling after the Join to end", interval_s=SPIN_S / 4)
         for _ in range(2):
-            assert client.call(beat).known
+            heartbeat()
         before = yields[0]
         for _ in range(50):
-            reply = client.call(beat)
-            assert isinstance(reply, p.HeartbeatReply) and reply.known
+            heartbeat()
         assert yields[0] == before, f"the loop polled on after heartbeats alone ({yields[0] - before} polls)"
         # the control: any other request is followed by polling
         assert isinstance(client.call(p.Exist(["k"])), p.Flags)
