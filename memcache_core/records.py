@@ -45,6 +45,7 @@ class JournalEntry(msgspec.Struct, array_like=True, frozen=True):
     seq: int
     added: bool
     obj: ObjectReport
+    disk: bool = False   # (not added) the owner's disk tier deletes its record of ``obj`` before acknowledging
 
 
 

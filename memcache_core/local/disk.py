@@ -56,6 +56,7 @@ QUEUE_BYTES = 64 << 20     # bytes of background writes queued at most; offers b
 READ_THREADS = 4           # disk reads served at once
 LOG_EVERY_S = 10.0
 MAX_REPORTED = 1 << 20     # records a Join may carry (meta/validate.py MAX_REPORTS)
+MAX_REMOVED = 1 << 14      # removed objects remembered against a copy being written
 
 
 @dataclasses.dataclass
@@ -95,6 +96,8 @@ class DiskStore:
         self._added: list[ObjectReport] = []
         self._dropped: list[ObjectReport] = []
         self._queue: collections.deque[tuple[ObjectReport, Mapping]] = collections.deque()
+        # (key, generation) of objects removed lately: a copy of one being written is not kept (``remove``)
+        self._removed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.queued_bytes = 0
         self._cv = threading.Condition(self._mu)
         self._reads = threading.BoundedSemaphore(READ_THREADS)
@@ -208,13 +211,18 @@ class DiskStore:
                 return
             mv[:rec.BLOCK] = rec.pack_header(r.key, r.generation, r.size, got, self.mac_key)
             self._make_room(fp)
-            written = self._write_file(r.key, mv)
+            tmp = self._write_file(r.key, mv)
         finally:
             mv.release()
             buf.close()
-        if not written:
+        if tmp is None:
             return
-        with self._mu:
+        with self._mu:   # renamed into place under the lock: a ``remove`` is either before (no record) or after
+            if (r.key, r.generation) in self._removed:
+                unlink(tmp)
+                return
+            if not self._rename(r.key, tmp):
+                return
             old = self.index.pop(r.key, None)
             self.used += fp - (old.footprint if old is not None else 0)
             self.index[r.key] = Record(r.generation, r.size, got)
@@ -222,7 +230,8 @@ class DiskStore:
             self.counters.writes += 1
             self.counters.write_bytes += r.size
 
-    def _write_file(self, key: str, data: memoryview) -> bool:
+    def _write_file(self, key: str, data: memoryview) -> str | None:
+        """The record written under a temporary name (returned), or None after an error (counted)."""
         final = os.path.join(self.objects_dir, rec.name_of(key))
         tmp = final + ".tmp"
         try:
@@ -235,14 +244,24 @@ class DiskStore:
                     done += os.pwrite(fd, data[done:], done)
             finally:
                 os.close(fd)
-            os.rename(tmp, final)
         except OSError as e:
-            self.counters.write_errors += 1
-            self._log("write", f"disk tier: cannot write {key!r} to {tmp}: {e.strerror or e} "
-                               f"({self.counters.write_errors} write errors so far); it stays in DRAM only")
-            unlink(tmp)
+            self._write_failed(key, tmp, e)
+            return None
+        return tmp
+
+    def _rename(self, key: str, tmp: str) -> bool:
+        try:
+            os.rename(tmp, tmp[:-len(".tmp")])
+        except OSError as e:
+            self._write_failed(key, tmp, e)
             return False
         return True
+
+    def _write_failed(self, key: str, tmp: str, e: OSError) -> None:
+        self.counters.write_errors += 1
+        self._log("write", f"disk tier: cannot write {key!r} to {tmp}: {e.strerror or e} "
+                           f"({self.counters.write_errors} write errors so far); it stays in DRAM only")
+        unlink(tmp)
 
     def _make_room(self, fp: int) -> None:
         """Drop least-recently-used records for good until ``fp`` more bytes fit."""
@@ -253,6 +272,21 @@ class DiskStore:
                 unlink(os.path.join(self.objects_dir, rec.name_of(key)))
                 self._dropped.append(ObjectReport(key, 0, r.size, r.generation, r.checksum))
                 self.counters.lru_drops += 1
+
+    def remove(self, reports: list[ObjectReport]) -> None:
+        """Objects that left the pool (the owner's journal): delete their records, drop their queued
+        copies, and refuse a copy being written now (compare on the generation). Returns once the files
+        are gone, so a remove acknowledged after this never finds its record again after a restart."""
+        gone = {(r.key, r.generation) for r in reports}
+        with self._mu:
+            for g in gone:
+                self._removed[g] = None
+            while len(self._removed) > MAX_REMOVED:
+                self._removed.popitem(last=False)
+            kept = collections.deque(q for q in self._queue if (q[0].key, q[0].generation) not in gone)
+            self.queued_bytes -= sum(q[0].size for q in self._queue) - sum(q[0].size for q in kept)
+            self._queue = kept
+        self.drop(reports)
 
     def drop(self, reports: list[ObjectReport]) -> None:
         """Delete records of objects that left the pool (compare-and-delete on the generation)."""

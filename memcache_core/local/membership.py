@@ -179,16 +179,21 @@ class Membership:
             return self.rpc.call(make(self.session))
 
     def _apply_journal(self, journal: list[p.JournalEntry]) -> bool:
-        """Objects of our segment that left the pool: clear their headers, so a scan skips them.
-        True when there were new ones (the next heartbeat acknowledges them)."""
+        """Objects of our segment that left the pool: clear their headers, so a scan skips them, and
+        delete our disk tier's records of them (a remove returns once we acknowledged). True when there were new ones (the next heartbeat acknowledges them)."""
         new = False
+        records: list[p.ObjectReport] = []
         for e in journal:
             if e.seq <= self._journal_ack:
                 continue
-            if not e.added and self.segment is not None:
+            if e.disk:
+                records.append(e.obj)
+            elif not e.added and self.segment is not None:
                 recovery.clear_header(self.segment, e.obj)
             self._journal_ack = e.seq
             new = True
+        if records and self.disk is not None:   # deleted before the next heartbeat acknowledges them
+            self.disk.store.remove(records)
         return new
 
     # ---- segments ------------------------------------------------------------------------------------

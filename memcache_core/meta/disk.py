@@ -50,15 +50,22 @@ class DiskTier:
     scanned: tuple[int, ...] | None = None   # the segment's state at the last offload scan
 
 
-def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool) -> bool:
+def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool, now: float = 0.0) -> bool:
     """Record that segment ``sid``'s provider holds a disk record ``r``. ``create``: the object may be
-    unknown (a provider's records after a MetaService or provider restart)."""
+    unknown (a provider's records after a MetaService or provider restart). A record is a copy of one
+    write: it attaches only to the object of its generation. With ``create``, a record newer than the
+    table's object replaces that object (the key was written again after it: the newest write wins,
+    as for DRAM reports in ``ObjectTable.add_segment``); an older one is refused."""
     cur = t.objects.get(r.key)
+    if create and cur is not None and cur.committed and r.generation > cur.generation:
+        t.drop(cur, now)
+        cur = None
     if cur is None and create:
         t.objects[r.key] = new_obj(r.key, r.size, r.generation, [], r.checksum, disk=(sid, r.generation))
         t.bump_generation(r.generation)
         return True
-    if cur is None or not cur.committed or cur.size != r.size or not cur.checksum or cur.checksum != r.checksum:
+    if (cur is None or not cur.committed or cur.generation != r.generation or cur.size != r.size
+            or not cur.checksum or cur.checksum != r.checksum):
         return False
     if cur.disk is not None and cur.disk[0] != sid:
         # the newest report wins: the other may be a provider killed and restarted on the same disk_path
@@ -69,9 +76,12 @@ def attach(t: ObjectTable, sid: int, r: p.ObjectReport, create: bool) -> bool:
     return True
 
 
-def add_reports(t: ObjectTable, sid: int, reports: list[p.ObjectReport]) -> int:
-    """A joining provider's disk records; those that mean another object are sent back to be deleted."""
-    refused = [r for r in reports if not attach(t, sid, r, create=True)]
+def add_reports(t: ObjectTable, sid: int, reports: list[p.ObjectReport], now: float = 0.0) -> int:
+    """A joining provider's disk records; those that mean another object, and those of objects removed
+    whose deletion no owner confirmed (a provider restarted on the disk_path of one that did not hear
+    of the removal: ``ObjectTable.removed_records``), are sent back to be deleted."""
+    removed = t.removed_records()
+    refused = [r for r in reports if (r.key, r.generation) in removed or not attach(t, sid, r, create=True, now=now)]
     if refused:
         t.disk_drops.setdefault(sid, []).extend(refused)
     t.disk_tiers.setdefault(sid, DiskTier())

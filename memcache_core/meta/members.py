@@ -101,7 +101,7 @@ class Membership:
                 self.member_events["recoveries"] += 1
                 self.member_events["recovered_objects"] += len(req.objects) - len(refused)
             if req.disk_objects:
-                self.member_events["recovered_disk_objects"] += disk.add_reports(self.table, seg_id, req.disk_objects)
+                self.member_events["recovered_disk_objects"] += disk.add_reports(self.table, seg_id, req.disk_objects, now)
             logger.info("LocalService %d joined from %s pid %d: segment of %d bytes, %d objects recovered",
                         cid, req.host_id, req.pid, info.size, len(req.objects) - len(refused))
         else:

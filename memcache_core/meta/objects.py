@@ -219,10 +219,11 @@ class Segment:
         self.serial = 0                 # this incarnation of the segment (``ObjectTable.add_segment``)
         self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
 
-    def record_removed(self, report: ObjectReport) -> None:
-        """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header."""
+    def record_removed(self, report: ObjectReport, disk: bool = False) -> None:
+        """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header;
+        ``disk``: so its disk tier deletes its record of the object (and drops a copy still queued)."""
         self.journal_seq += 1
-        self.journal.append(JournalEntry(self.journal_seq, False, report))
+        self.journal.append(JournalEntry(self.journal_seq, False, report, disk))
         if len(self.journal) > MAX_JOURNAL:
             del self.journal[: len(self.journal) - MAX_JOURNAL]
 

@@ -1,5 +1,5 @@
 """Removals from the object table: remove (one key, a prefix, all), a corrupt object or replica, the
-removal reply naming the headers owners must clear, and taking an object or one replica out (space
+removal reply naming the headers (and disk records) owners must clear, and taking an object or one replica out (space
 freed now or when its lease ends; ``under`` kept in step). A mixin of ``ObjectTable`` (``table.py``
 holds the state)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from ..protocol import Codes
@@ -26,6 +26,8 @@ class Removals:
     under: collections.OrderedDict[str, Obj]
     listener: Callable[[bool, Obj, Sequence[Location]], None] | None
     disk_drops: dict[int, list[ObjectReport]]
+    disk_tiers: dict[int, Any]
+    unconfirmed_records: collections.OrderedDict[tuple[str, int], None]
 
     if TYPE_CHECKING:   # the table's and ``space.py``'s own, used here
         def _settled(self, obj: Obj) -> None: ...
@@ -110,6 +112,27 @@ class Removals:
         elif self.under.get(obj.key) is obj:
             del self.under[obj.key]
 
+    def _drop_records(self, obj: Obj) -> None:
+        """An object left the pool: the disk tier holding its record, and each disk tier its DRAM copies
+        may be being written to (an offered copy not reported yet), delete the record through the
+        owner's journal, before the owner acknowledges it: a remove's confirmation covers the disk."""
+        sids = {loc.segment_id for loc in obj.locations if loc.segment_id in self.disk_tiers}
+        if obj.disk is not None:
+            sids.add(obj.disk[0])
+            obj.disk = None
+        for sid in sids:
+            seg = self.segments.get(sid)
+            if seg is not None:
+                seg.record_removed(ObjectReport(obj.key, -1, obj.size, obj.generation, obj.checksum), disk=True)
+
+    def removed_records(self) -> set[tuple[str, int]]:
+        """(key, generation) of disk records of objects that left the pool whose deletion no owner has
+        acknowledged: a provider joining with one (restarted on that disk_path) has it refused."""
+        out = set(self.unconfirmed_records)
+        for seg in self.segments.values():
+            out.update((e.obj.key, e.obj.generation) for e in seg.journal if e.disk and e.seq > seg.acked)
+        return out
+
     def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None:
         """Take the object out of the table; free its space now, or when its lease ends."""
         for loc in obj.locations:   # out of the LRU lists first: they find neighbours in ``objects``
@@ -127,10 +150,7 @@ class Removals:
                 self._unkept(obj)
                 if self.listener is not None:
                     self.listener(False, obj, obj.locations)
-            if obj.disk is not None:   # its disk tier deletes the record
-                self.disk_drops.setdefault(obj.disk[0], []).append(
-                    ObjectReport(obj.key, 0, obj.size, obj.disk[1], obj.checksum))
-                obj.disk = None
+            self._drop_records(obj)
         self._mark(obj)
         if keep_space:
             return

@@ -43,6 +43,7 @@ from .space import Space
 logger = logging.getLogger(__name__)
 
 MAX_UNCONFIRMED_SEGMENTS = 1024   # dead segments whose unconfirmed removals are kept (oldest forgotten first)
+MAX_UNCONFIRMED_RECORDS = 1 << 16  # disk records removed while their owner was dead (oldest forgotten first)
 
 
 class _Drawn:
@@ -99,6 +100,8 @@ class ObjectTable(Kept, Lookups, Removals, Space):
         # segment id -> {(key, offset): generation} of removals the owner had not confirmed (cleared the
         # header) when its segment left the table: if it re-joins with them, they are refused
         self.unconfirmed: collections.OrderedDict[int, dict[tuple[str, int], int]] = collections.OrderedDict()
+        # (key, generation) of disk records a dead owner had not confirmed deleting (``removed_records``)
+        self.unconfirmed_records: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.disk_tiers: dict[int, Any] = {}          # segment id -> meta.disk.DiskTier
         self.disk_drops: dict[int, list[ObjectReport]] = {}   # records each tier should delete
         self.disk_wanted: dict[int, list[ObjectReport]] = {}  # records each tier should promote (meta/disk.py)
@@ -187,7 +190,12 @@ class ObjectTable(Kept, Lookups, Removals, Space):
                     self.listener(False, obj, copies)
         del self.segments[segment_id]
         lost = 0
-        gone = {(e.obj.key, e.obj.offset): e.obj.generation for e in seg.journal if not e.added}
+        gone = {(e.obj.key, e.obj.offset): e.obj.generation for e in seg.journal if not e.added and not e.disk}
+        for e in seg.journal:   # disk records it never confirmed deleting: refused wherever they re-join
+            if e.disk and e.seq > seg.acked:
+                self.unconfirmed_records[(e.obj.key, e.obj.generation)] = None
+        while len(self.unconfirmed_records) > MAX_UNCONFIRMED_RECORDS:
+            self.unconfirmed_records.popitem(last=False)
         if gone:   # removals its owner never confirmed: refused if it re-joins with them (``add_segment``)
             self.unconfirmed[segment_id] = gone
             while len(self.unconfirmed) > MAX_UNCONFIRMED_SEGMENTS:

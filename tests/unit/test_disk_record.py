@@ -122,3 +122,28 @@ def test_a_copy_whose_dram_bytes_changed_is_not_written(segment, tmp_path):
     wait_for(lambda: store.counters.writes_stale == 1, 10, "the stale copy refused")
     assert not store.index
     store.close()
+
+
+def test_remove_deletes_the_record_drops_queued_copies_and_refuses_one_being_written(segment, tmp_path):
+    """Scenario: objects leave the pool (the owner's journal): a written record is deleted before
+    ``remove`` returns and is not found again after a restart; a queued copy is never written; a copy
+    that reaches the writer after the removal (it was already being written) is not kept. Another
+    generation of the same key is not touched."""
+    store = DiskStore(str(tmp_path), 64 << 20, write_limit=16 << 10)   # 16 KiB/s: copies stay queued
+    size = 256 << 10
+    a, b, c = (put(segment, k, i * footprint(size), size, i + 1) for i, k in enumerate("abc"))
+    assert store.offer([a, b], segment) == 2
+    wait_for(lambda: "a" in store.index and store.queued_bytes == size, 10, "the first record, the second queued")
+    store.remove([a, b])
+    assert not store.index and store.queued_bytes == 0
+    assert not os.path.exists(os.path.join(tmp_path, "objects", rec.name_of("a")))
+    store.close()
+    store = DiskStore(str(tmp_path), 64 << 20)
+    assert store.reports() == []
+    store.remove([ObjectReport("c", 0, size, c.generation + 1, 0)])   # another write of "c"
+    store.remove([a])
+    assert store.offer([a, c], segment) == 2                          # "a" as if already in flight
+    wait_for(lambda: "c" in store.index and store.queued_bytes == 0, 10, "the writer to finish")
+    assert sorted(store.index) == ["c"] and sorted(r.key for r in store.reports()) == ["c"]
+    assert not os.path.exists(os.path.join(tmp_path, "objects", rec.name_of("a")))
+    store.close()

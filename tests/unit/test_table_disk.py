@@ -62,7 +62,9 @@ def test_removed_and_dropped_disk_objects_leave_and_their_records_are_deleted():
     t.to_disk_only(t.objects["k0"], 0.0)
     t.to_disk_only(t.objects["k1"], 0.0)
     assert t.remove("k0", 0.0) == 0
-    assert [r.key for r in sync(t).drop] == ["k0"]
+    # deleted through the owner's journal, which a remove's confirmation waits for
+    assert [(e.obj.key, e.obj.generation) for e in t.segments[1].journal if e.disk] == [("k0", gens[0])]
+    assert sync(t).drop == []
     sync(t, dropped=[p.ObjectReport("k1", 0, OBJ, gens[1], gens[1])])   # the tier dropped it: gone
     assert not t.exists("k1") and t.counters.disk_drops == 1
     sync(t, dropped=[p.ObjectReport("k2", 0, OBJ, gens[2], gens[2])])   # DRAM copy left: stays
@@ -129,3 +131,58 @@ def test_a_restarted_provider_s_records_replace_those_of_its_old_self():
     assert t.objects["d"].disk == (2, 99) and [r.key for r in t.disk_drops[1]] == ["d"]
     t.drop_segment(1)
     assert t.exists("d")
+
+
+def test_a_remove_waits_for_the_owner_to_delete_the_disk_record():
+    """Scenario: an object has a disk record (and a DRAM copy being offered to a second tier). Its
+    remove names both segments to confirm; they count as confirmed only once the owners acknowledged
+    the journal that deletes the record."""
+    t = make("write_through")
+    t.add_segment(p.SegmentInfo(2, 10 * MB, "h", "/dev/shm/x2", "127.0.0.1:2"))
+    disk.sync(t, 2, p.DiskSync(2, b"", "write_through", 100 * MB, 0, 64 * MB, [], []), 0.0)
+    code, gen, locs = t.alloc(1, "k", OBJ, 2, [1, 2], 0.0)
+    assert code == 0 and t.commit(1, "k", gen, 0.0, checksum=gen) == 0
+    sync(t, added=[report(t, "k")])
+    reply = t.removing(lambda: [t.remove("k", 0.0)], epoch=1)
+    waits = {sid: (serial, seq) for sid, serial, seq in reply.confirm}
+    assert set(waits) == {1, 2}
+    for sid in (1, 2):
+        assert [e.obj.generation for e in t.segments[sid].journal if e.disk] == [gen]
+        assert not t.confirmed(sid, *waits[sid])
+        t.segments[sid].journal_since(waits[sid][1])   # the owner's heartbeat acknowledges it
+        assert t.confirmed(sid, *waits[sid])
+
+
+def test_records_of_removed_objects_are_refused_when_a_provider_rejoins_with_them():
+    """Scenario: an object with a disk record on segment 1 is removed while segment 1's owner is frozen.
+    A provider restarted on that disk_path joins (segment 2) while the old one is still in the table,
+    and another (segment 3) after the old one was declared dead: both have the record refused (and
+    sent back to be deleted); a record of an object still in the pool is accepted."""
+    t = make()
+    gen = put(t, "k")
+    keep = put(t, "keep")
+    sync(t, added=[report(t, "k"), report(t, "keep")])
+    rec, kept = report(t, "k"), report(t, "keep")
+    assert t.remove("k", 0.0) == 0
+    t.add_segment(p.SegmentInfo(2, 10 * MB, "h", "/dev/shm/x2", "127.0.0.1:2"))
+    assert disk.add_reports(t, 2, [rec, kept]) == 1
+    assert not t.exists("k") and t.disk_drops[2] == [rec] and t.objects["keep"].disk == (2, keep)
+    t.drop_segment(1)
+    t.drop_segment(2)
+    assert ("k", gen) in t.unconfirmed_records
+    t.add_segment(p.SegmentInfo(3, 10 * MB, "h", "/dev/shm/x3", "127.0.0.1:3"))
+    assert disk.add_reports(t, 3, [rec]) == 0 and not t.exists("k")
+
+
+def test_a_record_attaches_only_to_its_own_write_and_the_newest_write_wins_at_join():
+    """Scenario: a record of an older generation than the table's object is refused; at a join, one of
+    a newer generation replaces the table's object (the key was written again: newest write wins)."""
+    t = make()
+    gen = put(t, "k")
+    older = p.ObjectReport("k", 0, OBJ, gen - 1, gen)   # same size and checksum, another write
+    assert sync(t, added=[older]).drop == [older] and t.objects["k"].disk is None
+    assert disk.add_reports(t, 1, [older]) == 0 and t.objects["k"].generation == gen
+    newer = p.ObjectReport("k", 0, OBJ, gen + 10, 5)
+    assert disk.add_reports(t, 1, [newer]) == 1
+    assert t.objects["k"].generation == gen + 10 and t.objects["k"].disk == (1, gen + 10)
+    assert t.objects["k"].locations == []
