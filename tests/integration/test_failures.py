@@ -161,7 +161,7 @@ def test_stalled_reader_never_reports_bytes_of_a_reused_space():
     The reader verifies no checksums here, so this proves the lease validation on its own (with
     checksums on the same read is also a miss, -3110)."""
     import numpy as np
-    with running_meta_service(lease_ttl_ms=300, heartbeat_timeout_ms=1000) as ms:
+    with running_meta_service(lease_ttl_ms=300, heartbeat_timeout_ms=10_000) as ms:   # no death wanted here
         owner, reader = DistributedObjectStore(), DistributedObjectStore()
         assert owner.setup(ms.local_config(dram_size="4MB")) == 0 and owner.init(0, True) == 0
         assert reader.setup(ms.local_config(checksum_verify_ratio=0.0)) == 0 and reader.init(1, False) == 0

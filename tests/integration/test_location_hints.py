@@ -98,7 +98,7 @@ def put_at(ms: MetaServiceProcess, writer: Client, key: str, data: bytes, place:
 @pytest.fixture(params=["host_shm", "host_tcp"])
 def pool(request: pytest.FixtureRequest) -> Iterator[tuple[MetaServiceProcess, Any]]:
     """The reader copies early out of shared memory, or through the writer's data server."""
-    with running_meta_service(lease_ttl_ms=LEASE_MS, heartbeat_timeout_ms=1500) as ms:
+    with running_meta_service(lease_ttl_ms=LEASE_MS, heartbeat_timeout_ms=10_000) as ms:   # no death wanted here
         with started(lambda holds, **cfg: Client(ms, request.param, holds, **cfg), Client.close) as start:
             yield ms, start
 

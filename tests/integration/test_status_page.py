@@ -44,7 +44,7 @@ def browser(*args: str) -> str:
 
 
 def test_status_page_shows_members_and_usage_in_a_browser():
-    with running_meta_service(heartbeat_timeout_ms=1500, stats_sample_interval_seconds=0.2) as meta:
+    with running_meta_service(heartbeat_timeout_ms=10_000, stats_sample_interval_seconds=0.2) as meta:
         _load_in_browser(meta)
 
 

@@ -32,7 +32,7 @@ def test_reader_stalled_across_a_meta_service_restart_never_gets_another_objects
     restarted, the owner re-joins and reports K unleased, K is removed and J is put into its space.
     The reader verifies no checksums, so only the lease grace of a recovered segment and the
     validation of a read that outlived its lease stand between it and J's bytes: it gets a miss."""
-    with running_meta_service(lease_ttl_ms=2000, heartbeat_timeout_ms=1500) as ms:
+    with running_meta_service(lease_ttl_ms=2000, heartbeat_timeout_ms=10_000) as ms:   # the owner must not be declared dead
         owner = _store(ms, 0, True, dram_size="4MB")
         reader = _store(ms, 1, False, checksum_verify_ratio=0.0)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from functools import partial
 
 import pytest
 
@@ -104,6 +105,7 @@ def test_a_join_reusing_a_live_member_id_gets_a_fresh_one(meta, stores):
     objects; removing them never drives a segment's ``used`` below zero."""
     victim = stores()
     vid = victim("id")["id"]
+    before = member_events(meta)
     keys = [f"v-{i}" for i in range(6)]
     assert victim("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 6
     path = os.path.join(shm_dir(), f"memcache-{os.getpid()}-{secrets.token_hex(8)}")
@@ -117,7 +119,10 @@ def test_a_join_reusing_a_live_member_id_gets_a_fresh_one(meta, stores):
         assert isinstance(ask(s, p.Leave(j2.client_id, j2.token)), p.Ok)
     finally:
         s.close()
-    time.sleep(3.2)   # two heartbeat timeouts (1.5 s): a victim whose heartbeats failed would be gone now
+    for _ in range(2):   # two of the victim's heartbeats accepted after the forger left
+        wait_for(partial(heard_since, meta, vid, time.monotonic()), 10, "a heartbeat of the victim")
+    # its heartbeats never failed: it was not dropped and did not re-join (the forger joined and left twice)
+    assert member_events(meta) == {**before, "joins": before["joins"] + 2, "leaves": before["leaves"] + 2}
     segs = meta.http("/get_all_segments")["segments"]
     assert [x["segment_id"] for x in segs] == [vid]
     got = victim("get", keys=keys, layout=LAYOUT)
@@ -179,3 +184,21 @@ def test_config_store_value_over_the_limit_is_refused(meta):
         assert ask(s, p.ConfigGet("small")) == p.Value(b"v" * 100)
     finally:
         s.close()
+
+
+def member_events(meta) -> dict[str, float]:
+    """joins, leaves, deaths and re-joins counted by the MetaService (``member_events_total``)."""
+    out = dict.fromkeys(("joins", "leaves", "deaths", "rejoins"), 0.0)
+    for line in meta.http("/metrics").splitlines():
+        for e in out:
+            if line.startswith(f'memcache_member_events_total{{event="{e}"}} '):
+                out[e] = float(line.split()[1])
+    return out
+
+
+def heard_since(meta, client_id: int, t: float) -> bool:
+    """Has the MetaService heard from this member since ``t`` (this process's monotonic clock)? The
+    age it reports was taken after ``asked``, so ``asked - age`` is no later than its last heartbeat."""
+    asked = time.monotonic()
+    ages = [m["last_seen_s"] for m in meta.http("/api/v1/stats")["members"] if m["client_id"] == client_id]
+    return bool(ages) and asked - ages[0] > t
