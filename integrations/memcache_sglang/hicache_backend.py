@@ -20,8 +20,9 @@ The keys follow the weights served at the time of each call (:mod:`memcache_sgla
 
 A server that cannot join the pool at start-up (MetaService down) starts anyway: it logs it once,
 serves misses, and joins in the background with backoff (:mod:`memcache_sglang.pool_join`); the
-buffers SGLang registered meanwhile are registered when it joins. ``join_attempts`` /
-``join_failures`` count the attempts.
+buffers SGLang registered meanwhile are registered when it joins. The attempts, their failures,
+whether it is in the pool and the misses served meanwhile are on SGLang's ``/metrics``
+(:mod:`memcache_sglang.join_metrics`).
 
 Every failure - MetaService down, a peer gone, an object evicted between exists and get, an
 exception inside the store - is reported as a miss or a failed write, never raised into SGLang's
@@ -52,6 +53,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from memcache_sglang import copy_path, kv_pool
 from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag, place_disk_tier, rank_index
 from memcache_sglang.disk_prefetch import DiskPromoter
+from memcache_sglang.join_metrics import join_metrics
 from memcache_sglang.keys import KeyScheme, shard_suffix
 from memcache_sglang.namespace import Namespace, build_layout, model_config_digests
 from memcache_sglang.pool_join import BackgroundJoin
@@ -111,9 +113,11 @@ class NpuMemcacheStore(HiCacheStorage):
         self._buffers: list[tuple[int, int]] = []
         """Every buffer SGLang registered (registered again with a store that joins late)."""
         self._join: BackgroundJoin | None = None
+        self._metrics = join_metrics().of_rank(rank_index(sc))
+        self._metrics.joined.set(0)
         if self.config.check_server:
             self._wait_for_meta_service()
-        join = partial(open_store, local_cfg, device_id, self.config.init_bm)
+        join = partial(self._open_counted, partial(open_store, local_cfg, device_id, self.config.init_bm))
         try:
             self.store = join()
         except MemCacheError as e:
@@ -121,8 +125,23 @@ class NpuMemcacheStore(HiCacheStorage):
                            "joining in the background", e)
             self._join = BackgroundJoin(join, self._joined).start()
             return
+        self._metrics.joined.set(1)
         logger.info("MemCache store ready (tp_rank=%s pp_rank=%s cp_rank=%s device_id=%s init_bm=%s)",
                     sc.tp_rank, sc.pp_rank, sc.attn_cp_rank, device_id, self.config.init_bm)
+
+    def _open_counted(self, open_store: Any) -> Any:
+        """``open_store()``, counted in the join metrics."""
+        self._metrics.attempts.inc()
+        try:
+            return open_store()
+        except Exception:
+            self._metrics.failures.inc()
+            raise
+
+    def _unjoined_misses(self, pages: int) -> None:
+        """Count pages answered as misses because the pool is not joined (not after ``close``)."""
+        if pages and not self._join_closed:
+            self._metrics.unjoined_misses.inc(pages)
 
     @property
     def join_attempts(self) -> int:
@@ -149,6 +168,7 @@ class NpuMemcacheStore(HiCacheStorage):
                     closed = True
                 else:
                     self.store = store
+                    self._metrics.joined.set(1)
         if closed:
             store.close()
 
@@ -303,6 +323,8 @@ class NpuMemcacheStore(HiCacheStorage):
     def _batch_exists(self, scheme: KeyScheme, keys: list[str]) -> int:
         store = self.store
         if not keys or store is None:
+            if store is None:
+                self._unjoined_misses(len(keys))
             return 0
         object_keys = partial(self._legacy_keys, scheme) if self.copy_path else scheme.kv_keys
         hits = kv_pool.leading_pages(store, keys, object_keys, 1 if self.copy_path else scheme.objects_per_page)
@@ -383,6 +405,8 @@ class NpuMemcacheStore(HiCacheStorage):
     def exists(self, key: str) -> bool:
         store, scheme = self.store, self.keys
         if store is None or scheme is None:
+            if store is None:
+                self._unjoined_misses(1)
             return False
         try:
             return int(store.is_exist(self._legacy_key(scheme, key))) == 1
@@ -422,6 +446,7 @@ class NpuMemcacheStore(HiCacheStorage):
         with self._state_lock:
             self._join_closed = True
             store, self.store = self.store, None
+            self._metrics.joined.set(0)
         if self._join is not None:
             self._join.stop()
         if store is None:
