@@ -5,7 +5,9 @@ A key names one block of one rank, all layers of that rank:
     mc@<tenant>@<label>@<namespace digest>@e<epoch>@tp<r>of<n>@pp<r>of<n>[@pcp<r>of<n>]@<block name>
 
 (``pcp``: prefill context parallelism, only when its size is above 1: ranks that share a TP and
-PP rank hold other token shards of each block.)
+PP rank hold other token shards of each block.) With MLA every TP rank holds the same latent KV of a
+block, so the key has no TP rank (``tpallof<n>``): TP rank 0 saves the one copy and every TP rank
+loads it (``Namespace.tp_shared``).
 
 * ``<block name>`` is vLLM's chained block hash in hex (it identifies the whole token prefix up
   to and including the block, plus LoRA name and path, cache salt and multimodal inputs), followed
@@ -140,6 +142,8 @@ class Namespace:
     tp_size: int = 1
     pp_size: int = 1
     pcp_size: int = 1
+    tp_shared: bool = False
+    """MLA: every TP rank holds an identical copy of each block; one key serves them all."""
 
     @classmethod
     def build(cls, vllm_config: Any, block_size: int, cache_prefix: str, layout: str,
@@ -169,7 +173,7 @@ class Namespace:
         return cls(label=_sanitize(str(mc.model).rstrip("/").split("/")[-1], 32),
                    tenant=_sanitize(cache_prefix, 32), factors_digest=_digest(factors),
                    tp_size=factors["tp_size"], pp_size=factors["pp_size"],
-                   pcp_size=factors["pcp_size"])
+                   pcp_size=factors["pcp_size"], tp_shared=bool(getattr(mc, "use_mla", False)))
 
     @property
     def head(self) -> str:
@@ -179,9 +183,15 @@ class Namespace:
 
     @property
     def ranks(self) -> list[tuple[int, int, int]]:
-        """Every (tp_rank, pp_rank, pcp_rank) that stores a share of each block."""
+        """Every (tp_rank, pp_rank, pcp_rank) that stores a share of each block (TP rank 0 only
+        when the TP ranks share one copy)."""
+        tp_ranks = 1 if self.tp_shared else self.tp_size
         return [(t, p, c) for c in range(self.pcp_size) for p in range(self.pp_size)
-                for t in range(self.tp_size)]
+                for t in range(tp_ranks)]
+
+    def saves(self, tp_rank: int) -> bool:
+        """Whether this TP rank writes its blocks (all do, but only rank 0 of a shared copy)."""
+        return not self.tp_shared or tp_rank == 0
 
     def epoch_head(self, epoch: str) -> str:
         return f"{self.head}e{epoch}@"
@@ -189,7 +199,8 @@ class Namespace:
     def rank_prefix(self, epoch: str, tp_rank: int, pp_rank: int, pcp_rank: int = 0) -> str:
         """Everything of a key but the block name, for one rank."""
         pcp = f"pcp{pcp_rank}of{self.pcp_size}@" if self.pcp_size > 1 else ""
-        return f"{self.epoch_head(epoch)}tp{tp_rank}of{self.tp_size}@pp{pp_rank}of{self.pp_size}@{pcp}"
+        tp = "all" if self.tp_shared else tp_rank
+        return f"{self.epoch_head(epoch)}tp{tp}of{self.tp_size}@pp{pp_rank}of{self.pp_size}@{pcp}"
 
     def keys(self, epoch: str, names: Sequence[str], tp_rank: int, pp_rank: int,
              pcp_rank: int = 0) -> list[str]:

@@ -18,6 +18,8 @@ key per block per rank (``batch_put_from_layers`` / ``batch_get_into_layers``).
   their source blocks alive: a finished request is reported in ``finished_sending`` only when its
   saves are done (the scheduler delays the free until then), and a preempted request's in-flight
   saves are waited for before the next forward may overwrite its freed blocks.
+* MLA: every TP rank holds the same latent KV, so one copy is kept under a key without a TP rank;
+  TP rank 0 saves it, every rank loads it (``Namespace.tp_shared``).
 * ``use_layerwise``: loads and saves move layer by layer during the forward (``layerwise.py``).
 """
 
@@ -201,6 +203,13 @@ class MemCacheWorker:
         assert self.namespace is not None
         return self.namespace.keys(self.epoch, names, *self.rank)
 
+    @property
+    def saves(self) -> bool:
+        """Whether this rank writes blocks: not a TP rank other than 0 of an MLA model, whose copy
+        is rank 0's (``Namespace.tp_shared``); it still loads, and reports its requests' saves as
+        done so that vLLM frees their blocks."""
+        return self.namespace is not None and self.namespace.saves(self.tp_rank)
+
     # -- setup -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -287,6 +296,8 @@ class MemCacheWorker:
     def _remove(self, remove: dict[str, list[str]]) -> None:
         for rid in remove:
             self._wait_saves(rid)
+        if not self.saves:
+            return   # the rank that saved them removes them
         keys = self.keys([n for names in remove.values() for n in names])
         mover = self._mover_or_none()
         if not keys or mover is None:
@@ -353,7 +364,7 @@ class MemCacheWorker:
             self._layerwise.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, meta: MemCacheConnectorMetadata) -> None:
-        if self._layerwise is None or not meta.saves:
+        if self._layerwise is None or not meta.saves or not self.saves:
             return
         self._layerwise.save_layer(layer_name, lambda: [(job.block_ids, self.keys(job.names))
                                                         for job in meta.saves if not self._is_fenced(job)])
@@ -362,7 +373,7 @@ class MemCacheWorker:
         """After the forward: the step's load is whole (its failures reported and fenced), then its
         saves are published, except those computed over a block that failed to load."""
         self._failed(sorted(lw.finish_load()))
-        fenced = [job for job in meta.saves if self._is_fenced(job)]
+        fenced = [job for job in meta.saves if self.saves and self._is_fenced(job)]
         if fenced:
             n = sum(len(job.block_ids) for job in fenced)
             logger.warning("MemCacheConnector: not saving %d blocks: computed over a block that failed to load", n)
@@ -379,6 +390,8 @@ class MemCacheWorker:
         for job in meta.saves:
             if self._cfg.save_async:
                 self._reqs_with_saves.add(job.req_id)
+            if not self.saves:
+                continue
             if self._is_fenced(job):
                 logger.warning("MemCacheConnector: not saving %d blocks of %s: computed over a block "
                                "that failed to load", len(job.block_ids), job.req_id)

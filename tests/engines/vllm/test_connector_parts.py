@@ -5,6 +5,7 @@ pool. Seconds, not minutes."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import shutil
 from collections.abc import Callable
@@ -183,6 +184,67 @@ def test_namespace_covers_settings_that_change_kv_bytes(vllm_configs) -> None:
         vllm_configs(), 32, "", LAYOUT).head
     assert head(vllm_configs(max_model_len=1024, seed=7)) == base
     assert head(vllm_configs(kv_cache_dtype="bfloat16")) == base, "auto is the model dtype"
+
+
+def test_speculative_decoding_is_part_of_the_namespace(vllm_configs, tiny_model: str) -> None:
+    """Scenario (issue 21, item 4): an instance with speculative decoding (a draft model, whose
+    layers add to the KV cache, or n-gram lookup) and one without get other namespaces, and two
+    speculative configs differ from each other; the same config twice is the same namespace."""
+    base = head(vllm_configs())
+    draft = {"model": tiny_model, "num_speculative_tokens": 2}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with_draft = head(vllm_configs(speculative_config=draft))
+    with_ngram = head(vllm_configs(speculative_config=ngram))
+    assert len({base, with_draft, with_ngram}) == 3
+    assert head(vllm_configs(speculative_config={**draft, "num_speculative_tokens": 3})) != with_draft
+    assert head(vllm_configs(speculative_config=dict(draft))) == with_draft
+
+
+def test_kv_cache_dtype_auto_is_the_model_dtype(vllm_configs) -> None:
+    """Scenario (issue 21, item 4): ``--kv-cache-dtype auto`` and the model's own dtype named
+    explicitly store the same bytes and share a namespace; another dtype does not."""
+    for dtype in ("bfloat16", "float16"):
+        auto = head(vllm_configs(dtype=dtype, kv_cache_dtype="auto"))
+        assert head(vllm_configs(dtype=dtype, kv_cache_dtype=dtype)) == auto
+        assert head(vllm_configs(dtype=dtype, kv_cache_dtype="fp8_e4m3")) != auto
+    assert head(vllm_configs(dtype="float16")) != head(vllm_configs(dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny DeepSeek-V2 config (multi-head latent attention); a config is all vLLM needs to build
+    its ``VllmConfig`` (no weights, no tokenizer)."""
+    out = tmp_path_factory.mktemp("tiny-deepseek-v2")
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 32000,
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "first_k_dense_replace": 2, "kv_lora_rank": 64, "q_lora_rank": None,
+        "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}))
+    return str(out)
+
+
+def test_mla_tensor_parallel_ranks_share_one_copy(vllm_configs, mla_model: str) -> None:
+    """Scenario (issue 21, item 4): with MLA every TP rank holds the same latent KV, so a block is
+    stored once: with TP 2 the keys have no TP rank (the same for both ranks), only rank 0 saves,
+    and a lookup asks for that one key. The negative control: a non-MLA model of TP 2 keeps one key
+    per rank, both saved and both looked up."""
+    mla = Namespace.build(vllm_configs(model=mla_model, skip_tokenizer_init=True, block_size=16,
+                                       tensor_parallel_size=2), 16, "", LAYOUT)
+    assert mla.tp_shared and mla.tp_size == 2
+    assert mla.ranks == [(0, 0, 0)]
+    assert mla.keys("0", ["ab"], 0, 0) == mla.keys("0", ["ab"], 1, 0)
+    assert "@tpallof2@" in mla.rank_prefix("0", 1, 0)
+    assert [mla.saves(r) for r in range(2)] == [True, False]
+    mha = Namespace.build(vllm_configs(tensor_parallel_size=2), 32, "", LAYOUT)
+    assert not mha.tp_shared
+    assert mha.ranks == [(0, 0, 0), (1, 0, 0)]
+    assert mha.keys("0", ["ab"], 0, 0) != mha.keys("0", ["ab"], 1, 0)
+    assert [mha.saves(r) for r in range(2)] == [True, True]
+    one = Namespace.build(vllm_configs(model=mla_model, skip_tokenizer_init=True, block_size=16), 16, "", LAYOUT)
+    assert one.factors_digest != mla.factors_digest, "the TP size stays in the namespace"
 
 
 def test_tenant_prefix_is_identity_in_full(vllm_configs) -> None:
