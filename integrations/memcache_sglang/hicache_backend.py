@@ -143,15 +143,6 @@ class NpuMemcacheStore(HiCacheStorage):
         if pages and not self._join_closed:
             self._metrics.unjoined_misses.inc(pages)
 
-    @property
-    def join_attempts(self) -> int:
-        """Background attempts to join the pool (0 when it joined at start-up)."""
-        return self._join.attempts if self._join is not None else 0
-
-    @property
-    def join_failures(self) -> int:
-        return self._join.failures if self._join is not None else 0
-
     def _joined(self, store: Any) -> None:
         """The background join succeeded: register the buffers, then serve from the pool."""
         with self._state_lock:

@@ -5,8 +5,8 @@ misses (failures are misses) and joins as soon as the pool answers.
 succeeds, waiting ``INITIAL_BACKOFF_S`` after the first failure and twice as long after each
 next one, at most ``MAX_BACKOFF_S``; then ``on_joined(store)``. The first failure is logged as a
 warning, later ones at debug level (one line per outage, not one per attempt); the join is logged
-when it happens. ``attempts`` and ``failures`` count for the backend's metrics. ``stop()`` ends
-the retries (a store opened after it is handed to ``on_joined`` anyway, which must close it).
+when it happens (the backend counts the attempts in :mod:`memcache_sglang.join_metrics`). ``stop()``
+ends the retries (a store opened after it is handed to ``on_joined`` anyway, which must close it).
 """
 
 from __future__ import annotations
