@@ -2,7 +2,8 @@
 
 It holds a pure pool client (:mod:`memcache_vllm.pool_client`: no pool memory, no payload) and
 answers "how many more prompt tokens can be loaded" with one batched existence call per lookup,
-covering every rank's key of every candidate block. The hit is the longest run of blocks, starting
+covering every rank's key of every candidate block (one key for all TP ranks of an MLA model,
+``Namespace.ranks``). The hit is the longest run of blocks, starting
 right after vLLM's local hit, whose keys exist for all ranks; it never includes the last prompt
 token (vLLM must compute it to sample).
 
