@@ -62,8 +62,10 @@ def test_server_starts_without_the_pool_and_joins_when_it_is_back(model: str, tm
         meta.start()
         wait_for(lambda: "joined the pool after" in Path(server.log_path).read_text(errors="replace"),
                  120, "the server to join the pool in the background", interval_s=0.5)
+        # the log line comes just before the backend takes the store: wait for the gauge, too
+        wait_for(lambda: join_metrics(server).get("memcache_sglang_joined") == 1, 30,
+                 lambda: f"memcache_sglang_joined to be 1: {join_metrics(server)}", interval_s=0.5)
         up = join_metrics(server)
-        assert up["memcache_sglang_joined"] == 1, up
         # every attempt but the last one failed
         assert up["memcache_sglang_join_attempts_total"] == up["memcache_sglang_join_failures_total"] + 1, up
         before = pool_keys(meta)
