@@ -39,15 +39,18 @@ class Writes(Membership):
             return results
         sizes = {k: sum(n for _, n in pieces[i]) for k, i in todo.items()}
         if self.arenas is not None and replicas == 1 and set(preferred) <= {self.client_id}:
+            n = len(todo)
             todo = self._put_small(todo, sizes, pieces, results)
-            if not todo:
-                return results
-        allocated = self._alloc(sizes, replicas, preferred, results, todo)
+            stored = len(todo) < n
+            sizes = {k: sizes[k] for k in todo}   # what is left for the two-phase put
+        else:
+            stored = False
+        allocated = self._alloc(sizes, replicas, preferred, results, todo) if todo else {}
         self._note_partial(allocated, replicas)
         s = self.session   # the session the allocation was made in (a re-join may have replaced it)
         ops = self._copy(s, allocated, pieces, results, todo)
         self._finish_put(s, allocated, ops, results, todo)
-        if self.disk is not None and allocated:
+        if self.disk is not None and (allocated or stored):
             self.disk.poke()   # our segment may have grown: the disk tier asks for copies now
         return results
 
