@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         def put_one(w: DistributedObjectStore) -> int:
             return w.put(f"put/{next(fresh)}", value)
 
-        def put_batch(name: str) -> list[int]:
+        def put_batch(name: str) -> int:
             before = round_trips(ms.http("/metrics"))
             keys = [f"batch/{next(fresh)}" for _ in range(64)]
             t = time.perf_counter_ns()
@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                     lat[name] += timed(fn, n, check)
                 for name in writers:   # timed here (the counters are read outside the timing)
                     for _ in range(args.batch_n):
-                        if put_batch(name) != [0] * 64:
-                            raise SystemExit(f"put_batch ({name}) failed")
+                        if (code := put_batch(name)) != 0:
+                            raise SystemExit(f"put_batch ({name}) failed with {code}")
                     lat.setdefault(f"put_batch(64 x 4KiB), {name}", []).extend(batch_ns)
                     batch_ns.clear()
         finally:

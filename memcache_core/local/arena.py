@@ -91,16 +91,23 @@ class ArenaWriter:
                     break
                 a = self.arena if self.arena is not None and self.arena.session is session else None
                 placed: list[tuple[int, int]] = []   # (index, offset)
+                rest: list[int] = []
                 if a is not None:
                     a.last_used = time.monotonic()
                     for i in left:
-                        end = a.next + _aligned(footprint(sizes[i]))
-                        if end > a.end:
-                            break
-                        placed.append((i, a.next))
-                        a.next = end
+                        need = _aligned(footprint(sizes[i]))
+                        if need > a.end - a.start:
+                            fallback.append(i)   # larger than any arena (small_put_max_bytes above arena_bytes)
+                        elif rest or a.next + need > a.end:
+                            rest.append(i)
+                        else:
+                            placed.append((i, a.next))
+                            a.next += need
+                else:
+                    rest = left
+                if not placed and not rest:
+                    break
                 sums = [self._copy(off, pieces[i]) for i, off in placed]
-                rest = left[len(placed):]
                 req = p.ArenaCommit(session.client_id, session.token, a.id if a is not None else 0,
                                     [keys[i] for i, _ in placed], [off for _, off in placed],
                                     [sizes[i] for i, _ in placed], sums, refill=bool(rest))

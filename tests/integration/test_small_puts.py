@@ -15,7 +15,7 @@ from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
 from memcache_core.layout import payload_offset
 from memcache_core.rpc import expect
-from memcache_core.testing import MetaServiceProcess, mapped_segment, wait_for
+from memcache_core.testing import MetaServiceProcess, mapped_segment, running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -199,8 +199,8 @@ def test_meta_service_restart_between_grant_and_commit(meta, stores):
     try:
         svc = store._service()
         assert store.put("before", b"b" * 4096) == 0
+        assert svc.arenas is not None and svc.arenas.arena is not None
         old = svc.arenas.arena
-        assert old is not None
         meta.stop()
         meta.start()
         wait_for(lambda: len(meta.http("/get_all_segments")["segments"]) == 1, 15, "the other member to re-join")
@@ -237,3 +237,26 @@ def test_recovery_after_a_meta_service_restart_includes_arena_objects(meta, stor
         assert got["codes"] == [0] * 100 and got["mismatches"] == []
     wait_for(lambda: writer("put", keys=["after-restart"], layout=SMALL)["codes"] == [0], 15, "new small puts")
     assert tcp_reader("get", keys=["after-restart"], layout=SMALL)["mismatches"] == []
+
+
+def test_objects_larger_than_the_arena_and_arenas_turned_off():
+    """Scenario: ``small_put_max_bytes`` above the MetaService's ``arena_bytes``: an object that no
+    arena can hold goes two-phase at once (no arena is wasted on it), smaller ones still take the
+    arena; with ``arena_bytes`` 0 every put is two-phase, and stays so without asking each time."""
+    big, small = b"B" * (200 << 10), b"s" * 4096
+    for arena_bytes in (64 << 10, 0):
+        with running_meta_service(arena_bytes=arena_bytes) as ms:
+            store = DistributedObjectStore()
+            assert store.setup(ms.local_config(small_put_max_bytes=1 << 20)) == 0 and store.init(0) == 0
+            try:
+                before = round_trips(ms)
+                assert store.put_batch(["small-1", "big", "small-2"], [small, big, small]) == 0
+                assert store.put("small-3", small) == 0
+                spent = delta(before, round_trips(ms))
+                if arena_bytes:   # the grant, the commit of both small ones, small-3's commit; big two-phase
+                    assert spent == {"arena_commit": 3, "alloc": 1, "commit": 1}, spent
+                else:             # one ask for an arena (none granted), then two-phase only
+                    assert spent == {"arena_commit": 1, "alloc": 2, "commit": 2}, spent
+                assert [store.get(k) for k in ("small-1", "big", "small-2", "small-3")] == [small, big, small, small]
+            finally:
+                store.close()
