@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import bisect
 import secrets
+from collections.abc import Callable
 
 from .. import errors
 from .. import protocol as p
 from ..layout import ALIGN, footprint
 from .allocator import aligned
-from .objects import Segment, new_obj
+from .objects import Obj, Segment, pack
 from .table import ObjectTable
 
 
@@ -100,8 +101,11 @@ def retire(seg: Segment) -> None:
             seg.allocator.free_range(off, n)
 
 
-def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: float, arena_bytes: int) -> p.ArenaReply:
-    """Commit the objects of ``req`` placed in the caller's arena; retire and refill it when asked."""
+def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: float, arena_bytes: int,
+           within_quota: Callable[[int], bool] = lambda size: True) -> p.ArenaReply:
+    """Commit the objects of ``req`` placed in the caller's arena; retire and refill it when asked.
+    ``within_quota(size)``: may the caller keep one more object of that size (the member quotas, as
+    for an ``Alloc``; it may evict the caller's own objects to make room)."""
     seg = t.segments.get(segment_id) if segment_id is not None else None
     a = seg.arena if seg is not None else None
     n = len(req.keys)
@@ -110,7 +114,7 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
     else:
         codes, gens = [], []
         for key, off, size, checksum in zip(req.keys, req.offsets, req.sizes, req.checksums, strict=True):
-            code, gen = _place(t, seg, a, key, off, size, checksum)
+            code, gen = _place(t, seg, a, key, off, size, checksum, within_quota)
             codes.append(code)
             gens.append(gen)
     if seg is not None and (req.refill or req.release) and (a is None or a.id == req.arena or req.arena == 0):
@@ -123,16 +127,24 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
     return p.ArenaReply(codes, gens, held.id, held.start, held.end - held.start)
 
 
-def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: int, checksum: int) -> tuple[int, int]:
-    """Commit one object written at ``offset`` of the arena: (code, generation)."""
+def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: int, checksum: int,
+           within_quota: Callable[[int], bool]) -> tuple[int, int]:
+    """Commit one object written at ``offset`` of the arena: (code, generation). It counts in its
+    writer's quota (``kept.py``) as a two-phase put's object does; the writer is the segment's owner."""
     cur = t.objects.get(key)
     if cur is not None:
         return (errors.OBJECT_ALREADY_EXISTS if cur.committed else errors.WRITE_IN_PROGRESS), 0
     end = offset + aligned(footprint(size))
     if not a.fits(offset, end):
         return errors.INVALID_PARAM, 0
+    if not within_quota(size):
+        return errors.QUOTA_EXCEEDED, 0
     gen = t.issue_generation()
-    obj = new_obj(key, size, gen, [p.Location(seg.info.segment_id, offset)], checksum)
+    writer = seg.info.segment_id   # a member's segment id is its client id
+    slot = t._slot(writer)
+    obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot))
+    if slot:
+        t._kept(writer, obj)
     t.objects[obj.key] = obj
     seg.lru.append(obj)
     a.take(offset, end)

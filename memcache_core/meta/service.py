@@ -206,7 +206,8 @@ class MetaServiceCore(Membership):
                 validate.arena_commit(req)
                 # arenas put small objects in the writer's own segment: what local_first does anyway
                 size = self.config.arena_bytes if self.config.placement_policy == "local_first" else 0
-                return arena.commit(t, member.segment_id, req, now, size)
+                return arena.commit(t, member.segment_id, req, now, size,
+                                    lambda n: self._within_quota(cid, n, 1, now))
             case p.Abort(keys=keys, generations=gens):
                 validate.batch(keys, gens)
                 for k, g in zip(keys, gens, strict=True):

@@ -120,3 +120,17 @@ def test_eviction_frees_arena_objects_like_any_other():
     t.evict_all(0.0)
     assert not any(t.exists(f"k{i}") for i in range(10))
     assert not t.segments[1].arena.used   # (their space returns when the holder refills the arena)
+
+
+def test_small_puts_count_in_their_writers_quota():
+    """Scenario: an object committed from an arena counts in its writer's kept objects (the member
+    quotas), and leaves them when it leaves the table; a writer at its quota is refused per key."""
+    t = make()
+    r = commit(t, 1, 0, [], refill=True)
+    commit(t, 1, r.arena, [("a", r.start), ("b", r.start + STEP)])
+    assert t.kept_of[1] == [2, 2 * SMALL]
+    t.remove("a", 0.0)
+    assert t.kept_of[1] == [1, SMALL]
+    req = p.ArenaCommit(1, b"", r.arena, ["c"], [r.start + 2 * STEP], [SMALL], [0])
+    assert arena.commit(t, 1, req, 0.0, ARENA, lambda size: False).codes == [errors.QUOTA_EXCEEDED]
+    assert not t.exists("c")
