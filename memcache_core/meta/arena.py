@@ -112,6 +112,7 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
     if seg is None or a is None or a.id != req.arena or seg.alloc_after > now:
         codes, gens = [errors.ARENA_VOID] * n, [0] * n
     else:
+        t.reserve_for(n)   # (may fail, with HA: before any object of the batch is published)
         codes, gens = [], []
         for key, off, size, checksum in zip(req.keys, req.offsets, req.sizes, req.checksums, strict=True):
             code, gen = _place(t, seg, a, key, off, size, checksum, within_quota)

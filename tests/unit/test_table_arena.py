@@ -134,3 +134,30 @@ def test_small_puts_count_in_their_writers_quota():
     req = p.ArenaCommit(1, b"", r.arena, ["c"], [r.start + 2 * STEP], [SMALL], [0])
     assert arena.commit(t, 1, req, 0.0, ARENA, lambda size: False).codes == [errors.QUOTA_EXCEEDED]
     assert not t.exists("c")
+
+
+def test_a_reservation_that_fails_publishes_no_object_of_the_batch():
+    """Scenario (HA): the batch's generations cross the point where the next block is reserved and
+    etcd refuses it: the commit fails whole (nothing published, the arena unchanged), and a later
+    commit of the same objects, once reservations work, publishes them all."""
+    import pytest
+
+    from memcache_core.errors import MetaServiceUnavailable
+    from memcache_core.meta import generations
+
+    t = make()
+    r = commit(t, 1, 0, [], refill=True)
+    assert commit(t, 1, r.arena, [("first", r.start)]).codes == [0]   # a block is reserved
+    objs = [(f"k{i}", r.start + (i + 1) * STEP) for i in range(8)]
+    t.bump_generation(t.gen_ceiling - generations.BLOCK // 2 - 4)   # the 5th generation would reserve
+
+    def refused(last: int, ceiling: int) -> tuple[int, int]:
+        raise MetaServiceUnavailable("another MetaService reserved generations meanwhile")
+
+    t.reserve, works = refused, t.reserve
+    with pytest.raises(MetaServiceUnavailable):
+        commit(t, 1, r.arena, objs)
+    assert not any(t.exists(k) for k, _ in objs)
+    t.reserve = works
+    assert commit(t, 1, r.arena, objs).codes == [0] * len(objs)
+    assert all(t.exists(k) for k, _ in objs)
