@@ -10,9 +10,13 @@ keys. In rounds, so that the machine's load moves every figure alike, it times:
   loopback TCP (blocking sockets, no framing, no auth): the floor of any Python RPC here;
 * ``noop rpc``: ``ConfigGet`` of a missing key through the control plane (framing, auth'd
   connection, decode, dispatch, encode; no table work);
-* ``is_exist``, ``batch_is_exist(1000)``: the store's calls, as ``bench_store.py`` times them.
+* ``is_exist``, ``batch_is_exist(1000)``: the store's calls, as ``bench_store.py`` times them;
+* ``put 4KiB``, ``put_batch(64 x 4KiB)``: puts of new keys from a LocalService holding a 256 MB
+  segment, two-phase (``small_put_max_bytes`` 0: ``Alloc``, copy, ``Commit``) and through its
+  allocation arena (the default: copy, one ``ArenaCommit``), alternately in each round; the
+  MetaService's request counters give the round trips each batch took.
 
-Every ``is_exist`` must answer 1 and every batch all ones, or the run fails. ``--profile`` prints
+Every ``is_exist`` must answer 1, every batch all ones and every put 0, or the run fails. ``--profile`` prints
 where the client's time goes (cProfile over the is_exist calls); ``--parts`` times the
 MetaService's own steps for one Exist in-process (decode, handle, outcome counting, encode).
 """
@@ -21,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import hashlib
 import hmac
+import itertools
 import os
 import pstats
+import re
 import socket
 import statistics
 import subprocess
@@ -49,6 +56,15 @@ def timed(fn: Callable[[], object], n: int, check: Callable[[object], bool]) -> 
         if not check(r):
             raise SystemExit(f"wrong answer: {r!r}")
     return lat
+
+
+PUT_OPS = ("alloc", "commit", "arena_commit", "abort")
+
+
+def round_trips(metrics: str) -> float:
+    """Put-related requests the MetaService answered so far (from its ``/metrics``)."""
+    return sum(float(m.group(1)) for op in PUT_OPS
+               for m in [re.search(rf'^memcache_request_seconds_count\{{op="{op}"\}} (\S+)$', metrics, re.M)] if m)
 
 
 def echo_client() -> tuple[subprocess.Popen[str], socket.socket]:
@@ -115,6 +131,28 @@ def main(argv: list[str] | None = None) -> int:
         store = DistributedObjectStore()
         if store.setup(ms.local_config(dram_size="64MB", log_level="warning")) != 0 or store.init(0) != 0:
             raise SystemExit("LocalService did not start")
+        writers = {}
+        for name, limit in (("two-phase", 0), ("arena", 64 << 10)):
+            w = DistributedObjectStore()
+            if w.setup(ms.local_config(dram_size="256MB", log_level="warning", small_put_max_bytes=limit)) != 0 \
+                    or w.init(0) != 0:
+                raise SystemExit("LocalService did not start")
+            writers[name] = w
+        value, fresh = os.urandom(4096), itertools.count()
+        batch_trips: dict[str, list[float]] = {name: [] for name in writers}
+
+        def put_one(w: DistributedObjectStore) -> int:
+            return w.put(f"put/{next(fresh)}", value)
+
+        def put_batch(name: str) -> int:
+            before = round_trips(ms.http("/metrics"))
+            keys = [f"batch/{next(fresh)}" for _ in range(64)]
+            t = time.perf_counter_ns()
+            codes = writers[name].put_batch(keys, [value] * 64)
+            batch_ns.append(time.perf_counter_ns() - t)
+            batch_trips[name].append(round_trips(ms.http("/metrics")) - before)
+            return codes
+        batch_ns: list[int] = []
         proc, echo = echo_client()
         try:
             for k in KEYS:
@@ -133,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("is_exist", lambda: store.is_exist(KEYS[7]), lambda r: r == 1, args.n),
                 ("batch_is_exist(1000)", lambda: store.batch_is_exist(KEYS), lambda r: r == [1] * 1000, args.batch_n),
             ]
+            for name, w in writers.items():
+                ops.append((f"put 4KiB, {name}", functools.partial(put_one, w), lambda r: r == 0, args.n))
             if args.profile:
                 prof = cProfile.Profile()
                 prof.enable()
@@ -144,14 +184,25 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for name, fn, check, n in ops:
                     lat[name] += timed(fn, n, check)
+                for name in writers:   # timed here (the counters are read outside the timing)
+                    for _ in range(args.batch_n):
+                        if (code := put_batch(name)) != 0:
+                            raise SystemExit(f"put_batch ({name}) failed with {code}")
+                    lat.setdefault(f"put_batch(64 x 4KiB), {name}", []).extend(batch_ns)
+                    batch_ns.clear()
         finally:
             echo.close()
             proc.wait(10)
             store.close()
+            for w in writers.values():
+                w.close()
     for name, ns in lat.items():
         ns.sort()
         print(f"{name:22} p50 {statistics.median(ns) / 1e3:8.2f} us   p99 {ns[int(len(ns) * 0.99)] / 1e3:8.2f} us"
               f"   (n={len(ns)})")
+    for name, trips in batch_trips.items():
+        print(f"put_batch(64 x 4KiB), {name}: {statistics.mean(trips):.2f} round trips per batch (mean), "
+              f"{max(trips):.0f} at most, {trips[0]:.0f} for the first batch")
     return 0
 
 

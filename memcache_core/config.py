@@ -124,6 +124,10 @@ class LocalConfig:
     reply names the same object at the same place (docs/design.md). 0: off."""
     host_id: str = ""
     """Identity of this host for choosing shared memory over TCP; empty = derived from the machine."""
+    small_put_max_bytes: Annotated[int, Meta(ge=0, le=1 << 30)] = 64 << 10
+    """A put of one replica whose payload is at most this many bytes goes into this LocalService's
+    allocation arena (a range of its own segment the MetaService grants) and is committed in one round
+    trip (docs/design.md, "Small puts"); larger ones, and all when 0, take the two-phase put."""
     checksum: Bool = True
     """Writers compute each object's payload checksum (XXH3-64) while they copy and commit it with the
     object; readers verify it. Off: objects carry no checksum and reads are not verified."""

@@ -118,6 +118,10 @@ class MetaConfig:
     member_max_leases: Annotated[int, Meta(ge=0, le=1 << 40), NUMBER] = 1 << 20
     """Leases one member may hold at once on the GVA path (``batch_add_lease``); a lease beyond it is
     refused (-3112) for that key. 0: no bound."""
+    arena_bytes: Annotated[int, Meta(ge=0, le=1 << 30), NUMBER] = 4 << 20
+    """Size of the allocation arena granted to a LocalService in its own segment, where it places small
+    puts itself and commits them in one round trip (docs/design.md, "Small puts"); at most an eighth
+    of the segment. 0: no arenas, every put is two-phase."""
     auth_enable: Bool = True
     """Every connection proves it holds the pool secret (HMAC challenge-response) before anything
     else; false only for a single trusted host (docs/security.md)."""

@@ -34,6 +34,8 @@ WRITE_IN_PROGRESS = -3102      # project code: another writer's put of the key i
 CHECKSUM_MISMATCH = -3110      # project code: the bytes read do not match the object's checksum
 DISK_IO_ERROR = -3111          # project code: the disk tier could not read or write a record (I/O error, disk full)
 QUOTA_EXCEEDED = -3112         # project code: a member is at a MetaService quota (member_max_*, max_members)
+ARENA_VOID = -3113             # project code: a small-put commit names an arena that is not the writer's live one
+                               # (retired, or granted by an earlier MetaService life or term): put it two-phase
 NOT_LEADER = -3120             # project code: this MetaService is a standby (HA), or answered with an old term
 LEASE_NOT_EXPIRED = -3104
 

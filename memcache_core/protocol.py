@@ -73,6 +73,25 @@ class Commit(msgspec.Struct, tag=True):
     checksums: list[int] = []      # payload XXH3-64 per key (0: none computed); empty: none at all
 
 
+class ArenaCommit(msgspec.Struct, tag=True):
+    """Small puts in one round trip (``meta/arena.py``): objects the caller placed and wrote in its
+    allocation arena ``arena`` (a range of its own segment it was granted), committed at once:
+    ``offsets[i]`` is where the header of ``keys[i]`` (``sizes[i]`` payload bytes) starts. The
+    MetaService issues their generations. ``refill``: retire the arena (its free part returns to the
+    segment) and grant a new one in the reply; ``release``: retire it, grant none. No keys and
+    ``refill``: the first grant. Answered by ``ArenaReply``."""
+
+    client_id: int
+    token: bytes
+    arena: int
+    keys: Keys
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    refill: bool = False
+    release: bool = False
+
+
 class Abort(msgspec.Struct, tag=True):
     client_id: int
     token: bytes
@@ -256,10 +275,10 @@ class ConfigGet(msgspec.Struct, tag=True):
     key: str
 
 
-MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Corrupt", "DrainNext", "DrainDone",
+MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "ArenaCommit", "Abort", "Corrupt", "DrainNext", "DrainDone",
                    "RepairNext", "RepairDone", "DiskSync", "Promote", "Promoted", "Info", "Lease", "Grant")
 
-Request = (Join | Leave | Heartbeat | Alloc | Commit | Abort | Lookup | Exist | Validate | Remove
+Request = (Join | Leave | Heartbeat | Alloc | Commit | ArenaCommit | Abort | Lookup | Exist | Validate | Remove
            | RemoveAll | RemovePrefix | Confirmed | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
            | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant)
 
@@ -315,6 +334,19 @@ class AllocReply(_Reply):
     results: list[AllocResult]
 
 
+class ArenaReply(_Reply):
+    """``ArenaCommit``'s answer: per key a code (0, ``OBJECT_ALREADY_EXISTS``, ``ARENA_VOID`` when the
+    arena is not the caller's live one: put it the two-phase way, or another refusal) and the
+    generation issued; and the arena the caller holds now (``arena`` 0: none; ``start`` is an offset in
+    the caller's segment, ``size`` bytes long)."""
+
+    codes: list[int]
+    generations: list[int]
+    arena: int = 0
+    start: int = 0
+    size: int = 0
+
+
 class LookupReply(_Reply):
     results: list[Found | None]
     lease_ttl_ms: int = 0
@@ -360,7 +392,7 @@ class DiskWork(_Reply):
     promote: list[ObjectReport] = []   # records to bring back into the provider's DRAM (admin /memory/prefetch)
 
 
-Reply = (Error | Ok | Joined | HeartbeatReply | AllocReply | LookupReply | Codes | Flags | Segments
+Reply = (Error | Ok | Joined | HeartbeatReply | AllocReply | ArenaReply | LookupReply | Codes | Flags | Segments
          | Value | DrainBatch | DiskWork | InfoReply | Granted)
 
 request_encoder = msgspec.msgpack.Encoder()

@@ -9,6 +9,7 @@ immutable ``Session``, swapped whole on a re-join and read once per call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -26,6 +27,7 @@ from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..transfer import TransferEngine
 from . import recovery, tier
+from .arena import ArenaWriter
 from .drain import Drainer
 from .metrics import LocalMetrics
 from .session import Pieces as Pieces
@@ -73,6 +75,7 @@ class Membership:
     engine: TransferEngine | None
     disk: tier.DiskTier | None
     drainer: Drainer
+    arenas: ArenaWriter | None
     metrics: LocalMetrics
     secret: bytes | None
     _tls_client: ssl.SSLContext | None
@@ -93,27 +96,30 @@ class Membership:
 
     def _join(self, recover: bool) -> None:
         """Join (or re-join) and install the new session in one step."""
-        objects = recovery.scan(self.segment) if recover and self.segment is not None else []
-        old = self.session
-        on_disk = self.disk.store.reports() if self.disk is not None else []
-        reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
-                                     objects, old.token, on_disk, self.generation_ceiling), probe=True)
-        j = expect(reply, p.Joined)
-        self.generation_ceiling = max(self.generation_ceiling, j.generation_ceiling)
-        seg = None
-        if self._segment_template is not None:
-            seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
-        with self._lock:
-            stale, self._segments = list(self._segments.values()), {}
-            self._journal_ack = 0
-            self.session = Session(j.client_id, j.meta_epoch, j.lease_ttl_ms / 1000.0,
-                                   j.pending_timeout_ms / 1000.0, seg, j.token)
-        if self.engine is not None:
-            for seg_info in stale:
-                self.engine.forget(seg_info)
-        if recover:
-            logger.info("re-joined MetaService (epoch %d) as %d with %d objects", j.meta_epoch, j.client_id,
-                        len(objects))
+        # under the arena lock: no small put copies into an arena of the old session once the new
+        # MetaService may hand that space out, and the scan sees every header of a put that succeeds
+        with self.arenas.lock if self.arenas is not None else contextlib.nullcontext():
+            objects = recovery.scan(self.segment) if recover and self.segment is not None else []
+            old = self.session
+            on_disk = self.disk.store.reports() if self.disk is not None else []
+            reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
+                                         objects, old.token, on_disk, self.generation_ceiling), probe=True)
+            j = expect(reply, p.Joined)
+            self.generation_ceiling = max(self.generation_ceiling, j.generation_ceiling)
+            seg = None
+            if self._segment_template is not None:
+                seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
+            with self._lock:
+                stale, self._segments = list(self._segments.values()), {}
+                self._journal_ack = 0
+                self.session = Session(j.client_id, j.meta_epoch, j.lease_ttl_ms / 1000.0,
+                                       j.pending_timeout_ms / 1000.0, seg, j.token)
+            if self.engine is not None:
+                for seg_info in stale:
+                    self.engine.forget(seg_info)
+            if recover:
+                logger.info("re-joined MetaService (epoch %d) as %d with %d objects", j.meta_epoch, j.client_id,
+                            len(objects))
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_ms / 1000.0
@@ -148,6 +154,8 @@ class Membership:
                 self.drainer.on_heartbeat(r.drain)
                 self.drainer.on_repair(r.repair)
                 self.pool_disk_tiers = r.disk_tiers
+                if self.arenas is not None:
+                    self.arenas.release_idle(time.monotonic())
                 if r.served:
                     self.metrics.serve("host_shm", True, r.served[0])
                     self.metrics.serve("host_shm", False, r.served[1])
@@ -189,7 +197,8 @@ class Membership:
             if e.disk:
                 records.append(e.obj)
             elif not e.added and self.segment is not None:
-                recovery.clear_header(self.segment, e.obj)
+                with self.arenas.lock if self.arenas is not None else contextlib.nullcontext():
+                    recovery.clear_header(self.segment, e.obj)   # (after the header a small put writes)
             self._journal_ack = e.seq
             new = True
         if records and self.disk is not None:   # deleted before the next heartbeat acknowledges them

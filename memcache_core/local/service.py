@@ -35,6 +35,7 @@ from ..transfer.memfabric import require_memfabric
 from ..transfer.tcp import DataServer
 from ..values import WILDCARD_HOSTS
 from . import tier
+from .arena import ArenaWriter
 from .drain import Drainer
 from .gva import Gva, GvaBook
 from .hints import LocationHints
@@ -94,6 +95,7 @@ class LocalService(Writes, Reads, Gva):
         self.disk: tier.DiskTier | None = None   # the disk tier under our segment (disk_path)
         self.prefault: Prefault | None = None
         self._gva_book: GvaBook | None = None   # GVAs handed out in the current session (gva.py)
+        self.arenas: ArenaWriter | None = None   # small puts through our own segment (arena.py)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -109,6 +111,8 @@ class LocalService(Writes, Reads, Gva):
                     raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
                 self.segment = create_segment(size)
                 self.prefault = start_prefault(self.segment, cfg)
+                if cfg.small_put_max_bytes:
+                    self.arenas = ArenaWriter(self.segment, self.rpc, cfg.checksum)
                 if cfg.disk_path:
                     self.disk = tier.DiskTier(self)
                     self.metrics.watch_disk(self.disk.counters)

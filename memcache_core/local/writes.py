@@ -1,7 +1,8 @@
 """Put, in named phases: validate -> allocate -> copy -> commit / abort.
 
 Put is two-phase on the MetaService: ``Alloc`` (objects PENDING), copy payload and header, ``Commit``
-(visible, with the payload checksum), or ``Abort`` on failure. A key another writer has pending is
+(visible, with the payload checksum), or ``Abort`` on failure. Small objects of one replica go
+through our allocation arena instead (``arena.py``): copy, then one ``ArenaCommit``. A key another writer has pending is
 waited for, never reported as stored.
 """
 
@@ -16,6 +17,7 @@ from .. import protocol as p
 from ..errors import MemCacheError, valid_key
 from ..rpc import Backoff, expect
 from ..transfer import CopyOp
+from .arena import ArenaWriter
 from .membership import Membership, Pieces, Session, in_batches
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class Writes(Membership):
     """``LocalService.put`` and its phases (a mixin)."""
 
     _partial_warned: float   # when a partial placement may be logged again
+    arenas: ArenaWriter | None   # small puts in one round trip (arena.py); None without a segment
 
     @in_batches(aligned=1)
     def put(self, keys: Sequence[str], pieces: Sequence[Pieces], replicas: int = 1,
@@ -35,14 +38,34 @@ class Writes(Membership):
         if not todo:
             return results
         sizes = {k: sum(n for _, n in pieces[i]) for k, i in todo.items()}
-        allocated = self._alloc(sizes, replicas, preferred, results, todo)
+        if self.arenas is not None and replicas == 1 and set(preferred) <= {self.client_id}:
+            n = len(todo)
+            todo = self._put_small(todo, sizes, pieces, results)
+            stored = len(todo) < n
+            sizes = {k: sizes[k] for k in todo}   # what is left for the two-phase put
+        else:
+            stored = False
+        allocated = self._alloc(sizes, replicas, preferred, results, todo) if todo else {}
         self._note_partial(allocated, replicas)
         s = self.session   # the session the allocation was made in (a re-join may have replaced it)
         ops = self._copy(s, allocated, pieces, results, todo)
         self._finish_put(s, allocated, ops, results, todo)
-        if self.disk is not None and allocated:
+        if self.disk is not None and (allocated or stored):
             self.disk.poke()   # our segment may have grown: the disk tier asks for copies now
         return results
+
+    def _put_small(self, todo: dict[str, int], sizes: dict[str, int], pieces: Sequence[Pieces],
+                   results: list[MemCacheError | None]) -> dict[str, int]:
+        """Put the small objects through our arena (``arena.py``); the keys left for the two-phase put."""
+        assert self.arenas is not None
+        limit = self.config.small_put_max_bytes
+        small = [k for k in todo if sizes[k] <= limit]
+        if not small:
+            return todo
+        done, _ = self.arenas.put(self.session, small, [pieces[todo[k]] for k in small], [sizes[k] for k in small])
+        for k, e in done.items():
+            results[todo[k]] = e
+        return {k: i for k, i in todo.items() if k not in done}
 
     def _alloc(self, sizes: dict[str, int], replicas: int, preferred: Sequence[int],
                results: list[MemCacheError | None], todo: dict[str, int]) -> dict[str, p.AllocResult]:

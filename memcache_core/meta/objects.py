@@ -9,7 +9,7 @@ What few objects have (more replicas, a disk record) is in ``Extra``."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -218,6 +218,7 @@ class Segment:
         self.acked = 0                  # the owner has applied the journal up to here (cleared those headers)
         self.serial = 0                 # this incarnation of the segment (``ObjectTable.add_segment``)
         self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
+        self.arena: Any = None          # the owner's allocation arena (meta/arena.py), if it holds one
 
     def record_removed(self, report: ObjectReport, disk: bool = False) -> None:
         """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header;

@@ -21,7 +21,7 @@ from typing import Any
 from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig
-from . import disk, generations, gva, placement, stats, validate
+from . import arena, disk, generations, gva, placement, stats, validate
 from .drain import Drains
 from .events import EventPublisher, load_curve
 from .members import Member, Membership, new_epoch
@@ -177,7 +177,7 @@ class MetaServiceCore(Membership):
                 return self._config_put(k, v)
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
-            case (p.Alloc() | p.Commit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone()
+            case (p.Alloc() | p.Commit() | p.ArenaCommit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone()
                   | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant()):
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
             case p.DiskSync() | p.Promote() | p.Promoted():
@@ -202,6 +202,12 @@ class MetaServiceCore(Membership):
                 validate.generations(gens)
                 validate.checksums(sums)
                 return p.Codes([t.commit(cid, k, g, now, c) for k, g, c in zip(keys, gens, sums, strict=True)])
+            case p.ArenaCommit():
+                validate.arena_commit(req)
+                # arenas put small objects in the writer's own segment: what local_first does anyway
+                size = self.config.arena_bytes if self.config.placement_policy == "local_first" else 0
+                return arena.commit(t, member.segment_id, req, now, size,
+                                    lambda n: self._within_quota(cid, n, 1, now))
             case p.Abort(keys=keys, generations=gens):
                 validate.batch(keys, gens)
                 for k, g in zip(keys, gens, strict=True):

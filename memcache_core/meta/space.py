@@ -126,5 +126,5 @@ class Space:
     def _free_space(self, obj: Obj) -> None:
         for loc in obj.locations:
             seg = self.segments.get(loc.segment_id)
-            if seg is not None:
+            if seg is not None and not (seg.arena is not None and seg.arena.release(loc.offset)):
                 seg.allocator.free_range(loc.offset, footprint(obj.size))

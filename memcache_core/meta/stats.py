@@ -179,6 +179,8 @@ def count_outcomes(outcomes: collections.Counter[tuple[str, str]], req: object, 
             _count_codes(outcomes, "put", map(_CODE, results))
         case p.Commit(), p.Codes(codes=codes):
             _count_codes(outcomes, "commit", codes)
+        case p.ArenaCommit(), p.ArenaReply(codes=codes):   # a small put is decided at its commit
+            _count_codes(outcomes, "put", codes)
         case p.Remove(), p.Codes(codes=codes):
             _count_codes(outcomes, "remove", codes)
         case p.Info(), p.InfoReply(results=results):

@@ -347,10 +347,16 @@ class ObjectTable(Kept, Lookups, Removals, Space):
         self._next_gen += 1
         return self._next_gen
 
-    def _reserve_ahead(self) -> None:
-        """Reserve the next block when half of this one is used (or a report lifted the counter)."""
-        if self._next_gen >= self.gen_ceiling - generations.BLOCK // 2:
+    def _reserve_ahead(self, n: int = 0) -> None:
+        """Reserve the next block when half of this one is used (or a report lifted the counter), or
+        would be after ``n`` more generations."""
+        if self._next_gen + n >= self.gen_ceiling - generations.BLOCK // 2:
             self._next_gen, self.gen_ceiling = self.reserve(self._next_gen, self.gen_ceiling)
+
+    def reserve_for(self, n: int) -> None:
+        """Reserve now what issuing ``n`` generations needs, so that a batch committing ``n`` objects
+        cannot fail half-way (with HA a reservation may fail: it then fails before anything is placed)."""
+        self._reserve_ahead(n)
 
     def alloc_in(self, seg: Segment, size_in_segment: int, now: float) -> int | None:
         """Space in one segment, evicting if needed (a promotion from its owner's disk tier)."""

@@ -46,6 +46,15 @@ def batch(keys: list[str], *others: list) -> None:
     check_keys(keys)
 
 
+def arena_commit(req: p.ArenaCommit) -> None:
+    batch(req.keys, req.offsets, req.sizes, req.checksums)
+    _int("arena", req.arena, 0, MAX_U63)
+    for off, size, checksum in zip(req.offsets, req.sizes, req.checksums, strict=True):
+        _int("offset", off, 0, MAX_SEGMENT_BYTES)
+        _int("size", size, 1, MAX_OBJECT_BYTES)
+        _int("checksum", checksum, 0, MAX_U64)
+
+
 def segment(info: p.SegmentInfo) -> None:
     _int("segment.size", info.size, 1 << 12, MAX_SEGMENT_BYTES)
     _text("segment.host_id", info.host_id)
