@@ -36,7 +36,8 @@ from ..transfer.tcp import DataServer
 from ..values import WILDCARD_HOSTS
 from . import tier
 from .drain import Drainer
-from .gva import Gva, GvaBook
+from .gva import Gva
+from .gva_book import GvaBook
 from .hints import LocationHints
 from .membership import in_batches
 from .metrics import LocalMetrics, MetricsServer
