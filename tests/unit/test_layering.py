@@ -5,7 +5,8 @@ import statement, at module level or inside a function or ``if TYPE_CHECKING``, 
 * the control-plane plumbing (``rpc``, ``endpoints``, ``etcd``, ``http_guard``) imports leaves and itself;
 * ``transfer/`` and ``meta/`` import the two layers below and themselves, never each other nor ``local/``;
 * ``local/`` may use ``transfer/`` (it owns the transfer engine), never ``meta/``;
-* the entry points (the package, ``meta_service``, ``cli``, ``cli_status``, ``testing``) sit on top;
+* the entry points (the package, ``meta_service``, ``cli``, ``cli_status``, ``testing`` and its
+  ``testing_*`` siblings) sit on top;
 * nothing in the core imports an integration or an engine, and the two integrations do not import
   each other;
 * no import cycles, inside a layer either: a helper never imports the module that imports it (shared
@@ -26,7 +27,7 @@ CORE = REPO / "memcache_core"
 LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "tls", "logs",
         "checkpoint", "records"}
 PLUMBING = {"rpc", "endpoints", "etcd", "http_guard"}
-ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing"}
+ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing", "testing_etcd", "testing_kv_events"}
 PACKAGES = {"transfer", "meta", "local"}
 ALLOWED = {
     "leaf": {"leaf"},
