@@ -32,7 +32,7 @@ from ..rpc import RpcClient, expect
 from ..rpc.framing import raise_fd_limit
 from ..transfer import TransferEngine, native
 from ..transfer.memfabric import require_memfabric
-from ..transfer.tcp import DataServer
+from ..transfer.tcp_server import DataServer
 from ..values import WILDCARD_HOSTS
 from . import tier
 from .drain import Drainer
