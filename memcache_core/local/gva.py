@@ -89,7 +89,7 @@ class Gva(Membership):
             if not isinstance(s, int) or s <= 0:
                 raise InvalidParameter(f"batch_alloc: size {s!r} must be a positive int")
         t0 = time.monotonic()
-        reply = expect(self._member_call(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes))),
+        reply = expect(self.member_call(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes))),
                        p.AllocReply)
         connects = self.rpc.connects   # read after the call: the connection the reply came on counts
         book = self._book()
@@ -111,7 +111,7 @@ class Gva(Membership):
         """Each key's object (committed, or allocated here and not finished) and a GVA per DRAM
         replica, nearest first (none for a copy held on a disk tier only)."""
         check_keys(list(keys))
-        reply = expect(self._member_call(lambda s: p.Info(s.client_id, s.token, list(keys))), p.InfoReply)
+        reply = expect(self.member_call(lambda s: p.Info(s.client_id, s.token, list(keys))), p.InfoReply)
         book = self._book()
         out: list[tuple[p.Found | None, list[int]]] = []
         for k, f, pending in zip(keys, reply.results, reply.pending, strict=True):
@@ -138,7 +138,7 @@ class Gva(Membership):
         gens = [os_[0].generation if os_ else 0 for os_ in objs]
         ttl = ttl_ms or int(self.session.lease_ttl_s * 1000)
         t0 = time.monotonic()
-        codes = expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
+        codes = expect(self.member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
                        p.Codes).codes
         connects = self.rpc.connects
         until, end = min(t0 + ttl / 1000.0, self._grant_cap(t0)), t0 + ttl / 1000.0
@@ -150,7 +150,7 @@ class Gva(Membership):
     def gva_unlease(self, keys: Sequence[str]) -> list[int]:
         check_keys(list(keys))
         self._book().revoke(keys, write=False)   # the right to copy out ends now, whatever the reply
-        return expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), [0] * len(keys), 0)),
+        return expect(self.member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), [0] * len(keys), 0)),
                       p.Codes).codes
 
     @in_batches(aligned=1)
@@ -172,7 +172,7 @@ class Gva(Membership):
         if left_s is None:
             left_s = self._grant(book, spans, sizes, writing)
         hashing = writing and self.config.checksum
-        ops = [CopyOp(self._segment(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
+        ops = [CopyOp(self.segment_info(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
                       hash=hashing and start == 0 and n == o.size, start=start, with_header=False)
                for (o, start), ps, n in zip(spans, pieces, sizes, strict=True)]
         t0 = time.monotonic()
@@ -197,7 +197,7 @@ class Gva(Membership):
                            [o.segment_id for o, _ in spans], [st for _, st in spans],
                            [st + n for (_, st), n in zip(spans, sizes, strict=True)], write)
         t0 = time.monotonic()
-        reply = expect(self._member_call(ask), p.Granted)
+        reply = expect(self.member_call(ask), p.Granted)
         connects = self.rpc.connects
         for (o, start), code in zip(spans, reply.codes, strict=True):
             if code != errors.SUCCESS:
@@ -277,7 +277,7 @@ class Gva(Membership):
                 errs.setdefault(o.key, errors.TransferFailed(f"{o.key!r}: reading it back to hash it failed"))
         headers = [np.frombuffer(pack_header(o.key, o.generation, o.size, checksum[o.key]), np.uint8)
                    for o in reps if o.key not in errs]
-        ops = [CopyOp(self._segment(o.segment_id), o.offset, [(h.ctypes.data, HEADER_BYTES)], HEADER_BYTES, o.key,
+        ops = [CopyOp(self.segment_info(o.segment_id), o.offset, [(h.ctypes.data, HEADER_BYTES)], HEADER_BYTES, o.key,
                       o.generation, start=-HEADER_BYTES, with_header=False)   # the header's place, after the payload
                for o, h in zip([o for o in reps if o.key not in errs], headers, strict=True)]
         self.engine.write(ops)
@@ -304,7 +304,7 @@ class Gva(Membership):
             return {}
         assert self.engine is not None
         scratch = [np.empty(o.size, np.uint8) for o in objs]
-        reads = [CopyOp(self._segment(o.segment_id), o.offset, [(b.ctypes.data, o.size)], o.size, o.key,
+        reads = [CopyOp(self.segment_info(o.segment_id), o.offset, [(b.ctypes.data, o.size)], o.size, o.key,
                         o.generation) for o, b in zip(objs, scratch, strict=True)]
         self.engine.read(reads)
         return {o: xxhash.xxh3_64_intdigest(b.data) for o, b, r in zip(objs, scratch, reads, strict=True) if r.error is None}

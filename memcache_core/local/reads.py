@@ -234,14 +234,14 @@ class Reads(Membership):
         while left:
             loc = left.pop(0)
             try:
-                return self._segment(loc.segment_id), loc.offset
+                return self.segment_info(loc.segment_id), loc.offset
             except MemCacheError as e:
                 results[i] = e
         return None
 
     def _report_corrupt(self, corrupt: list[tuple[str, int, int]]) -> None:
         try:
-            self._member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _, _ in corrupt],
+            self.member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _, _ in corrupt],
                                                   [g for _, g, _ in corrupt], [sid for _, _, sid in corrupt]))
         except MemCacheError as e:
             logger.warning("could not report %d corrupt objects: %s", len(corrupt), e)

@@ -115,7 +115,7 @@ class DiskTier:
         st = self.store
         added, dropped = st.take_changes()
         try:
-            work = expect(self.svc._member_call(lambda s: p.DiskSync(
+            work = expect(self.svc.member_call(lambda s: p.DiskSync(
                 s.client_id, s.token, self.policy, st.capacity, st.used, st.room(), added, dropped,
                 self.counters())), p.DiskWork)
         except MemCacheError as e:
@@ -189,7 +189,7 @@ class DiskTier:
             return [errors.OBJECT_NOT_EXISTS] * len(items)
         t0 = time.monotonic()
         try:
-            res = expect(self.svc._member_call(lambda s: p.Promote(s.client_id, s.token, [k for k, _, _ in items])),
+            res = expect(self.svc.member_call(lambda s: p.Promote(s.client_id, s.token, [k for k, _, _ in items])),
                          p.AllocReply).results
         except MemCacheError as e:
             return [e.code] * len(items)
@@ -230,7 +230,7 @@ class DiskTier:
         if not done:
             return codes
         try:
-            answers = expect(self.svc._member_call(lambda s: p.Promoted(
+            answers = expect(self.svc.member_call(lambda s: p.Promoted(
                 s.client_id, s.token, [k for k, _, _ in done], [o for _, o, _ in done], [ok for _, _, ok in done])),
                 p.Codes).codes
         except MemCacheError as e:
@@ -277,7 +277,7 @@ def _read_part(svc: Provider, sid: int, items: list) -> list[MemCacheError | Non
         return svc.disk.read_into(items)
     try:
         assert svc.engine is not None
-        return svc.engine.tcp.disk_request(svc._segment(sid).data_addr, OP_DISK_READ, items)
+        return svc.engine.tcp.disk_request(svc.segment_info(sid).data_addr, OP_DISK_READ, items)
     except MemCacheError as e:
         return [e] * len(items)
 
@@ -301,7 +301,7 @@ def promote_remote(svc: Provider, sid: int, items: list[tuple[str, int, int]]) -
         return svc.disk.promote_local(items)
     try:
         assert svc.engine is not None
-        errs = svc.engine.tcp.disk_request(svc._segment(sid).data_addr, OP_PROMOTE,
+        errs = svc.engine.tcp.disk_request(svc.segment_info(sid).data_addr, OP_PROMOTE,
                                            [(k, s, c, []) for k, s, c in items])
     except MemCacheError as e:
         return [e.code] * len(items)
