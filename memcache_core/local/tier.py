@@ -241,13 +241,15 @@ class DiskTier:
 
 
 def read_disk(svc: Provider, keys: list[str], pieces: list[Pieces], found: list[p.Found | None],
-              idx: list[int], results: list[MemCacheError | None], verify: bool) -> None:
-    """Read disk-only objects from the providers holding their records, straight into ``pieces``."""
+              idx: list[int], verify: bool) -> dict[int, MemCacheError | None]:
+    """Read the objects of keys ``idx`` from the providers holding their records, straight into
+    ``pieces``: each key's outcome (None: read)."""
+    read: dict[int, MemCacheError | None] = {}
     by_owner: dict[int, list[int]] = {}
     for i in idx:
         f = found[i]
         if f is None or not f.disk:
-            results[i] = KeyNotFound(f"{keys[i]!r} has no copy left")
+            read[i] = KeyNotFound(f"{keys[i]!r} has no copy left")
             continue
         by_owner.setdefault(f.disk, []).append(i)
     for sid, owned in by_owner.items():
@@ -257,7 +259,8 @@ def read_disk(svc: Provider, keys: list[str], pieces: list[Pieces], found: list[
         for i, e, item in zip(owned, errs, items, strict=True):
             if e is None and verify and item[2] and _digest(item[3]) != item[2]:
                 e = ChecksumMismatch(f"{keys[i]!r} read from the disk tier of {sid}: wrong checksum in the reader")
-            results[i] = e
+            read[i] = e
+    return read
 
 
 def _read_from(svc: Provider, sid: int, items: list) -> list[MemCacheError | None]:
