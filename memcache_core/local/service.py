@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 from .. import errors, tls
 from .. import protocol as p
 from ..auth import load_secret
-from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
+from ..config import ASCEND_PROTOCOLS, LocalConfig, parse_url
 from ..errors import CannotListen, InvalidParameter, MemCacheError, check_key, check_keys
 from ..etcd import EtcdAuth
+from ..host import env_host_id
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..rpc.framing import raise_fd_limit
