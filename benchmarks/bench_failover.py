@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memcache_core import DistributedObjectStore, LocalConfig  # noqa: E402
-from memcache_core.testing import EtcdProcess, MetaServiceProcess, wait_for  # noqa: E402
+from memcache_core.testing import MetaServiceProcess, wait_for  # noqa: E402
+from memcache_core.testing_etcd import EtcdProcess  # noqa: E402
 
 
 def leader(metas: list[MetaServiceProcess]) -> MetaServiceProcess | None:

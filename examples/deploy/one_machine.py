@@ -144,7 +144,7 @@ def start_meta_services(procs: dict[str, subprocess.Popen[bytes]], d: str, ha: b
             for _ in range(3 if ha else 1)]
     etcd, extra, member_url = None, {}, urls[0]["meta_service_url"]
     if ha:
-        from memcache_core.testing import EtcdProcess  # a throwaway single-member etcd on free ports
+        from memcache_core.testing_etcd import EtcdProcess  # a throwaway single-member etcd on free ports
         etcd = EtcdProcess(d).start()
         extra = {"ha_enable": True, "ha_etcd_endpoints": etcd.endpoint, "ha_cluster_id": "demo",
                  "ha_lease_ttl_ms": 2000}

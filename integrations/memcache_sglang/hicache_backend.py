@@ -45,19 +45,19 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     PoolName,
-    PoolTransfer,
-    PoolTransferResult,
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from memcache_sglang import copy_path, kv_pool
+from memcache_sglang import kv_pool
 from memcache_sglang.config import WARMUP_ENV, BackendConfig, env_flag, place_disk_tier, rank_index
 from memcache_sglang.disk_prefetch import DiskPromoter
 from memcache_sglang.join_metrics import join_metrics
 from memcache_sglang.keys import KeyScheme, shard_suffix
+from memcache_sglang.legacy_calls import LegacyCalls
 from memcache_sglang.namespace import Namespace, build_layout, model_config_digests
 from memcache_sglang.pool_join import BackgroundJoin
-from memcache_sglang.side_pools import exists_v2, io_v2, pool_object_key_prefix
+from memcache_sglang.side_pool_calls import SidePoolCalls
+from memcache_sglang.side_pools import pool_object_key_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,6 @@ SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head", "page_first
 CHECK_SERVER_TIMEOUT_S = 600.0
 # A MetaService that does not answer costs a call this long (the core's default is a minute).
 CLIENT_TIMEOUT_S = 5.0
-LEGACY_POOL = "flat"
 
 
 def _default_storage_config() -> HiCacheStorageConfig:
@@ -76,7 +75,7 @@ def _default_storage_config() -> HiCacheStorageConfig:
     )
 
 
-class NpuMemcacheStore(HiCacheStorage):
+class NpuMemcacheStore(SidePoolCalls, LegacyCalls, HiCacheStorage):
     """HiCache storage backend backed by a MemCache pool (``memcache_core``)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig | None = None, mem_pool: Any = None) -> None:
@@ -322,88 +321,6 @@ class NpuMemcacheStore(HiCacheStorage):
         if hits and self._promoter is not None:   # pages held on disk: into DRAM before the reads
             self._promoter.submit(store, object_keys(keys[:hits]))
         return hits
-
-    # ------------------------------------------------------------------ v2 (hybrid side pools)
-
-    def _pool_shard(self, pool_name: Any) -> str:
-        """MLA side pools other than Mamba are written by one rank and read by all."""
-        sc = self.storage_config
-        if sc.is_mla_model and pool_name != PoolName.MAMBA:
-            return shard_suffix(sc.pp_rank, sc.attn_cp_rank)
-        return self._rank_shard()
-
-    def _pool_keys_of(self, scheme: KeyScheme) -> Any:
-        def pool_keys(pool_name: Any, page_hashes: list[str]) -> list[str]:
-            tag = pool_object_key_prefix(pool_name, self.registered_pools.get(pool_name))
-            return scheme.pool_keys(page_hashes, tag, self._pool_shard(pool_name))
-        return pool_keys
-
-    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
-                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
-        scheme = self.keys
-        kv_pages = self._batch_exists(scheme, keys) if scheme is not None else 0
-        if not pool_transfers or kv_pages == 0 or self.store is None or scheme is None:
-            return PoolTransferResult(kv_pages, {"kv": kv_pages} if kv_pages else {})
-        return exists_v2(self.store, keys, kv_pages, pool_transfers, self._pool_keys_of(scheme))
-
-    def _io_v2(self, transfers: list[PoolTransfer], is_set: bool) -> dict[str, list[bool]]:
-        scheme = self.keys
-        if scheme is None:
-            return {t.name: [False] * len(t.keys or []) for t in transfers}
-        return io_v2(self.store, transfers, self.registered_pools, self._pool_keys_of(scheme), is_set=is_set)
-
-    def batch_get_v2(self, transfers: list[PoolTransfer],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return self._io_v2(transfers, is_set=False)
-
-    def batch_set_v2(self, transfers: list[PoolTransfer],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return self._io_v2(transfers, is_set=True)
-
-    # ------------------------------------------------------------------ legacy copy path
-
-    def _legacy_key(self, scheme: KeyScheme | None, key: str) -> str:
-        if scheme is None:
-            raise RuntimeError("npu_memcache: the host pool is not registered yet")
-        return scheme.page_key(key, self._rank_shard(), LEGACY_POOL)
-
-    def _legacy_keys(self, scheme: KeyScheme, keys: list[str]) -> list[str]:
-        return [self._legacy_key(scheme, k) for k in keys]
-
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        return self.batch_get([key], [target_location], [target_sizes])[0]
-
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[Any]:
-        """Read whole flat pages: into tensors (returned) or raw registered pointers (True)."""
-        store, scheme = self.store, self.keys
-        if store is None or scheme is None or not keys:
-            return [None] * len(keys)
-        return copy_path.batch_get(store, partial(self._legacy_key, scheme), keys, target_locations,
-                                   target_sizes)
-
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        return self.batch_set([key], [value], [target_location], [target_sizes])
-
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
-        store, scheme = self.store, self.keys
-        if store is None or scheme is None or not keys:
-            return False
-        return copy_path.batch_set(store, partial(self._legacy_key, scheme), keys, values, target_locations,
-                                   target_sizes)
-
-    def exists(self, key: str) -> bool:
-        store, scheme = self.store, self.keys
-        if store is None or scheme is None:
-            if store is None:
-                self._unjoined_misses(1)
-            return False
-        try:
-            return int(store.is_exist(self._legacy_key(scheme, key))) == 1
-        except Exception:
-            logger.exception("npu_memcache legacy exists of %s failed; reporting a miss", key)
-            return False
 
     # ------------------------------------------------------------------ admin
 

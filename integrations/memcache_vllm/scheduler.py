@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from memcache_vllm.config import ConnectorConfig, RolePolicy
@@ -55,6 +54,7 @@ from memcache_vllm.metadata import (
 )
 from memcache_vllm.poison import PoisonedBlocks, Write
 from memcache_vllm.pool_client import PoolClient
+from memcache_vllm.request_state import LOOKUP_REUSE_S, Lookup, SaveTracker
 from memcache_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
@@ -63,29 +63,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("vllm." + __name__)
-
-# A request that waits (no free blocks yet) is asked about every step; its answer is reused this
-# long, so a waiting request costs one existence call, not one per step.
-LOOKUP_REUSE_S = 1.0
-
-
-@dataclass
-class _Lookup:
-    start_block: int
-    hit_blocks: int
-    at: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _SaveTracker:
-    block_ids: list[int] = field(default_factory=list)
-    next_block: int = 0
-    """Blocks below this are computed elsewhere (local or pool hit) or already handed to a save."""
-    has_saves: bool = False
-    """Saves were issued since the request's last preemption (its free must wait for them)."""
-    issued: dict[int, str] = field(default_factory=dict)
-    """Block index -> block name of every block handed to a save (removed again if it turns out
-    to have been computed over a block that failed to load)."""
 
 
 class MemCacheScheduler:
@@ -113,8 +90,8 @@ class MemCacheScheduler:
         """Requests whose adapter reload (``load_inplace``) is already accounted for."""
         self._null_block_id = 0
         self._requests: dict[str, Request] = {}
-        self._lookups: dict[str, _Lookup] = {}
-        self._trackers: dict[str, _SaveTracker] = {}
+        self._lookups: dict[str, Lookup] = {}
+        self._trackers: dict[str, SaveTracker] = {}
         self._pending_loads: list[LoadJob] = []
         self._handled_failures: dict[tuple[int, ...], int] = {}
         self._pending_removals: dict[str, list[str]] = {}
@@ -183,7 +160,7 @@ class MemCacheScheduler:
             hit = prev.hit_blocks
         else:
             hit = self._lookup(request, start, end)
-            self._lookups[request.request_id] = _Lookup(start, hit)
+            self._lookups[request.request_id] = Lookup(start, hit)
         tokens = (start + hit) * self.block_size - num_computed_tokens
         if tokens <= 0:
             return 0, False
@@ -236,7 +213,7 @@ class MemCacheScheduler:
         self._pending_loads.append(LoadJob(rid, block_ids, self._names(request, start, end),
                                            self._cfg.load_async))
         self._poisoned.loaded(block_ids)
-        tracker = self._trackers.setdefault(rid, _SaveTracker())
+        tracker = self._trackers.setdefault(rid, SaveTracker())
         tracker.block_ids = list(blocks.get_block_ids()[0])
         tracker.next_block = max(tracker.next_block, end)
 
@@ -284,10 +261,10 @@ class MemCacheScheduler:
         # Every scheduled request's blocks are tracked (saves, and the blocks poisoned by a
         # failed load), then what the step computes is applied to the poisoned blocks.
         scheduled = scheduler_output.num_scheduled_tokens
-        steps: list[tuple[str, _SaveTracker, int]] = []
+        steps: list[tuple[str, SaveTracker, int]] = []
         writes: list[Write] = []
         for new in scheduler_output.scheduled_new_reqs:
-            tracker = self._trackers.setdefault(new.req_id, _SaveTracker())
+            tracker = self._trackers.setdefault(new.req_id, SaveTracker())
             tracker.block_ids = list(new.block_ids[0])
             tracker.next_block = max(tracker.next_block, new.num_computed_tokens // self.block_size)
             end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -331,7 +308,7 @@ class MemCacheScheduler:
         logger.warning("MemCacheConnector: evicted %d blocks from the prefix cache: they failed to "
                        "load or were computed over one that did", len(block_ids))
 
-    def _add_save(self, meta: MemCacheConnectorMetadata, rid: str, tracker: _SaveTracker,
+    def _add_save(self, meta: MemCacheConnectorMetadata, rid: str, tracker: SaveTracker,
                   computed_after_step: int) -> None:
         request = self._requests.get(rid)
         if request is None:

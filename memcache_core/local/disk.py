@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import dataclasses
 import logging
 import os
 import threading
@@ -39,6 +38,7 @@ from ..memory import Mapping
 from ..records import ObjectReport
 from . import disk_record as rec
 from .aligned import Aligned, AlignedPool
+from .disk_counters import DiskCounters
 from .disk_files import (
     NOFOLLOW,
     O_DIRECT,
@@ -57,21 +57,6 @@ READ_THREADS = 4           # disk reads served at once
 LOG_EVERY_S = 10.0
 MAX_REPORTED = 1 << 20     # records a Join may carry (meta/validate.py MAX_REPORTS)
 MAX_REMOVED = 1 << 14      # removed objects remembered against a copy being written
-
-
-@dataclasses.dataclass
-class DiskCounters:
-    writes: int = 0
-    write_bytes: int = 0
-    write_errors: int = 0
-    writes_skipped: int = 0      # offers refused because the queue was full
-    writes_stale: int = 0        # the DRAM copy changed before it was written
-    reads: int = 0
-    read_bytes: int = 0
-    read_errors: int = 0
-    integrity_failures: int = 0
-    lru_drops: int = 0           # records dropped for good to make room
-    promotions: int = 0
 
 
 class DiskStore:

@@ -82,7 +82,7 @@ class Drainer:
         try:
             while not cancel.is_set():
                 try:
-                    batch = expect(self.svc._member_call(lambda s: p.RepairNext(s.client_id, s.token)),
+                    batch = expect(self.svc.member_call(lambda s: p.RepairNext(s.client_id, s.token)),
                                    p.DrainBatch)
                 except MemCacheError as e:   # the MetaService is down or restarting: the next heartbeat asks again
                     logger.debug("repair: %s", e)
@@ -118,7 +118,7 @@ class Drainer:
             while not (cancel is not None and cancel.is_set()) and time.monotonic() < deadline:
                 ask_ms = max(1, int((deadline - time.monotonic()) * 1000)) if learnt else 0
                 try:
-                    batch = expect(self.svc._member_call(lambda s, t=ask_ms: p.DrainNext(  # type: ignore[misc]
+                    batch = expect(self.svc.member_call(lambda s, t=ask_ms: p.DrainNext(  # type: ignore[misc]
                         s.client_id, s.token, t)), p.DrainBatch)
                 except MemCacheError as e:   # the MetaService is down or restarting: try again
                     logger.debug("drain: %s", e)
@@ -144,7 +144,7 @@ class Drainer:
         threads = max(1, min(os.cpu_count() or 1, 8, cfg.write_thread_pool_size))
         peer_timeout = max(0.5, min(cfg.client_timeout_seconds, timeout_s / 4))   # a stalled peer: 1/4 over at most
         return TransferEngine(cfg.protocol, svc.host_id, svc.segment, peer_timeout, 1, threads, svc.secret,
-                              svc._tls_client)
+                              svc.tls_client)
 
     def _copy(self, engine: TransferEngine, moves: list[p.DrainMove], planned: float,
               report: type[p.DrainDone] | type[p.RepairDone]) -> None:
@@ -161,7 +161,7 @@ class Drainer:
                 logger.error("%s: %r at offset %d of this segment fails its checksum; not copied", what, m.key,
                              m.source_offset)
         try:
-            codes = expect(self.svc._member_call(lambda s: report(
+            codes = expect(self.svc.member_call(lambda s: report(
                 s.client_id, s.token, [m.key for m in moves], [m.new_generation for m in moves],
                 [op.checksum for op in ops], [op.error is None for op in ops])), p.Codes).codes
         except MemCacheError as e:   # not reported: the MetaService gives the space back itself
@@ -178,7 +178,7 @@ class Drainer:
         try:
             if m.source_offset < 0 or m.source_offset + footprint(m.size) > own.size:
                 raise MemCacheError(f"move of {m.key!r} names offset {m.source_offset} outside the segment")
-            seg = self.svc._segment(m.target.segment_id)
+            seg = self.svc.segment_info(m.target.segment_id)
         except MemCacheError as e:
             return CopyOp(_NOWHERE, 0, [], m.size, m.key, m.new_generation, error=e)
         return CopyOp(seg, m.target.offset, [(own.addr + payload_offset(m.source_offset), m.size)], m.size,

@@ -39,10 +39,7 @@ range written twice) is read back once at ``finish`` to hash it.
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -51,204 +48,15 @@ import xxhash
 
 from .. import errors
 from .. import protocol as p
-from ..errors import InvalidParameter, MemCacheError, StateMismatch, check_keys
-from ..layout import HEADER_BYTES, pack_header, payload_offset
-from ..memory import view_at
+from ..errors import InvalidParameter, MemCacheError, check_keys
+from ..layout import HEADER_BYTES, pack_header
 from ..rpc import expect
 from ..transfer import CopyOp
+from .gva_book import GvaBook, GvaObject
 from .membership import Membership, Pieces, Session, in_batches
 from .reads import LEASE_SAFETY
 
 logger = logging.getLogger(__name__)
-
-OFFSET_BITS, SLOT_BITS, TAG_BITS = 42, 14, 8
-_OFFSET_MASK, _SLOT_MASK = (1 << OFFSET_BITS) - 1, (1 << SLOT_BITS) - 1
-MAX_BOOK = 1 << 18        # keys remembered per session; the oldest are forgotten beyond it (their GVAs: -3000)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GvaObject:
-    """One object replica a GVA may point into: ``lo`` .. ``lo + size`` are its payload's bytes."""
-
-    key: str
-    generation: int
-    segment_id: int
-    offset: int            # where the object's header starts in the segment
-    size: int
-    pending: bool          # allocated by this client, not finished
-
-    @property
-    def lo(self) -> int:
-        return payload_offset(self.offset)
-
-
-@dataclasses.dataclass(slots=True)
-class Granted:
-    """What the MetaService granted for one replica: copies may start locally until ``until``; ``end``
-    is the lease end (reads) it was granted under, both on this process's monotonic clock."""
-
-    until: float
-    end: float
-    connects: int       # the RPC client's connections opened when it was asked (a new one: maybe a restart)
-
-
-class Digest:
-    """The XXH3-64 of one replica's payload, fed while its ranges arrive in order from byte 0."""
-
-    def __init__(self) -> None:
-        self.hasher = xxhash.xxh3_64()
-        self.whole: int | None = None   # the digest the copy loop computed over the whole payload at once
-        self.next = 0                   # bytes hashed so far (the next range must start here)
-        self.in_order = True            # False once a range came out of order: read back at finish
-        self.lock = threading.Lock()
-
-    def add(self, start: int, pieces: Pieces, digest: int | None) -> None:
-        """``pieces`` were copied to ``start``; ``digest``: their XXH3-64 when the copy computed it
-        (a copy of the whole payload)."""
-        with self.lock:
-            if not self.in_order or start != self.next:
-                self.in_order = False
-                return
-            if digest is not None and start == 0:
-                self.whole = digest
-            else:
-                for ptr, n in pieces:
-                    self.hasher.update(view_at(ptr, n))
-            self.next += sum(n for _, n in pieces)
-
-    def value(self, size: int) -> int | None:
-        """The payload's digest when every byte was hashed in order, else None."""
-        with self.lock:
-            if not self.in_order or self.next != size:
-                return None
-            return self.whole if self.whole is not None else self.hasher.intdigest()
-
-
-class GvaBook:
-    """The objects this client described in one session, indexed by segment and payload start, with
-    what was granted for them and the digests of those it is writing."""
-
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        self.tag = (session.epoch & ((1 << TAG_BITS) - 1)) or 1
-        self.slots: dict[int, int] = {}            # segment id -> slot
-        self.segment_of: dict[int, int] = {}       # slot -> segment id
-        self.by_key: dict[str, list[GvaObject]] = {}
-        self.starts: dict[int, list[int]] = {}     # segment id -> sorted payload starts
-        self.at: dict[tuple[int, int], GvaObject] = {}
-        self.grants: dict[str, dict[tuple[int, int, bool], Granted]] = {}   # key -> (gen, segment, write)
-        self.digests: dict[str, dict[int, Digest]] = {}                     # key -> segment -> digest
-        self.lock = threading.Lock()
-
-    def add(self, objs: list[GvaObject]) -> list[int]:
-        """Remember a key's replicas (replacing what was known of the key); their GVAs (0: none)."""
-        with self.lock:
-            if objs:
-                self._forget(objs[0].key)
-            gvas = [self._add(o) for o in objs]
-            while len(self.by_key) > MAX_BOOK:
-                self._forget(next(iter(self.by_key)))
-            return gvas
-
-    def _add(self, o: GvaObject) -> int:
-        slot = self.slots.get(o.segment_id)
-        if slot is None:
-            slot = len(self.slots) + 1
-            if slot > _SLOT_MASK:
-                return 0
-            self.slots[o.segment_id], self.segment_of[slot] = slot, o.segment_id
-        if o.lo + o.size > _OFFSET_MASK:
-            return 0
-        starts = self.starts.setdefault(o.segment_id, [])
-        i = max(0, bisect.bisect_left(starts, o.lo) - 1)
-        stale = []
-        while i < len(starts) and starts[i] < o.lo + o.size:   # space reused since: what lay there is gone
-            old = self.at[(o.segment_id, starts[i])]
-            if o.lo < old.lo + old.size:
-                stale.append(old.key)
-            i += 1
-        for k in stale:
-            self._forget(k)
-        bisect.insort(starts, o.lo)
-        self.at[(o.segment_id, o.lo)] = o
-        self.by_key.setdefault(o.key, []).append(o)
-        return self.tag << (OFFSET_BITS + SLOT_BITS) | slot << OFFSET_BITS | o.lo
-
-    def gva_of(self, o: GvaObject) -> int:
-        """The GVA of a replica described here (0: none)."""
-        with self.lock:
-            slot = self.slots.get(o.segment_id)
-            if slot is None or o not in self.by_key.get(o.key, ()):
-                return 0
-            return self.tag << (OFFSET_BITS + SLOT_BITS) | slot << OFFSET_BITS | o.lo
-
-    def forget(self, keys: Sequence[str]) -> None:
-        with self.lock:
-            for k in keys:
-                self._forget(k)
-
-    def _forget(self, key: str) -> None:
-        self.grants.pop(key, None)
-        self.digests.pop(key, None)
-        for o in self.by_key.pop(key, ()):
-            self.at.pop((o.segment_id, o.lo), None)
-            starts = self.starts[o.segment_id]
-            i = bisect.bisect_left(starts, o.lo)
-            if i < len(starts) and starts[i] == o.lo:
-                del starts[i]
-
-    def grant(self, objs: Sequence[GvaObject], write: bool, until: Sequence[float], end: Sequence[float],
-              connects: int) -> None:
-        """Remember what the MetaService granted for these replicas (still described here)."""
-        with self.lock:
-            for o, u, e in zip(objs, until, end, strict=True):
-                if o in self.by_key.get(o.key, ()):
-                    self.grants.setdefault(o.key, {})[(o.generation, o.segment_id, write)] = Granted(u, e, connects)
-
-    def granted(self, objs: Sequence[GvaObject], write: bool, now: float, connects: int) -> float | None:
-        """If every replica's copy may start now on what was granted: the shortest time (seconds) to
-        the end it was granted under; else None (ask the MetaService)."""
-        left = float("inf")
-        with self.lock:
-            for o in objs:
-                g = self.grants.get(o.key, {}).get((o.generation, o.segment_id, write))
-                if g is None or g.until <= now or g.connects != connects:
-                    return None
-                left = min(left, g.end - now)
-        return left
-
-    def revoke(self, keys: Sequence[str], write: bool) -> None:
-        with self.lock:
-            for k in keys:
-                mine = self.grants.get(k, {})
-                for g in [g for g in mine if g[2] == write]:
-                    del mine[g]
-
-    def digest(self, o: GvaObject) -> Digest:
-        with self.lock:
-            return self.digests.setdefault(o.key, {}).setdefault(o.segment_id, Digest())
-
-    def objects(self, key: str) -> list[GvaObject]:
-        with self.lock:
-            return list(self.by_key.get(key, ()))
-
-    def resolve(self, gva: int, n: int) -> tuple[GvaObject, int]:
-        """The object replica whose payload holds ``[gva, gva + n)``, and where the range starts in it."""
-        if not isinstance(gva, int) or not isinstance(n, int) or gva <= 0 or gva >> 64 or n <= 0:
-            raise InvalidParameter(f"GVA {gva!r} with size {n!r}: a GVA is a positive 64-bit int, the size positive")
-        if gva >> (OFFSET_BITS + SLOT_BITS) != self.tag:
-            raise StateMismatch(f"GVA {gva:#x} is of another MetaService session (restarted since): "
-                                f"call batch_get_key_info again")
-        off = gva & _OFFSET_MASK
-        with self.lock:
-            sid = self.segment_of.get(gva >> OFFSET_BITS & _SLOT_MASK)
-            starts = self.starts.get(sid, []) if sid is not None else []
-            i = bisect.bisect_right(starts, off) - 1
-            o = self.at.get((sid, starts[i])) if i >= 0 and sid is not None else None
-        if o is None or off + n > o.lo + o.size:
-            raise InvalidParameter(f"GVA {gva:#x} with size {n} does not lie inside an object described by "
-                                   f"batch_get_key_info in this session")
-        return o, off - o.lo
 
 
 class Gva(Membership):
@@ -281,7 +89,7 @@ class Gva(Membership):
             if not isinstance(s, int) or s <= 0:
                 raise InvalidParameter(f"batch_alloc: size {s!r} must be a positive int")
         t0 = time.monotonic()
-        reply = expect(self._member_call(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes))),
+        reply = expect(self.member_call(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes))),
                        p.AllocReply)
         connects = self.rpc.connects   # read after the call: the connection the reply came on counts
         book = self._book()
@@ -303,7 +111,7 @@ class Gva(Membership):
         """Each key's object (committed, or allocated here and not finished) and a GVA per DRAM
         replica, nearest first (none for a copy held on a disk tier only)."""
         check_keys(list(keys))
-        reply = expect(self._member_call(lambda s: p.Info(s.client_id, s.token, list(keys))), p.InfoReply)
+        reply = expect(self.member_call(lambda s: p.Info(s.client_id, s.token, list(keys))), p.InfoReply)
         book = self._book()
         out: list[tuple[p.Found | None, list[int]]] = []
         for k, f, pending in zip(keys, reply.results, reply.pending, strict=True):
@@ -330,7 +138,7 @@ class Gva(Membership):
         gens = [os_[0].generation if os_ else 0 for os_ in objs]
         ttl = ttl_ms or int(self.session.lease_ttl_s * 1000)
         t0 = time.monotonic()
-        codes = expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
+        codes = expect(self.member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
                        p.Codes).codes
         connects = self.rpc.connects
         until, end = min(t0 + ttl / 1000.0, self._grant_cap(t0)), t0 + ttl / 1000.0
@@ -342,7 +150,7 @@ class Gva(Membership):
     def gva_unlease(self, keys: Sequence[str]) -> list[int]:
         check_keys(list(keys))
         self._book().revoke(keys, write=False)   # the right to copy out ends now, whatever the reply
-        return expect(self._member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), [0] * len(keys), 0)),
+        return expect(self.member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), [0] * len(keys), 0)),
                       p.Codes).codes
 
     @in_batches(aligned=1)
@@ -364,7 +172,7 @@ class Gva(Membership):
         if left_s is None:
             left_s = self._grant(book, spans, sizes, writing)
         hashing = writing and self.config.checksum
-        ops = [CopyOp(self._segment(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
+        ops = [CopyOp(self.segment_info(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
                       hash=hashing and start == 0 and n == o.size, start=start, with_header=False)
                for (o, start), ps, n in zip(spans, pieces, sizes, strict=True)]
         t0 = time.monotonic()
@@ -389,7 +197,7 @@ class Gva(Membership):
                            [o.segment_id for o, _ in spans], [st for _, st in spans],
                            [st + n for (_, st), n in zip(spans, sizes, strict=True)], write)
         t0 = time.monotonic()
-        reply = expect(self._member_call(ask), p.Granted)
+        reply = expect(self.member_call(ask), p.Granted)
         connects = self.rpc.connects
         for (o, start), code in zip(spans, reply.codes, strict=True):
             if code != errors.SUCCESS:
@@ -469,7 +277,7 @@ class Gva(Membership):
                 errs.setdefault(o.key, errors.TransferFailed(f"{o.key!r}: reading it back to hash it failed"))
         headers = [np.frombuffer(pack_header(o.key, o.generation, o.size, checksum[o.key]), np.uint8)
                    for o in reps if o.key not in errs]
-        ops = [CopyOp(self._segment(o.segment_id), o.offset, [(h.ctypes.data, HEADER_BYTES)], HEADER_BYTES, o.key,
+        ops = [CopyOp(self.segment_info(o.segment_id), o.offset, [(h.ctypes.data, HEADER_BYTES)], HEADER_BYTES, o.key,
                       o.generation, start=-HEADER_BYTES, with_header=False)   # the header's place, after the payload
                for o, h in zip([o for o in reps if o.key not in errs], headers, strict=True)]
         self.engine.write(ops)
@@ -496,7 +304,7 @@ class Gva(Membership):
             return {}
         assert self.engine is not None
         scratch = [np.empty(o.size, np.uint8) for o in objs]
-        reads = [CopyOp(self._segment(o.segment_id), o.offset, [(b.ctypes.data, o.size)], o.size, o.key,
+        reads = [CopyOp(self.segment_info(o.segment_id), o.offset, [(b.ctypes.data, o.size)], o.size, o.key,
                         o.generation) for o, b in zip(objs, scratch, strict=True)]
         self.engine.read(reads)
         return {o: xxhash.xxh3_64_intdigest(b.data) for o, b, r in zip(objs, scratch, reads, strict=True) if r.error is None}

@@ -78,7 +78,7 @@ class Membership:
     arenas: ArenaWriter | None
     metrics: LocalMetrics
     secret: bytes | None
-    _tls_client: ssl.SSLContext | None
+    tls_client: ssl.SSLContext | None
     _segment_template: p.SegmentInfo | None
     _segments: dict[int, p.SegmentInfo]
     _journal_ack: int
@@ -177,7 +177,7 @@ class Membership:
             if self.session is seen and not self._stop.is_set():
                 self._join(recover=True)
 
-    def _member_call(self, make: Callable[[Session], p.Request]) -> p.Reply:
+    def member_call(self, make: Callable[[Session], p.Request]) -> p.Reply:
         """A call that acts as this member; after a MetaService restart re-join first, then retry once."""
         s = self.session
         try:
@@ -207,7 +207,7 @@ class Membership:
 
     # ---- segments ------------------------------------------------------------------------------------
 
-    def _segment(self, sid: int) -> p.SegmentInfo:
+    def segment_info(self, sid: int) -> p.SegmentInfo:
         seg = self._segments.get(sid)
         if seg is None:
             self._refresh_segments()

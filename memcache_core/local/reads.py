@@ -15,8 +15,10 @@
 * **confirm**: a get that finished later than 80% of its lease is confirmed with ``Validate`` before
   its reads count; corrupt replicas are reported to the MetaService, which drops them.
 
-Each stage reads what the ones before it produced (``results``, ``found``, the keys still to read)
-and no stage calls back into an earlier one.
+Each stage is a function of what the ones before it returned: the objects the lookup found
+(``found``, never changed after it) and the keys still to read. A stage returns the outcomes of the
+keys it settled (``Outcomes``: key index -> None or the error), and ``get`` alone writes them into the
+per-key results; no stage calls back into an earlier one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 LEASE_SAFETY = 0.8          # trust a read without Validate only if it ended within 80% of the lease
 
+Outcomes = dict[int, MemCacheError | None]   # what a stage settled: key index -> None (read) or the error
+
 
 class Reads(Membership):
     """``LocalService.get`` and its phases (a mixin)."""
@@ -70,23 +74,26 @@ class Reads(Membership):
         while the space was reused, is an error.
         """
         results: list[MemCacheError | None] = [None] * len(keys)
-        found: list[p.Found | None] = [None] * len(keys)
         valid = [i for i in range(len(keys)) if valid_key(keys[i], results, i)]                    # plan
         t0 = time.monotonic()
         early = self._early_reads(keys, pieces, valid, exact) if pieces is not None else None     # early copy
-        lease_ttl_s = self._lookup(keys, valid, results, found, early)                            # lookup
+        found, looked, lease_ttl_s = self._lookup(keys, valid, early)                             # lookup
+        _settle(results, looked)
         if lease_ttl_s is None or pieces is None:
             return results, found
-        todo = [i for i in valid if results[i] is None and _fits(keys[i], pieces[i], found[i], exact, results, i)]
+        todo, misfits = _fitting(keys, pieces, found, [i for i in valid if i not in looked], exact)
+        _settle(results, misfits)
         suspect: set[int] = set()
         if early is not None and early.ran:
             todo, suspect = self._settle_early(early, found, todo)
-        todo = self._read_disk_only(keys, pieces, found, todo, results)                           # copy/verify
-        corrupt = self._read(keys, pieces, found, todo, results, suspect)
-        self._disk_fallback(keys, pieces, found, todo, results)                                   # fallback
+        todo, on_disk = self._read_disk_only(keys, pieces, found, todo)                           # copy/verify
+        _settle(results, on_disk)
+        read, corrupt = self._read(keys, pieces, found, todo, suspect)
+        _settle(results, read)
+        _settle(results, self._disk_fallback(keys, pieces, found, todo, read))                    # fallback
         _log_misses(results, todo)
         if time.monotonic() - t0 > lease_ttl_s * LEASE_SAFETY:                                     # confirm
-            self._confirm(keys, found, results)
+            _settle(results, self._confirm(keys, found, results))
         if corrupt:
             self._report_corrupt(corrupt)
         return results, found
@@ -99,7 +106,7 @@ class Reads(Membership):
             return None
         ops = []
         for i, f in zip(valid, self.hints.get(keys[i] for i in valid), strict=True):
-            if f is None or not _fits(keys[i], pieces[i], f, exact, None, i):
+            if f is None or _misfit(keys[i], pieces[i], f, exact) is not None:
                 continue
             loc = self._replica_order(f.locations)[0]
             seg = self._segments.get(loc.segment_id)
@@ -134,55 +141,59 @@ class Reads(Membership):
         self.metrics.early_reads.labels("discarded").inc(discarded)
         return ([i for i in todo if i not in done] if done else todo), suspect
 
-    def _lookup(self, keys: Sequence[str], valid: list[int], results: list[MemCacheError | None],
-                found: list[p.Found | None], early: _Early | None) -> float | None:
-        """Lease the objects of the ``valid`` keys into ``found``; the lease in seconds, None when no
-        lookup was made or it failed (every valid key then carries the error). The ``early`` copies
-        run once the request is sent, before its reply is read."""
+    def _lookup(self, keys: Sequence[str], valid: list[int], early: _Early | None
+                ) -> tuple[list[p.Found | None], Outcomes, float | None]:
+        """Lease the objects of the ``valid`` keys: what was found per key, the keys settled (absent,
+        or every valid key when the lookup failed) and the lease in seconds (None when no lookup was
+        made or it failed). The ``early`` copies run once the request is sent, before its reply is read."""
+        found: list[p.Found | None] = [None] * len(keys)
         if not valid:
-            return None
+            return found, {}, None
         wanted = [keys[i] for i in valid]
         try:
             reply = expect(self.rpc.call(p.Lookup(wanted, lease=True), idempotent=True,
                                          meanwhile=early.run(self.engine) if early is not None else None),
                            p.LookupReply)
         except MemCacheError as e:
-            for i in valid:
-                results[i] = e
-            return None
+            return found, dict.fromkeys(valid, e), None
         self.hints.seen(wanted, reply.results)
+        absent: Outcomes = {}
         for i, f in zip(valid, reply.results, strict=True):
             found[i] = f
             if f is None:
-                results[i] = errors.KeyNotFound(f"key {keys[i]!r} does not exist")
-        return reply.lease_ttl_ms / 1000.0
+                absent[i] = errors.KeyNotFound(f"key {keys[i]!r} does not exist")
+        return found, absent, reply.lease_ttl_ms / 1000.0
 
     def _read_disk_only(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
-                        todo: list[int], results: list[MemCacheError | None]) -> list[int]:
+                        todo: list[int]) -> tuple[list[int], Outcomes]:
         """Objects evicted to a provider's disk tier: that provider serves the bytes (``tier.py``).
-        Returns the keys of ``todo`` left for their DRAM replicas."""
+        Returns the keys of ``todo`` left for their DRAM replicas, and the outcomes of the others."""
         on_disk = [i for i in todo if not found[i].locations]  # type: ignore[union-attr]
         if not on_disk:
-            return todo
-        tier.read_disk(self, list(keys), list(pieces), found, on_disk, results, self._verify_disk())
-        return [i for i in todo if found[i].locations]  # type: ignore[union-attr]
+            return todo, {}
+        read = tier.read_disk(self, list(keys), list(pieces), found, on_disk, self._verify_disk())
+        return [i for i in todo if found[i].locations], read  # type: ignore[union-attr]
 
     def _disk_fallback(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
-                       todo: list[int], results: list[MemCacheError | None]) -> None:
-        """Every DRAM copy of these failed: the provider's disk record is one more replica."""
-        fallback = [i for i in todo if results[i] is not None and found[i].disk]  # type: ignore[union-attr]
-        if fallback:
-            tier.read_disk(self, list(keys), list(pieces), found, fallback, results, self._verify_disk())
+                       todo: list[int], read: Outcomes) -> Outcomes:
+        """The keys of ``todo`` whose every DRAM copy failed (those in ``read``): the provider's disk
+        record is one more replica. Their outcomes."""
+        fallback = [i for i in todo if i in read and found[i].disk] if read else []  # type: ignore[union-attr]
+        if not fallback:
+            return {}
+        return tier.read_disk(self, list(keys), list(pieces), found, fallback, self._verify_disk())
 
     def _verify_disk(self) -> bool:
         return self.config.checksum and self.config.checksum_verify_ratio > 0
 
     def _read(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
-              todo: list[int], results: list[MemCacheError | None], verify: set[int]) -> list[tuple[str, int, int]]:
+              todo: list[int], verify: set[int]) -> tuple[Outcomes, list[tuple[str, int, int]]]:
         """Read each key from its replicas in turn, nearest first; a replica that fails (a dead or
         unknown peer, bytes failing their checksum) is followed by the next. The keys in ``verify``
-        are verified whatever the sampling. Returns the corrupt replicas as (key, generation, segment id)."""
+        are verified whatever the sampling. Returns the keys not read, with the error of the last replica
+        tried (a key read is not among them), and the corrupt replicas as (key, generation, segment id)."""
         assert self.engine is not None
+        read: Outcomes = {}
         corrupt: list[tuple[str, int, int]] = []
         attempt = {i: list(found[i].locations) for i in todo}  # type: ignore[union-attr]
         self._know_segments([loc for locs in attempt.values() if len(locs) > 1 for loc in locs])
@@ -190,7 +201,9 @@ class Reads(Membership):
         while todo:
             ops, owners = [], []
             for i in todo:
-                f, seg = found[i], self._next_replica(attempt[i], results, i)
+                f, (seg, unknown) = found[i], self._next_replica(attempt[i])
+                if unknown is not None:
+                    read[i] = unknown
                 if seg is None or f is None:
                     continue
                 op = self._copy_op(keys[i], pieces[i], f, seg[0], seg[1], i in verify)
@@ -200,16 +213,20 @@ class Reads(Membership):
             self.engine.read(ops)
             todo = []
             for i, op in zip(owners, ops, strict=True):
-                results[i] = op.error
+                if op.error is None:
+                    if read:
+                        read.pop(i, None)   # an earlier replica's failure no longer counts
+                    continue
+                read[i] = op.error
                 if isinstance(op.error, errors.ChecksumMismatch):
                     self.integrity_failures += 1
                     logger.error("integrity failure: %s", op.error)
                     corrupt.append((op.key, op.generation, op.segment.segment_id))
-                if op.error is not None and attempt[i]:
+                if attempt[i]:
                     logger.info("reading %r from segment %d failed (%s); trying another replica", op.key,
                                 op.segment.segment_id, op.error)
                     todo.append(i)
-        return corrupt
+        return read, corrupt
 
     def _copy_op(self, key: str, pieces: Pieces, f: p.Found, seg: p.SegmentInfo, offset: int,
                  force_verify: bool = False) -> CopyOp:
@@ -228,20 +245,22 @@ class Reads(Membership):
             except MemCacheError as e:
                 logger.debug("segment table not refreshed: %s", e)
 
-    def _next_replica(self, left: list[p.Location], results: list[MemCacheError | None],
-                      i: int) -> tuple[p.SegmentInfo, int] | None:
-        """The next replica of key ``i`` whose segment is in the pool, as (segment, offset)."""
+    def _next_replica(self, left: list[p.Location]
+                      ) -> tuple[tuple[p.SegmentInfo, int] | None, MemCacheError | None]:
+        """The next replica in ``left`` whose segment is in the pool, as (segment, offset), and the
+        error of the last replica passed over because its segment is not (None when none was)."""
+        unknown = None
         while left:
             loc = left.pop(0)
             try:
-                return self._segment(loc.segment_id), loc.offset
+                return (self.segment_info(loc.segment_id), loc.offset), unknown
             except MemCacheError as e:
-                results[i] = e
-        return None
+                unknown = e
+        return None, unknown
 
     def _report_corrupt(self, corrupt: list[tuple[str, int, int]]) -> None:
         try:
-            self._member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _, _ in corrupt],
+            self.member_call(lambda s: p.Corrupt(s.client_id, s.token, [k for k, _, _ in corrupt],
                                                   [g for _, g, _ in corrupt], [sid for _, _, sid in corrupt]))
         except MemCacheError as e:
             logger.warning("could not report %d corrupt objects: %s", len(corrupt), e)
@@ -260,11 +279,12 @@ class Reads(Membership):
         return sorted(locs, key=rank)
 
     def _confirm(self, keys: Sequence[str], found: list[p.Found | None],
-                 results: list[MemCacheError | None]) -> None:
-        """The reads outlived their lease: keep only those whose objects were not replaced since."""
+                 results: list[MemCacheError | None]) -> Outcomes:
+        """The reads outlived their lease: those of ``results`` whose objects were replaced since
+        become errors (the outcomes returned)."""
         idx = [i for i, r in enumerate(results) if r is None and found[i] is not None]
         if not idx:
-            return
+            return {}
         try:
             flags = expect(self.rpc.call(p.Validate([keys[i] for i in idx],
                                                     [found[i].generation for i in idx]),  # type: ignore[union-attr]
@@ -272,9 +292,8 @@ class Reads(Membership):
         except MemCacheError as e:
             flags = [False] * len(idx)
             logger.warning("could not confirm %d reads that outlived their lease: %s", len(idx), e)
-        for i, ok in zip(idx, flags, strict=True):
-            if not ok:
-                results[i] = errors.LeaseExpired(f"{keys[i]!r} changed while a slow read held an expired lease")
+        return {i: errors.LeaseExpired(f"{keys[i]!r} changed while a slow read held an expired lease")
+                for i, ok in zip(idx, flags, strict=True) if not ok}
 
 
 class _Early:
@@ -310,14 +329,30 @@ def _log_misses(results: list[MemCacheError | None], todo: list[int]) -> None:
                        type(failed[0]).__name__, failed[0])
 
 
-def _fits(key: str, pieces: Pieces, f: p.Found | None, exact: bool,
-          results: list[MemCacheError | None] | None, i: int) -> bool:
-    """Whether the pieces hold object ``f`` (exactly, or at least); where not, an error in
-    ``results[i]`` (unless ``results`` is None)."""
+def _settle(results: list[MemCacheError | None], outcomes: Outcomes) -> None:
+    """Write a stage's outcomes into the per-key results (``get`` alone calls it)."""
+    for i, e in outcomes.items():
+        results[i] = e
+
+
+def _fitting(keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None], idx: list[int],
+             exact: bool) -> tuple[list[int], Outcomes]:
+    """The keys of ``idx`` whose buffers hold their object, and the errors of the others."""
+    fit: list[int] = []
+    misfits: Outcomes = {}
+    for i in idx:
+        e = _misfit(keys[i], pieces[i], found[i], exact)
+        if e is None:
+            fit.append(i)
+        else:
+            misfits[i] = e
+    return fit, misfits
+
+
+def _misfit(key: str, pieces: Pieces, f: p.Found | None, exact: bool) -> InvalidParameter | None:
+    """None when the pieces hold object ``f`` (exactly, or at least), else the error saying why not."""
     assert f is not None
     want = sum(map(itemgetter(1), pieces))
     if (want != f.size) if exact else (want < f.size):
-        if results is not None:
-            results[i] = InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
-        return False
-    return True
+        return InvalidParameter(f"buffer of {want} bytes for {key!r} of {f.size} bytes")
+    return None

@@ -15,8 +15,8 @@ import re
 import secrets
 import time
 
-from ..config import shm_dir
 from ..errors import ConfigError
+from ..host import shm_dir
 from ..memory import Mapping
 
 logger = logging.getLogger(__name__)

@@ -24,20 +24,22 @@ from typing import TYPE_CHECKING
 from .. import errors, tls
 from .. import protocol as p
 from ..auth import load_secret
-from ..config import ASCEND_PROTOCOLS, LocalConfig, env_host_id, parse_url
+from ..config import ASCEND_PROTOCOLS, LocalConfig, parse_url
 from ..errors import CannotListen, InvalidParameter, MemCacheError, check_key, check_keys
 from ..etcd import EtcdAuth
+from ..host import env_host_id
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..rpc.framing import raise_fd_limit
 from ..transfer import TransferEngine, native
 from ..transfer.memfabric import require_memfabric
-from ..transfer.tcp import DataServer
+from ..transfer.tcp_server import DataServer
 from ..values import WILDCARD_HOSTS
 from . import tier
 from .arena import ArenaWriter
 from .drain import Drainer
-from .gva import Gva, GvaBook
+from .gva import Gva
+from .gva_book import GvaBook
 from .hints import LocationHints
 from .membership import in_batches
 from .metrics import LocalMetrics, MetricsServer
@@ -66,9 +68,9 @@ class LocalService(Writes, Reads, Gva):
         self.config = config
         self.host_id = config.host_id or env_host_id()
         self.secret = load_secret(config.auth_secret_path, pool_name=config.pool_name) if config.auth_enable else None
-        self._tls_client = tls.client_context(config)
+        self.tls_client = tls.client_context(config)
         self.rpc = RpcClient(config.meta_service_url, config.client_timeout_seconds,
-                             config.client_retry_milliseconds, self.secret, tls=self._tls_client,
+                             config.client_retry_milliseconds, self.secret, tls=self.tls_client,
                              spin_s=config.rpc_spin_us / 1e6, etcd_auth=EtcdAuth.of(config))
         self.session = Session(0, 0, 10.0, 120.0, None)
         self.segment: Mapping | None = None
@@ -132,7 +134,7 @@ class LocalService(Writes, Reads, Gva):
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),
                                          min(cfg.write_thread_pool_size, threads), self.secret,
-                                         self._tls_client, self.metrics, copy_threads(cfg), nixl,
+                                         self.tls_client, self.metrics, copy_threads(cfg), nixl,
                                          cfg.shm_copy_loop, cfg.read_deadline_ms / 1000.0 or None)
             self._join(recover=False)
         except BaseException:

@@ -115,7 +115,7 @@ class DiskTier:
         st = self.store
         added, dropped = st.take_changes()
         try:
-            work = expect(self.svc._member_call(lambda s: p.DiskSync(
+            work = expect(self.svc.member_call(lambda s: p.DiskSync(
                 s.client_id, s.token, self.policy, st.capacity, st.used, st.room(), added, dropped,
                 self.counters())), p.DiskWork)
         except MemCacheError as e:
@@ -189,7 +189,7 @@ class DiskTier:
             return [errors.OBJECT_NOT_EXISTS] * len(items)
         t0 = time.monotonic()
         try:
-            res = expect(self.svc._member_call(lambda s: p.Promote(s.client_id, s.token, [k for k, _, _ in items])),
+            res = expect(self.svc.member_call(lambda s: p.Promote(s.client_id, s.token, [k for k, _, _ in items])),
                          p.AllocReply).results
         except MemCacheError as e:
             return [e.code] * len(items)
@@ -230,7 +230,7 @@ class DiskTier:
         if not done:
             return codes
         try:
-            answers = expect(self.svc._member_call(lambda s: p.Promoted(
+            answers = expect(self.svc.member_call(lambda s: p.Promoted(
                 s.client_id, s.token, [k for k, _, _ in done], [o for _, o, _ in done], [ok for _, _, ok in done])),
                 p.Codes).codes
         except MemCacheError as e:
@@ -241,13 +241,15 @@ class DiskTier:
 
 
 def read_disk(svc: Provider, keys: list[str], pieces: list[Pieces], found: list[p.Found | None],
-              idx: list[int], results: list[MemCacheError | None], verify: bool) -> None:
-    """Read disk-only objects from the providers holding their records, straight into ``pieces``."""
+              idx: list[int], verify: bool) -> dict[int, MemCacheError | None]:
+    """Read the objects of keys ``idx`` from the providers holding their records, straight into
+    ``pieces``: each key's outcome (None: read)."""
+    read: dict[int, MemCacheError | None] = {}
     by_owner: dict[int, list[int]] = {}
     for i in idx:
         f = found[i]
         if f is None or not f.disk:
-            results[i] = KeyNotFound(f"{keys[i]!r} has no copy left")
+            read[i] = KeyNotFound(f"{keys[i]!r} has no copy left")
             continue
         by_owner.setdefault(f.disk, []).append(i)
     for sid, owned in by_owner.items():
@@ -257,7 +259,8 @@ def read_disk(svc: Provider, keys: list[str], pieces: list[Pieces], found: list[
         for i, e, item in zip(owned, errs, items, strict=True):
             if e is None and verify and item[2] and _digest(item[3]) != item[2]:
                 e = ChecksumMismatch(f"{keys[i]!r} read from the disk tier of {sid}: wrong checksum in the reader")
-            results[i] = e
+            read[i] = e
+    return read
 
 
 def _read_from(svc: Provider, sid: int, items: list) -> list[MemCacheError | None]:
@@ -277,7 +280,7 @@ def _read_part(svc: Provider, sid: int, items: list) -> list[MemCacheError | Non
         return svc.disk.read_into(items)
     try:
         assert svc.engine is not None
-        return svc.engine.tcp.disk_request(svc._segment(sid).data_addr, OP_DISK_READ, items)
+        return svc.engine.tcp.disk_request(svc.segment_info(sid).data_addr, OP_DISK_READ, items)
     except MemCacheError as e:
         return [e] * len(items)
 
@@ -301,7 +304,7 @@ def promote_remote(svc: Provider, sid: int, items: list[tuple[str, int, int]]) -
         return svc.disk.promote_local(items)
     try:
         assert svc.engine is not None
-        errs = svc.engine.tcp.disk_request(svc._segment(sid).data_addr, OP_PROMOTE,
+        errs = svc.engine.tcp.disk_request(svc.segment_info(sid).data_addr, OP_PROMOTE,
                                            [(k, s, c, []) for k, s, c in items])
     except MemCacheError as e:
         return [e.code] * len(items)

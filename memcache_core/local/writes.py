@@ -76,7 +76,7 @@ class Writes(Membership):
         backoff = Backoff(0.002, 0.05)
         while want:
             try:
-                reply = expect(self._member_call(lambda s, w=want: p.Alloc(  # type: ignore[misc]
+                reply = expect(self.member_call(lambda s, w=want: p.Alloc(  # type: ignore[misc]
                     s.client_id, s.token, w, [sizes[k] for k in w], replicas, list(preferred))), p.AllocReply)
             except MemCacheError as e:
                 for k in want:
@@ -134,7 +134,7 @@ class Writes(Membership):
             size = sum(n for _, n in pieces[i])
             for loc in res.locations:
                 try:
-                    seg = self._segment(loc.segment_id)
+                    seg = self.segment_info(loc.segment_id)
                 except MemCacheError as e:
                     results[i] = e
                     break

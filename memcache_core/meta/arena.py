@@ -142,10 +142,10 @@ def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: 
         return errors.QUOTA_EXCEEDED, 0
     gen = t.issue_generation()
     writer = seg.info.segment_id   # a member's segment id is its client id
-    slot = t._slot(writer)
+    slot = t.writer_slot_of(writer)
     obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot))
     if slot:
-        t._kept(writer, obj)
+        t.count_kept(writer, obj)
     t.objects[obj.key] = obj
     seg.lru.append(obj)
     a.take(offset, end)

@@ -31,7 +31,7 @@ class Kept:
     if TYPE_CHECKING:   # ``removals.py``'s, used here
         def _unlink(self, obj: Obj, now: float = 0.0, keep_space: bool = False) -> None: ...
 
-    def _slot(self, writer: int) -> int:
+    def writer_slot_of(self, writer: int) -> int:
         """The slot a writer's committed objects carry; 0 (counted against no one) when none is free:
         4,095 other writers keep objects. (Refusing its put instead would let an insider that joins
         4,095 times lock every new writer out; counted against no one, it escapes a quota only with
@@ -83,7 +83,7 @@ class Kept:
             del self.kept_of[writer], self.slot_of[writer], self.writer_in[slot]
             self._free_slots.append(slot)
 
-    def _kept(self, writer: int, obj: Obj) -> None:
+    def count_kept(self, writer: int, obj: Obj) -> None:
         """A committed object of ``writer`` (which holds a slot) joined the table."""
         kept = self.kept_of[writer]
         kept[0] += 1

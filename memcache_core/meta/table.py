@@ -279,10 +279,10 @@ class ObjectTable(Kept, Lookups, Removals, Space):
         # keyed by the object's own string: the request's is a copy
         self._settled(obj)
         writer = obj.owner
-        slot = self._slot(writer)
+        slot = self.writer_slot_of(writer)
         obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum, slot), more=obj.more)
         if slot:
-            self._kept(writer, obj)
+            self.count_kept(writer, obj)
         self.pending -= 1
         if obj.more is None:   # one location, one replica asked for: never under-replicated
             self.segments[(obj.packed & FIRST_SEGMENT) - 1].lru.append(obj)

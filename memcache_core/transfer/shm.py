@@ -19,8 +19,8 @@ import re
 import threading
 from collections.abc import Iterator
 
-from ..config import shm_dir
 from ..errors import PeerUnavailable
+from ..host import shm_dir
 from ..memory import Mapping
 from ..records import SegmentInfo
 

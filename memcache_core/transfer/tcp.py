@@ -1,4 +1,5 @@
-"""Cross-host transfers: each LocalService serves its segment over TCP; peers read and write ranges.
+"""Cross-host transfers: each LocalService serves its segment over TCP (``DataServer``, in
+``tcp_server.py``); peers read and write ranges (``TcpClient``, here).
 
 Every connection first passes the pool's HMAC handshake (``auth.py``), TLS included, within
 ``HANDSHAKE_TIMEOUT_S`` of its accept: a peer without the secret cannot read or write a byte, and the
@@ -29,34 +30,26 @@ import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from ..auth import HANDSHAKE_TIMEOUT_S, AuthFailed, Session, client_handshake, server_handshake
+from ..auth import AuthFailed, Session, client_handshake
 from ..errors import MemCacheError, PeerUnavailable, TransferFailed
-from ..memory import Mapping, view_at
-from ..rpc.framing import is_out_of_descriptors
-from ..rpc.server import MAX_PREAUTH_PER_SOURCE, PREAUTH_SHARE
-from ..tls import tls_handshake
+from ..memory import view_at
 from . import disk_wire
-from .sealed import recv_exact, recv_sealed, sealed
+from .sealed import recv_exact, recv_sealed
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MCD1"
 OP_READ, OP_WRITE = 1, 2
-DISK_OPS = (disk_wire.OP_DISK_READ, disk_wire.OP_PROMOTE)
-_HEAD = struct.Struct("<4sBI")
-_RANGE = struct.Struct("<QQ")
-_ANSWER = struct.Struct("<iQ")
+HEAD = struct.Struct("<4sBI")
+RANGE = struct.Struct("<QQ")
+ANSWER = struct.Struct("<iQ")
 
 Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, size), ...])
 
-MAX_CONNECTIONS = 2048
-MAX_RANGES = 1 << 16
-IDLE_TIMEOUT_S = 300.0
 MIN_PEER_RATE = 64 << 20        # bytes/s below which a read with another replica to go to gives up (Deadline)
 SUSPECT_S = 10.0                # a peer that missed a deadline is read last for this long
-ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this pause (never give up)
 
 
 class Deadline:
@@ -94,189 +87,8 @@ def _recv_by(sock: socket.socket, view: memoryview, deadline: Deadline | None) -
         got += r
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class DataServer:
-    """Serves one segment to peers; one thread per connection."""
-
-    def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
-                 tls: ssl.SSLContext | None = None, disk: object = None,
-                 served: Callable[[str, bool, int], None] | None = None) -> None:
-        self.mapping = mapping
-        self.served = served      # (path, read?, bytes): the owner's count of what peers moved here
-        self.disk = disk          # the owner's disk tier (local/tier.py), for disk_wire requests
-        self.secret = secret
-        self.tls = tls
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError:
-            self._sock.bind((host, 0))   # another LocalService on this host has the configured port
-        self._sock.listen(1024)
-        host_, port_ = self._sock.getsockname()[:2]
-        self.addr = f"{host_}:{port_}"
-        self._stop = False
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        # connections still in their handshake, oldest first: per source address, and all of them
-        self._preauth: dict[str, dict[_Handshaking, None]] = {}
-        self._preauth_all: dict[_Handshaking, None] = {}
-        self.refused = 0
-        self._warned_at = 0.0
-        threading.Thread(target=self._accept, name="memcache-data-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError as e:
-                if self._stop or not is_out_of_descriptors(e):
-                    return   # closed
-                # the connections in the backlog stay there; once descriptors free up they are served
-                logger.error("data server %s cannot accept connections (%s); retrying in %g s", self.addr, e,
-                             ACCEPT_BACKOFF_S)
-                time.sleep(ACCEPT_BACKOFF_S)
-                continue
-            source = str(peer[0])
-            pending = _Handshaking(conn, source)
-            victims: list[_Handshaking] = []
-            with self._lock:
-                why = ("server closing" if self._stop else
-                       f"all {MAX_CONNECTIONS} connections in use" if len(self._conns) >= MAX_CONNECTIONS else "")
-                if not why:   # room for this one: the oldest still in its handshake goes (an honest one takes ms)
-                    mine = self._preauth.setdefault(source, {})
-                    if len(mine) >= MAX_PREAUTH_PER_SOURCE:
-                        victims.append(self._forget_preauth(next(iter(mine))))
-                    if len(self._preauth_all) >= MAX_CONNECTIONS // PREAUTH_SHARE:
-                        victims.append(self._forget_preauth(next(iter(self._preauth_all))))
-                    self._conns.add(conn)
-                    self._preauth.setdefault(source, {})[pending] = None
-                    self._preauth_all[pending] = None
-            if why:
-                conn.close()
-                self._refused(why)
-                continue
-            for v in victims:
-                v.cut()
-            if victims:
-                self._refused(f"closed {len(victims)} connection(s) still in their handshake to make room "
-                              f"({MAX_PREAUTH_PER_SOURCE} per address, {MAX_CONNECTIONS // PREAUTH_SHARE} in all)")
-            _tune(conn)
-            threading.Thread(target=self._serve, args=(conn, pending), name="memcache-data", daemon=True).start()
-
-    def _forget_preauth(self, pending: _Handshaking) -> _Handshaking:
-        """Take ``pending`` out of the pre-auth counts (under the lock)."""
-        self._preauth_all.pop(pending, None)
-        mine = self._preauth.get(pending.source)
-        if mine is not None:
-            mine.pop(pending, None)
-            if not mine:
-                del self._preauth[pending.source]
-        return pending
-
-    def _refused(self, why: str) -> None:
-        self.refused += 1
-        now = time.monotonic()
-        if now - self._warned_at >= 1.0:
-            self._warned_at = now
-            logger.warning("data server %s refusing connections: %s (%d refused so far)", self.addr, why,
-                           self.refused)
-
-    def _handshake(self, conn: socket.socket, pending: _Handshaking) -> tuple[socket.socket, Session | None]:
-        """TLS (if on) and the pool's handshake, both within ``HANDSHAKE_TIMEOUT_S`` of the accept
-        however slowly the peer sends; then the peer no longer counts as pre-auth."""
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-        try:
-            if self.tls is not None:
-                tls_conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-                with self._lock:
-                    self._conns.discard(conn)
-                    self._conns.add(tls_conn)
-                conn = pending.sock = tls_conn
-                if not tls_handshake(tls_conn, deadline):
-                    return conn, None
-            return conn, server_handshake(conn, self.secret, deadline - time.monotonic())
-        finally:
-            with self._lock:
-                self._forget_preauth(pending)
-
-    def _serve(self, conn: socket.socket, pending: _Handshaking) -> None:
-        head = bytearray(_HEAD.size)
-        try:
-            conn, session = self._handshake(conn, pending)
-            if session is None:
-                return
-            conn.settimeout(IDLE_TIMEOUT_S)
-            tag = bytearray(session.size)
-            while True:
-                recv_exact(conn, memoryview(head))
-                magic, op, n = _HEAD.unpack(head)
-                if magic != MAGIC or op not in (OP_READ, OP_WRITE, *DISK_OPS) or not 0 < n <= MAX_RANGES:
-                    return
-                if op in DISK_OPS:
-                    if not disk_wire.serve(conn, session, head, op, n, self.disk):
-                        return
-                    continue
-                raw = bytearray(n * _RANGE.size)
-                recv_exact(conn, memoryview(raw))
-                recv_exact(conn, memoryview(tag))
-                if not session.check(tag, head, raw):
-                    logger.warning("data server %s: a request failed the connection's MAC (injected or altered); "
-                                   "closing the connection", self.addr)
-                    return
-                ranges = [_RANGE.unpack_from(raw, i * _RANGE.size) for i in range(n)]
-                total = sum(length for _, length in ranges)
-                if any(off + length > self.mapping.size for off, length in ranges):
-                    conn.sendall(sealed(session, _ANSWER.pack(-1, 0)))
-                    return  # the write payload (if any) is not drained: close the connection
-                if op == OP_READ:
-                    conn.sendall(sealed(session, _ANSWER.pack(0, total)))
-                    for off, length in ranges:
-                        conn.sendall(self.mapping.view(off, length))
-                else:
-                    for off, length in ranges:
-                        recv_exact(conn, self.mapping.view(off, length))
-                    conn.sendall(sealed(session, _ANSWER.pack(0, total)))
-                if self.served is not None:
-                    self.served("host_tcp", op == OP_READ, total)
-        except (OSError, ConnectionError):
-            pass
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def close(self) -> None:
-        self._stop = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)   # wakes the accept thread; the port is released
-        except OSError:
-            pass
-        self._sock.close()
-        with self._lock:
-            conns, self._conns = list(self._conns), set()
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.close()
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Handshaking:
-    """A data-server connection still in its handshake (its socket is replaced once TLS wraps it)."""
-
-    sock: socket.socket
-    source: str
-
-    def cut(self) -> None:
-        """End the handshake now: its thread's next receive fails."""
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -324,7 +136,7 @@ class TcpClient:
             s.close()
             raise PeerUnavailable(f"data server {addr} refused authentication: {e}") from e
         s.settimeout(self.timeout_s)
-        _tune(s)
+        tune(s)
         return Link(s, session)
 
     def _release(self, addr: str, s: Link) -> None:
@@ -381,8 +193,8 @@ class TcpClient:
     def _request(self, addr: str, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
         with self._socket(addr, "transfer with", deadline) as link:
             s = link.sock
-            head = _HEAD.pack(MAGIC, op, len(ops))
-            ranges = b"".join(_RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
+            head = HEAD.pack(MAGIC, op, len(ops))
+            ranges = b"".join(RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
             if deadline is not None:
                 deadline.arm(s)
             s.sendall(head + ranges + link.session.seal(head, ranges))
@@ -392,7 +204,7 @@ class TcpClient:
                         s.sendall(view_at(ptr, size))
             if deadline is not None:
                 deadline.arm(s)     # the answer is a few bytes: one receive
-            status, _total = _ANSWER.unpack(recv_sealed(s, link.session, _ANSWER.size, f"the answer of {addr}"))
+            status, _total = ANSWER.unpack(recv_sealed(s, link.session, ANSWER.size, f"the answer of {addr}"))
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
             if op == OP_READ:
@@ -413,7 +225,7 @@ class TcpClient:
     def disk_request(self, addr: str, op: int, items: list[disk_wire.Item]) -> list[MemCacheError | None]:
         """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
         with self._socket(addr, "disk request to") as link:
-            return disk_wire.request(link.sock, link.session, _HEAD.pack(MAGIC, op, len(items)), op, items)
+            return disk_wire.request(link.sock, link.session, HEAD.pack(MAGIC, op, len(items)), op, items)
 
     def write(self, addr: str, ops: list[Op]) -> None:
         self._request(addr, OP_WRITE, ops)

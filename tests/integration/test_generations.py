@@ -185,7 +185,7 @@ def test_generation_reservations_in_etcd_order_leader_terms_without_clocks():
     from memcache_core.etcd import Etcd
     from memcache_core.meta.generations import BLOCK
     from memcache_core.meta.ha import GenerationReservation
-    from memcache_core.testing import EtcdProcess
+    from memcache_core.testing_etcd import EtcdProcess
 
     with tempfile.TemporaryDirectory(prefix="memcache-etcd-") as d:
         etcd = EtcdProcess(d).start()

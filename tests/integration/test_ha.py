@@ -24,7 +24,8 @@ from memcache_core import errors
 from memcache_core import protocol as p
 from memcache_core.auth import load_secret
 from memcache_core.rpc import RpcClient
-from memcache_core.testing import EtcdProcess, MetaServiceProcess, wait_for
+from memcache_core.testing import MetaServiceProcess, wait_for
+from memcache_core.testing_etcd import EtcdProcess
 from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,8 @@ import zmq.auth
 from memcache_core import DistributedObjectStore
 from memcache_core.config import MetaConfig
 from memcache_core.errors import ConfigError
-from memcache_core.testing import KVEventSubscriber, free_port, running_meta_service, wait_for
+from memcache_core.testing import free_port, running_meta_service, wait_for
+from memcache_core.testing_kv_events import KVEventSubscriber
 from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration

@@ -121,7 +121,7 @@ def test_nixl_descriptors_stay_off_the_open_and_admin_views(stores, meta):
     from memcache_core import protocol as p
     from memcache_core.auth import load_secret
     from memcache_core.rpc import RpcClient, expect
-    from memcache_core.transfer.nixl import descriptor_decoder
+    from memcache_core.transfer.nixl_descriptor import descriptor_decoder
 
     nixl_store(stores, "a")
     nixl_store(stores, "b", init_bm=False)

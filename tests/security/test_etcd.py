@@ -16,7 +16,8 @@ import pytest
 
 from memcache_core.errors import ConfigError
 from memcache_core.etcd import Etcd, EtcdAuth, EtcdRefused, leader_key
-from memcache_core.testing import EtcdProcess, MetaServiceProcess, etcd_binary, make_etcd_tls_files, wait_for
+from memcache_core.testing import MetaServiceProcess, wait_for
+from memcache_core.testing_etcd import EtcdProcess, etcd_binary, make_etcd_tls_files
 from tests.integration.stores import StoreProcess
 from tests.integration.test_ha import LAYOUT, TTL_S, Pool, Traffic, pool, start_traffic, verify_all  # noqa: F401
 

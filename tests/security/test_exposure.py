@@ -42,7 +42,7 @@ DATA_SERVER = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 from memcache_core.local.segment import create_segment
-from memcache_core.transfer.tcp import DataServer
+from memcache_core.transfer.tcp_server import DataServer
 segment = create_segment(1 << 20)
 segment.view(0, 4096)[:] = bytes(range(256)) * 16
 server = DataServer(segment, "127.0.0.1", 0, bytes.fromhex(sys.argv[1]))

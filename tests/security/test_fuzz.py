@@ -32,7 +32,8 @@ from memcache_core.meta.http import AdminServer
 from memcache_core.meta.server import answer
 from memcache_core.meta.service import MetaServiceCore
 from memcache_core.rpc import expect
-from memcache_core.transfer.tcp import DataServer, TcpClient
+from memcache_core.transfer.tcp import TcpClient
+from memcache_core.transfer.tcp_server import DataServer
 from tests.hypothesis_profiles import examples
 
 pytestmark = pytest.mark.integration

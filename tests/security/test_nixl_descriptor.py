@@ -12,6 +12,7 @@ import pytest
 
 from memcache_core.errors import PeerUnavailable
 from memcache_core.protocol import SegmentInfo
+from memcache_core.transfer import nixl_descriptor
 
 nixl = pytest.importorskip("memcache_core.transfer.nixl")
 if not nixl.available():
@@ -26,7 +27,7 @@ def _seg(desc: bytes) -> SegmentInfo:
 
 
 def _desc(agent: str, metadata: bytes, base: int = 1 << 30, size: int = SIZE) -> bytes:
-    return msgspec.msgpack.encode(nixl.Descriptor(agent, metadata, base, size))
+    return msgspec.msgpack.encode(nixl_descriptor.Descriptor(agent, metadata, base, size))
 
 
 def test_a_members_nixl_descriptor_is_checked_before_the_native_parser():
@@ -42,7 +43,7 @@ def test_a_members_nixl_descriptor_is_checked_before_the_native_parser():
         "garbage": (_desc(peer_name, b"\xff" * 600), "is not NIXL agent"),
         "oversized": (_desc(peer_name, md + b"\0" * (64 << 10)), "is not NIXL agent"),
         "another agent's": (_desc("someone-else", md), "is not NIXL agent"),
-        "a huge name length": (_desc(peer_name, nixl.SERDES + (1 << 62).to_bytes(8, "little") + b"x"),
+        "a huge name length": (_desc(peer_name, nixl_descriptor.SERDES + (1 << 62).to_bytes(8, "little") + b"x"),
                                "is not NIXL agent"),
         "a region not the segment's": (_desc(peer_name, md, size=SIZE * 2), "is not the segment's"),
         "an unprintable name": (_desc("a\nb", md), "not printable"),

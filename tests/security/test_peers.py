@@ -12,7 +12,7 @@ import pytest
 
 from memcache_core import DistributedObjectStore, ReplicateConfig, errors
 from memcache_core import protocol as p
-from memcache_core.config import env_host_id, shm_dir
+from memcache_core.host import env_host_id, shm_dir
 from memcache_core.rpc import expect
 from memcache_core.testing import wait_for
 from tests.security.wire import LAYOUT, addr_of, ask, authed, rpc

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from memcache_core.config import shm_dir
 from memcache_core.errors import ChecksumMismatch, ConfigError, KeyNotFound
+from memcache_core.host import shm_dir
 from memcache_core.layout import footprint, payload_offset
 from memcache_core.local import disk_record as rec
 from memcache_core.local.disk import DiskStore

@@ -97,7 +97,7 @@ def test_a_gva_resolves_only_inside_an_object_described_in_this_session():
 
     from memcache_core.errors import InvalidParameter, StateMismatch
     from memcache_core.layout import HEADER_BYTES
-    from memcache_core.local.gva import GvaBook, GvaObject
+    from memcache_core.local.gva_book import GvaBook, GvaObject
     from memcache_core.local.membership import Session
 
     book = GvaBook(Session(3, 0x1234_5601, 1.0, 10.0, None))
@@ -123,7 +123,7 @@ def test_client_grants_hold_until_their_end_and_no_further():
     (time is a parameter), never after it, never once the client opened a new MetaService connection,
     never for the other direction; removing a lease revokes read grants only; describing the key anew
     (another generation) or forgetting it drops everything granted for it."""
-    from memcache_core.local.gva import GvaBook, GvaObject
+    from memcache_core.local.gva_book import GvaBook, GvaObject
     from memcache_core.local.membership import Session
 
     book = GvaBook(Session(3, 0x1234_5601, 1.0, 10.0, None))
@@ -154,7 +154,7 @@ def test_digest_follows_ranges_in_order_and_gives_up_otherwise():
     import numpy as np
     import xxhash
 
-    from memcache_core.local.gva import Digest
+    from memcache_core.local.gva_book import Digest
 
     data = np.random.default_rng(3).integers(0, 256, 1000, dtype=np.uint8)
     p = data.ctypes.data

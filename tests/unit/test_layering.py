@@ -5,7 +5,8 @@ import statement, at module level or inside a function or ``if TYPE_CHECKING``, 
 * the control-plane plumbing (``rpc``, ``endpoints``, ``etcd``, ``http_guard``) imports leaves and itself;
 * ``transfer/`` and ``meta/`` import the two layers below and themselves, never each other nor ``local/``;
 * ``local/`` may use ``transfer/`` (it owns the transfer engine), never ``meta/``;
-* the entry points (the package, ``meta_service``, ``cli``, ``cli_status``, ``testing``) sit on top;
+* the entry points (the package, ``meta_service``, ``cli``, ``cli_status``, ``testing`` and its
+  ``testing_*`` siblings) sit on top;
 * nothing in the core imports an integration or an engine, and the two integrations do not import
   each other;
 * no import cycles, inside a layer either: a helper never imports the module that imports it (shared
@@ -24,9 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "memcache_core"
 
 LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "tls", "logs",
-        "checkpoint", "records"}
+        "checkpoint", "records", "host"}
 PLUMBING = {"rpc", "endpoints", "etcd", "http_guard"}
-ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing"}
+ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing", "testing_etcd", "testing_kv_events"}
 PACKAGES = {"transfer", "meta", "local"}
 ALLOWED = {
     "leaf": {"leaf"},
@@ -189,3 +190,69 @@ def test_the_rules_see_relative_imports():
     assert "memcache_core.transfer" in seen and "memcache_core.protocol" in seen
     assert layer("memcache_core.transfer.engine") == "transfer" and layer("memcache_core") == "entry"
     assert layer("memcache_core.local.store") not in ALLOWED[layer("memcache_core.transfer.shm")]
+
+
+def product_files() -> list[Path]:
+    """The shipped code: the core and the integrations (tests may reach into anything)."""
+    return [f for top in ("memcache_core", "integrations") for f in sorted((REPO / top).rglob("*.py"))]
+
+
+def private_members(path: Path) -> set[str]:
+    """The private names (``_x``, not dunders) the classes of ``path`` define: methods, attributes
+    assigned on ``self`` and annotated class attributes."""
+    found: set[str] = set()
+    for cls in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                found.add(node.target.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.add(node.attr)
+    return {n for n in found if n.startswith("_") and not n.startswith("__")}
+
+
+def reach_ins(files: list[Path]) -> list[str]:
+    """``x._name`` (``x`` not ``self`` or ``cls``) where ``_name`` is private to a class of another of
+    ``files`` and none of the accessing module's own: ``file:line expression``."""
+    owners: dict[str, set[Path]] = {}
+    for f in files:
+        for name in private_members(f):
+            owners.setdefault(name, set()).add(f)
+    found = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and node.attr in owners and f not in owners[node.attr]
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{f.relative_to(REPO) if f.is_relative_to(REPO) else f.name}:{node.lineno} "
+                             f"{ast.unparse(node)}")
+    return found
+
+
+def test_no_private_attribute_is_reached_into_from_another_module():
+    """What a helper calls on the object that owns it (``svc.member_call``, ``svc.segment_info``) is a
+    public name of that object; an underscore name stays inside the module that defines it."""
+    assert reach_ins(product_files()) == [], "make the attribute a public name (no underscore), or keep its use inside its module"
+
+
+def test_the_reach_in_rule_sees_one(tmp_path: Path):
+    """Negative control: ``self.svc._member_call`` (as local/drain.py had it) is seen; ``self._x``, a
+    module's use of its own class's ``_x`` and a private name no class of ours defines are not."""
+    owner, helper = tmp_path / "owner.py", tmp_path / "helper.py"
+    owner.write_text("class Svc:\n    def __init__(self):\n        self._n = 0\n"
+                     "    def _member_call(self):\n        return self._n\n\n"
+                     "def peek(s: Svc) -> int:\n    return s._n\n")
+    helper.write_text("import os\n\nclass Helper:\n    def run(self):\n        os._exit(0)\n"
+                      "        return self.svc._member_call(), self._own()\n")
+    assert reach_ins([owner, helper]) == ["helper.py:6 self.svc._member_call"]
+
+
+@pytest.mark.parametrize("path", product_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_module_has_at_most_400_lines(path: Path):
+    """A module a reader takes in at once: a longer one is split by moving whole units (a class, a
+    group of functions) into a well-named sibling module."""
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= 400, f"{path.relative_to(REPO)} has {lines} lines (at most 400): move a whole unit out"

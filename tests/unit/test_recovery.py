@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from memcache_core.config import shm_dir
+from memcache_core.host import shm_dir
 from memcache_core.layout import HEADER_BYTES, pack_header
 from memcache_core.local import recovery
 from memcache_core.memory import Mapping
