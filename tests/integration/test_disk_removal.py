@@ -120,7 +120,7 @@ class DiskRemovals:
 
 
 def test_a_removed_key_never_comes_back_from_a_restarted_providers_disk_tier(tmp_path):
-    with running_meta_service(heartbeat_timeout_ms=2000, lease_ttl_ms=1000) as ms:
+    with running_meta_service(heartbeat_timeout_ms=4000, lease_ttl_ms=1000) as ms:
         pool = DiskRemovals(ms, str(tmp_path / "d"))
         try:
             pool.removes = ms.metric("removes_total")
