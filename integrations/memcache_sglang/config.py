@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from memcache_core.config import parse_bool
 from memcache_core.errors import ConfigError
+from memcache_sglang.pool_join import MAX_BACKOFF_S
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,8 @@ CONFIG_PATH_ENV = "SGLANG_HICACHE_MEMCACHE_CONFIG_PATH"
 WARMUP_ENV = "SGLANG_NPU_MEMCACHE_ENABLE_WARMUP"
 
 #: Keys the backend reads; never applied to LocalConfig. The first seven are the built-in
-#: backend's; ``clear_scope``, ``disk_prefetch`` and ``weights_full_hash`` are ours (see docs/sglang.md).
+#: backend's; ``clear_scope``, ``disk_prefetch``, ``weights_full_hash`` and ``join_retry_max_seconds``
+#: are ours (see docs/sglang.md).
 CONTROL_KEYS = frozenset(
     {
         "device_id",
@@ -39,6 +42,7 @@ CONTROL_KEYS = frozenset(
         "clear_scope",
         "disk_prefetch",
         "weights_full_hash",
+        "join_retry_max_seconds",
     }
 )
 
@@ -65,6 +69,19 @@ def env_flag(name: str) -> bool:
     """An environment switch: unset or empty is false; otherwise ``parse_bool`` decides (a typo is an error)."""
     value = os.environ.get(name, "").strip()
     return parse_bool(name, value) if value else False
+
+
+def positive_seconds(name: str, raw: Any) -> float:
+    """A duration setting: a finite number of seconds above zero (a number or its text), else an
+    error that names the key."""
+    try:
+        value = float(raw) if not isinstance(raw, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}; give e.g. "
+                          f"{MAX_BACKOFF_S:g} (the default) or leave it out")
+    return value
 
 
 @dataclass
@@ -103,6 +120,7 @@ class BackendConfig:
             raise ValueError(f"clear_scope must be one of {CLEAR_SCOPES}, got {scope!r}")
         parse_bool("disk_prefetch", ctrl.get("disk_prefetch", True))  # a bad value fails now, naming the key
         parse_bool("weights_full_hash", ctrl.get("weights_full_hash", False))
+        positive_seconds("join_retry_max_seconds", ctrl.get("join_retry_max_seconds", MAX_BACKOFF_S))
         return cls(local_fields=local, ctrl=ctrl)
 
     def apply_to(self, local_cfg: Any) -> list[str]:
@@ -141,6 +159,11 @@ class BackendConfig:
         """Identify weight files by the SHA-256 of their bytes (read once per load), not by size,
         modification time and safetensors header."""
         return parse_bool("weights_full_hash", self.ctrl.get("weights_full_hash", False))
+
+    @property
+    def join_retry_max_seconds(self) -> float:
+        """The longest wait between two background attempts to join the pool (``pool_join``)."""
+        return positive_seconds("join_retry_max_seconds", self.ctrl.get("join_retry_max_seconds", MAX_BACKOFF_S))
 
     @property
     def clear_scope(self) -> str:

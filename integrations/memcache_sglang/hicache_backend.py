@@ -122,7 +122,7 @@ class NpuMemcacheStore(SidePoolCalls, LegacyCalls, HiCacheStorage):
         except MemCacheError as e:
             logger.warning("npu_memcache: cannot join the pool at start-up (%s); serving misses and "
                            "joining in the background", e)
-            self._join = BackgroundJoin(join, self._joined).start()
+            self._join = BackgroundJoin(join, self._joined, max_s=self.config.join_retry_max_seconds).start()
             return
         self._metrics.joined.set(1)
         logger.info("MemCache store ready (tp_rank=%s pp_rank=%s cp_rank=%s device_id=%s init_bm=%s)",

@@ -3,7 +3,8 @@ misses (failures are misses) and joins as soon as the pool answers.
 
 ``BackgroundJoin(open_store, on_joined)`` calls ``open_store()`` on a daemon thread until it
 succeeds, waiting ``INITIAL_BACKOFF_S`` after the first failure and twice as long after each
-next one, at most ``MAX_BACKOFF_S``; then ``on_joined(store)``. The first failure is logged as a
+next one, at most ``MAX_BACKOFF_S`` (the backend's ``join_retry_max_seconds``); then
+``on_joined(store)``. The first failure is logged as a
 warning, later ones at debug level (one line per outage, not one per attempt); the join is logged
 when it happens (the backend counts the attempts in :mod:`memcache_sglang.join_metrics`). ``stop()``
 ends the retries (a store opened after it is handed to ``on_joined`` anyway, which must close it).
@@ -43,7 +44,7 @@ class BackgroundJoin:
         self._stop.set()
 
     def _run(self) -> None:
-        delay = self._initial_s
+        delay = min(self._initial_s, self._max_s)
         while not self._stop.wait(delay):
             self.attempts += 1
             try:

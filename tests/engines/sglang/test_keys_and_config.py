@@ -93,6 +93,11 @@ def test_control_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BackendConfig.from_sources({"clear_scope": "all"}).clear_scope == "all"
     with pytest.raises(ValueError, match="clear_scope"):
         BackendConfig.from_sources({"clear_scope": "everything"})
+    assert BackendConfig.from_sources({}).join_retry_max_seconds == 30
+    assert BackendConfig.from_sources({"join_retry_max_seconds": "0.5"}).join_retry_max_seconds == 0.5
+    for bad in (0, -1, "soon", True, float("inf")):
+        with pytest.raises(ConfigError, match=r"^join_retry_max_seconds must be a positive number .* or leave it out"):
+            BackendConfig.from_sources({"join_retry_max_seconds": bad})
 
 
 def test_disk_keys_reach_local_config_one_directory_per_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,9 @@ def join_metrics(server: harness.ServerHandle) -> dict[str, float]:
 def test_server_starts_without_the_pool_and_joins_when_it_is_back(model: str, tmp_path: Path) -> None:
     meta = harness.start_meta(tmp_path / "meta")
     meta.stop()
-    server = start(meta, model, tmp_path, "no_pool", extra_config={"client_timeout_seconds": 2},
+    # Retries at most 1 s apart (30 s by default): the join follows the MetaService's return at once.
+    server = start(meta, model, tmp_path, "no_pool",
+                   extra_config={"client_timeout_seconds": 2, "join_retry_max_seconds": 1},
                    extra_args=["--enable-metrics"])
     try:
         ids = prompt(71)
@@ -68,14 +71,23 @@ def test_server_starts_without_the_pool_and_joins_when_it_is_back(model: str, tm
         up = join_metrics(server)
         # every attempt but the last one failed
         assert up["memcache_sglang_join_attempts_total"] == up["memcache_sglang_join_failures_total"] + 1, up
-        before = pool_keys(meta)
-        other = prompt(72)
-        first = generate(server, other)
-        wait_for_new_keys(meta, before, FULL_PAGES)
-        after = join_metrics(server)
-        assert after["memcache_sglang_unjoined_misses_total"] == up["memcache_sglang_unjoined_misses_total"], \
-            (up, after)   # misses of a joined backend are not counted as unjoined
-        fresh = start(meta, model, tmp_path, "fresh")
+        with ThreadPoolExecutor(1) as pool:
+            # The fresh server starts (it joins after the late joiner, as a second server of a
+            # deployment does) while the late joiner serves and writes a prompt.
+            starting = pool.submit(start, meta, model, tmp_path, "fresh")
+            try:
+                before = pool_keys(meta)
+                other = prompt(72)
+                first = generate(server, other)
+                wait_for_new_keys(meta, before, FULL_PAGES)
+                after = join_metrics(server)
+                assert after["memcache_sglang_unjoined_misses_total"] == \
+                    up["memcache_sglang_unjoined_misses_total"], (up, after)   # misses of a joined backend
+            except BaseException:
+                if starting.exception() is None:
+                    starting.result().stop()
+                raise
+        fresh = starting.result()
         try:
             got = generate(fresh, other)
             assert got["storage"] >= (FULL_PAGES - 1) * 128, got
