@@ -153,10 +153,18 @@ def make(args: argparse.Namespace) -> Path:
         save_model(tmp, params)
         save_tokenizer(tmp, params["vocab"], params["max_pos"])
         (tmp / PARAMS_FILE).write_text(json.dumps(params, indent=1, sort_keys=True) + "\n")
+        # Another process may have made the same model meanwhile (test workers running side by
+        # side): keep its copy, which may be in use, rather than replace it.
+        if is_complete(out, params):
+            return out
         if out.exists():
             shutil.rmtree(out)
         tmp.chmod(0o755)
-        tmp.rename(out)  # atomic: a half-made model is never seen under `out`
+        try:
+            tmp.rename(out)  # atomic: a half-made model is never seen under `out`
+        except OSError:
+            if not is_complete(out, params):  # not a same-model maker that renamed first
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
