@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from memcache_sglang.config import CONFIG_PATH_ENV, BackendConfig, place_disk_tier, rank_index
 from memcache_sglang.keys import KeyScheme, LayoutIdentity
+from memcache_sglang.pool_join import BackgroundJoin
 
 from memcache_core.config import LocalConfig
 from memcache_core.errors import ConfigError
@@ -134,3 +135,38 @@ def test_each_rank_gets_its_own_metrics_port() -> None:
             for t in range(2) for p in range(2) for c in range(2)]
     assert sorted(local.for_rank(rank_index(sc)).metrics_port for sc in grid) == list(range(9100, 9108))
     assert LocalConfig().for_rank(rank_index(grid[-1])).metrics_port == 0   # off stays off
+
+
+class RecordedWaits:
+    """Stands in for the join thread's stop event: records each wait instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return False
+
+    def set(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("max_s", "waits"), [(30.0, [1, 2, 4, 8, 16, 30, 30]), (0.5, [0.5] * 7)])
+def test_join_backoff_doubles_up_to_its_bound(max_s: float, waits: list[float]) -> None:
+    """Scenario: the pool answers at the seventh attempt -> the attempts were 1 s apart at first,
+    twice as long after each failure, never more than ``join_retry_max_seconds`` (the bound also
+    caps the first wait); the store is handed over once."""
+    outcomes = [ConnectionError("down")] * 6 + ["store"]
+    joined: list[object] = []
+
+    def open_store() -> object:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    join = BackgroundJoin(open_store, joined.append, max_s=max_s)
+    join._stop = RecordedWaits()  # type: ignore[assignment]
+    join._run()
+    assert join._stop.waits == waits  # type: ignore[attr-defined]
+    assert (join.attempts, join.failures, joined) == (7, 6, ["store"]) and join.joined.is_set()
