@@ -274,7 +274,10 @@ def start_server(port: int, meta: MetaHandle, *, python: str = sys.executable, m
     cfg = meta.backend_config(**(extra_config or {}))
     log_path = Path(log_path or CACHE / "run" / f"sglang-{port}" / "server.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    child_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    # Stopping the server (SIGTERM to its process group) reads to SGLang as a crashed scheduler: its
+    # crash diagnostics (py-spy and CUDA core dumps, neither of use on the CPU) first sleep 5 s.
+    child_env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
+                 "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", **(env or {})}
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(sglang_command(python, model, port, cfg, extra_args), stdout=log,
                             stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
