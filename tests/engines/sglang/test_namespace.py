@@ -1,14 +1,16 @@
 """What keeps servers apart in one pool: the namespace names the bytes, not the served model name.
 
-A writer server (the tiny model, ``--served-model-name tiny``) stores a prompt's pages and stays up
-(its pages live in its own segment). Servers that compute other KV bytes for the same tokens must
-not hit those pages, each under the same served name:
+A writer server (the tiny model, copied to a path of its own, ``--served-model-name tiny``) stores a
+prompt's pages and stays up for the whole module (its pages live in its own segment). Servers that
+compute other KV bytes for the same tokens must not hit those pages, each under the same served
+name, in this order (the tests share the writer):
 
 * another checkpoint (same architecture, other weights);
-* another checkpoint copied over the files of the writer's path while it runs (same path);
-* the same checkpoint with a rope override (``--json-model-override-args``);
+* the same checkpoint at the same path with a rope override (``--json-model-override-args``);
 * the writer itself after ``/update_weights_from_disk`` to the other checkpoint (with a
-  ``weight_version``), then after an update that names no version.
+  ``weight_version``), then after an update back to its path that names no version;
+* another checkpoint copied over the files of the writer's path while it runs (same path), last:
+  the writer's path then holds other weights than it serves.
 
 The rope server is then killed to check that the harness reports a dead server as such.
 
@@ -58,9 +60,17 @@ def model_b() -> str:
 
 
 @pytest.fixture(scope="module")
-def writer(meta: harness.MetaHandle, model: str, tmp_path_factory: pytest.TempPathFactory
+def writer_path(model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The writer's checkpoint: a copy of the tiny model that the last test overwrites."""
+    path = tmp_path_factory.mktemp("writer_checkpoint") / "model"
+    shutil.copytree(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def writer(meta: harness.MetaHandle, writer_path: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[harness.ServerHandle, dict]]:
-    server = start(meta, model, tmp_path_factory.mktemp("ns"), "writer",
+    server = start(meta, str(writer_path), tmp_path_factory.mktemp("ns"), "writer",
                    extra_args=[*SERVED, "--admin-api-key", ADMIN_KEY])
     try:
         before = pool_keys(meta)
@@ -97,44 +107,11 @@ def test_same_served_name_other_checkpoint(writer: tuple, meta: harness.MetaHand
         server.stop()
 
 
-def test_other_weights_swapped_in_at_the_same_path(meta: harness.MetaHandle, model: str, model_b: str,
-                                                   tmp_path: Path) -> None:
-    """Scenario (issue 21, item 3): a server serves the checkpoint at a path and stores a prompt's
-    pages (it stays up: they stay in its segment). Another checkpoint of the same shape is copied
-    over the files at that path (same names, sizes and safetensors headers; new modification
-    times). A server started at that path must not hit the old pages, and restores its own."""
-    swap = tmp_path / "model"
-    shutil.copytree(model, swap)
-    ids = prompt(43)
-    first = start(meta, str(swap), tmp_path, "swap_old", extra_args=SERVED)
-    try:
-        before = pool_keys(meta)
-        old = generate(first, ids)
-        wait_for_new_keys(meta, before, FULL_PAGES)
-        for src in Path(model_b).iterdir():
-            if src.is_file():
-                shutil.copyfile(src, swap / src.name)
-        second = start(meta, str(swap), tmp_path, "swap_new", extra_args=SERVED)
-        try:
-            before = pool_keys(meta)
-            own = generate(second, ids)
-            assert own["storage"] == own["device"] == own["host"] == 0, \
-                f"hit pages of the weights that were at this path before: {own}"
-            assert own["text"] != old["text"], "the two checkpoints compute the same output: no test"
-            wait_for_new_keys(meta, before, FULL_PAGES)
-            flush(second)
-            assert generate_from_storage(second, ids)["text"] == own["text"]
-        finally:
-            second.stop()
-    finally:
-        first.stop()
-
-
-def test_rope_override(writer: tuple, meta: harness.MetaHandle, model: str, tmp_path: Path) -> None:
-    """Scenario: same checkpoint and served name, --json-model-override-args with another rope
-    theta -> a separate namespace."""
-    server = start(meta, model, tmp_path, "rope", extra_args=[*SERVED, "--json-model-override-args",
-                                                              json.dumps(ROPE)])
+def test_rope_override(writer: tuple, meta: harness.MetaHandle, writer_path: Path, tmp_path: Path) -> None:
+    """Scenario: same checkpoint (the writer's path) and served name, --json-model-override-args
+    with another rope theta -> a separate namespace."""
+    server = start(meta, str(writer_path), tmp_path, "rope",
+                   extra_args=[*SERVED, "--json-model-override-args", json.dumps(ROPE)])
     try:
         assert_separate_then_restores(server, meta)
         assert_harness_tells_a_dead_server(server)
@@ -157,7 +134,7 @@ def update_weights(server: harness.ServerHandle, body: dict) -> None:
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
-def test_weight_update_moves_the_namespace(writer: tuple, meta: harness.MetaHandle, model: str,
+def test_weight_update_moves_the_namespace(writer: tuple, meta: harness.MetaHandle, writer_path: Path,
                                            model_b: str) -> None:
     """Scenario: the writer's weights are replaced through /update_weights_from_disk (SGLang flushes
     its device and host caches, never L3) -> its own old pages are no hit; the new weights' pages
@@ -167,9 +144,34 @@ def test_weight_update_moves_the_namespace(writer: tuple, meta: harness.MetaHand
     after = assert_separate_then_restores(server, meta)
     assert after["text"] != written["text"]
 
-    update_weights(server, {"model_path": model})  # back to the first weights, no version
+    update_weights(server, {"model_path": str(writer_path)})  # back to the first weights, no version
     back = assert_separate_then_restores(server, meta)
     assert back["text"] == written["text"]
     log = Path(server.log_path).read_text()
     assert "weights updated without a weight_version" in log
     assert "weights='b1+unnamed-" in log
+
+
+def test_other_weights_swapped_in_at_the_same_path(writer: tuple, meta: harness.MetaHandle, model_b: str,
+                                                   writer_path: Path, tmp_path: Path) -> None:
+    """Scenario (issue 21, item 3): the writer serves the checkpoint at its path and stored the
+    prompt's pages (it stays up: they stay in its segment). Another checkpoint of the same shape is
+    copied over the files at that path (same names, sizes and safetensors headers; new
+    modification times). A server started at that path must not hit the old pages, and restores
+    its own."""
+    _, written = writer
+    for src in Path(model_b).iterdir():
+        if src.is_file():
+            shutil.copyfile(src, writer_path / src.name)
+    server = start(meta, str(writer_path), tmp_path, "swap_new", extra_args=SERVED)
+    try:
+        before = pool_keys(meta)
+        own = generate(server, IDS)
+        assert own["storage"] == own["device"] == own["host"] == 0, \
+            f"hit pages of the weights that were at this path before: {own}"
+        assert own["text"] != written["text"], "the two checkpoints compute the same output: no test"
+        wait_for_new_keys(meta, before, FULL_PAGES)
+        flush(server)
+        assert generate_from_storage(server, IDS)["text"] == own["text"]
+    finally:
+        server.stop()
