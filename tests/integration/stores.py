@@ -1,7 +1,7 @@
 """The pool in child processes for the multi-process suites: ``StoreProcess`` (a LocalService driven
-over stdin/stdout) and the ``meta`` / ``stores`` fixtures. Imported as ``tests.integration.stores``
-only, by the conftest files (which register the fixtures) and by the tests; a conftest is never
-imported by a test."""
+over stdin/stdout) and the ``meta`` / ``stores`` / ``short_heartbeat`` fixtures. Imported as
+``tests.integration.stores`` only, by the conftest files (which register the fixtures) and by the tests; a
+conftest is never imported by a test."""
 
 from __future__ import annotations
 
@@ -68,9 +68,24 @@ class StoreProcess:
                 self.kill()
 
 
+# A member silent this long is declared dead by the ``meta`` fixture's MetaService: long enough that a
+# live member stalled by a loaded machine (several seconds at a load of 20 on 2 cores) stays a member.
+HEARTBEAT_TIMEOUT_MS = 10_000
+
+
 @pytest.fixture
-def meta() -> Iterator[MetaServiceProcess]:
-    with running_meta_service(heartbeat_timeout_ms=1500, lease_ttl_ms=2000) as ms:
+def short_heartbeat() -> int:
+    """Requested beside ``meta`` by a test that kills or freezes a member and waits for its death:
+    that ``meta`` declares a member dead after this many ms without a heartbeat (the default,
+    ``HEARTBEAT_TIMEOUT_MS``, would make each such wait last seconds longer)."""
+    return 1500
+
+
+@pytest.fixture
+def meta(request: pytest.FixtureRequest) -> Iterator[MetaServiceProcess]:
+    timeout_ms = (request.getfixturevalue("short_heartbeat") if "short_heartbeat" in request.fixturenames
+                  else HEARTBEAT_TIMEOUT_MS)
+    with running_meta_service(heartbeat_timeout_ms=timeout_ms, lease_ttl_ms=2000) as ms:
         yield ms
 
 

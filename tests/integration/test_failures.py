@@ -23,7 +23,7 @@ LOAD_SLACK_S = 2.0   # what a loaded CI host may add to a bound (scheduling), fa
 
 
 @pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
-def test_kill9_of_a_local_service_mid_traffic(meta, stores, protocol):
+def test_kill9_of_a_local_service_mid_traffic(short_heartbeat, meta, stores, protocol):
     """Scenario: C dies with kill -9 while A and B keep writing and reading. Keys held by C become
     misses (never wrong bytes); everything else keeps working, and no error outlives the timeout."""
     a, b, c = (stores(protocol=protocol) for _ in range(3))
@@ -109,7 +109,7 @@ def test_meta_service_down_gives_3017_without_hanging():
     assert time.monotonic() - t < 1 + LOAD_SLACK_S
 
 
-def test_writer_dying_between_alloc_and_commit_leaves_nothing(meta):
+def test_writer_dying_between_alloc_and_commit_leaves_nothing(short_heartbeat, meta):
     """Scenario: a writer allocates (objects PENDING) and dies before commit: nothing becomes
     visible, and its space comes back when it is declared dead."""
     reader = DistributedObjectStore()

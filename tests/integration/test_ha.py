@@ -168,9 +168,14 @@ def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
     t_kill = time.monotonic()
     leader.kill()
     rest = [m for m in pool.metas if m is not leader]
-    new = pool.leader(TTL_S + 2 + 1, rest)
+    # operations.md: the dead leader's lease lapses at most the TTL after its last renewal, and a
+    # standby wins within a fraction of a second of that. The margin (TTL_S more) is for this test's
+    # own view on a loaded machine: the standby's watch and this test's /role polls are stalled too.
+    bound = TTL_S + 1 + TTL_S
+    new = pool.leader(bound + 1, rest)
     took = time.monotonic() - t_kill
-    assert took <= TTL_S + 2, f"a standby led only after {took:.2f}s"
+    print(f"a standby led {took:.2f} s after kill -9 of the leader (lease TTL {TTL_S} s)")
+    assert took <= bound, f"a standby led only after {took:.2f}s"
     wait_for(lambda: all(t.resumed_since(t_kill) for t in traffic), 15, "both clients to put again")
     for t in traffic:
         t.stop()

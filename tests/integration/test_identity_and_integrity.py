@@ -8,7 +8,6 @@ engine seeds Python's ``random`` the same way (vLLM and SGLang call ``random.see
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -133,8 +132,12 @@ def test_second_writer_of_a_pending_key_waits_and_never_reports_a_false_success(
         out: dict = {}
         t = threading.Thread(target=lambda: out.update(a("put", keys=["contended"], layout=LAYOUT)))
         t.start()
-        time.sleep(0.3)
-        assert t.is_alive(), "the second writer returned while the first write was pending"
+
+        def told_pending() -> int:   # writer 2's Allocs answered "another writer's put is pending"
+            return meta.http("/api/v1/stats")["outcomes"].get("put", {}).get("write_in_progress", 0)
+        # told twice: writer 2 asked again after the first answer instead of reporting anything
+        wait_for(lambda: told_pending() >= 2 or not t.is_alive(), 10, "the second writer to be told to wait")
+        assert t.is_alive() and not out, f"the second writer returned while the first write was pending: {out}"
         client.call(p.Abort(j.client_id, j.token, ["contended"], [r.generation]))
         t.join(10)
         assert out["codes"] == [0]

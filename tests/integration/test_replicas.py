@@ -24,7 +24,7 @@ def segments_of(ms, key: str) -> list[int]:
 def put_replicated(meta, client, keys: list[str], n: int = 2) -> None:
     """Put ``keys`` with replicaNum ``n`` until each has its ``n`` replicas: the precondition of these
     tests, established rather than assumed. Placement passes over a segment whose owner's heartbeat
-    is late (on a loaded host, half the 1.5 s timeout of the ``meta`` fixture), leaving a key short;
+    is late (on a loaded host, half the ``meta`` fixture's heartbeat timeout), leaving a key short;
     such a key is removed and put again."""
     todo = list(keys)
 
@@ -45,7 +45,7 @@ def _store(ms, init_bm: bool, **cfg) -> DistributedObjectStore:
     return s
 
 
-def test_kill9_of_one_of_two_holders_leaves_every_object_readable(meta, stores):
+def test_kill9_of_one_of_two_holders_leaves_every_object_readable(short_heartbeat, meta, stores):
     """Scenario: replicaNum 2, two providers holding segments and a pure client writing and reading
     over TCP. One provider is killed with -9: every object is still read byte-exact, at once (the
     reader moves past the dead peer to the other replica) and after the MetaService has declared the
@@ -106,7 +106,7 @@ def test_a_corrupt_replica_is_read_around_dropped_alone_and_made_again():
                 h.close()
 
 
-def test_replicas_lost_with_a_killed_holder_are_made_again_and_survive_a_second_death(meta, stores):
+def test_replicas_lost_with_a_killed_holder_are_made_again_and_survive_a_second_death(short_heartbeat, meta, stores):
     """Scenario: replicaNum 2 on three providers (host_tcp: copies go through the data servers) and
     a pure client. The provider holding most replicas is killed with -9: the survivors copy each
     object that lost a replica to the other survivor (re-replication) until none is under-replicated
@@ -135,7 +135,7 @@ def test_replicas_lost_with_a_killed_holder_are_made_again_and_survive_a_second_
     assert got["codes"] == [0] * 40 and got["mismatches"] == [], "a repaired replica is the only one left"
 
 
-def test_a_paused_holder_declared_dead_finds_its_replicas_made_again_when_it_returns(meta, stores):
+def test_a_paused_holder_declared_dead_finds_its_replicas_made_again_when_it_returns(short_heartbeat, meta, stores):
     """Scenario: replicaNum 2 on three providers; the one holding most replicas is paused (SIGSTOP,
     as a long stall) until the MetaService has declared it dead and its replicas were made again on
     the others. When it resumes it re-joins and reports its old copies: each is surplus (the object
@@ -263,7 +263,7 @@ def test_reads_prefer_a_same_host_replica_and_fall_back_to_the_other_host():
                 s.close()
 
 
-def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(meta, stores):
+def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(short_heartbeat, meta, stores):
     """Scenario: a pure client keeps reading 1 MB objects (replicaNum 2) in a loop while one of the
     two holders is killed with -9, so reads are in flight from it when it dies. Every read, before,
     during and after (until the MetaService has declared the holder dead and a few rounds more),

@@ -100,7 +100,7 @@ def test_a_reader_never_sees_a_half_written_object(meta, stores):
     assert got["codes"] == [0] * len(keys) and got["mismatches"] == []
 
 
-def test_a_writer_killed_mid_batch_leaves_nothing_visible(meta, stores):
+def test_a_writer_killed_mid_batch_leaves_nothing_visible(short_heartbeat, meta, stores):
     """Scenario: the writer is killed (SIGKILL) in the middle of a large batch of small puts. Its
     arena was in its own segment: once it is declared dead nothing it wrote is visible, its segment
     (arena and all) has left the pool, and no put of it stays pending."""

@@ -13,7 +13,7 @@ from memcache_core.testing import free_port, wait_for
 pytestmark = pytest.mark.integration
 
 
-def test_outcomes_and_member_events(meta, stores):
+def test_outcomes_and_member_events(short_heartbeat, meta, stores):
     s, client = DistributedObjectStore(), DistributedObjectStore()
     assert s.setup(meta.local_config()) == 0 and s.init(0, True) == 0
     assert client.setup(meta.local_config()) == 0 and client.init(0, False) == 0
