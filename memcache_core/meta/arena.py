@@ -132,6 +132,7 @@ def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: 
            within_quota: Callable[[int], bool]) -> tuple[int, int]:
     """Commit one object written at ``offset`` of the arena: (code, generation). It counts in its
     writer's quota (``kept.py``) as a two-phase put's object does; the writer is the segment's owner."""
+    t.counters.allocs += 1   # a put asked (``puts_total``), as a two-phase put's Alloc counts it
     cur = t.objects.get(key)
     if cur is not None:
         return (errors.OBJECT_ALREADY_EXISTS if cur.committed else errors.WRITE_IN_PROGRESS), 0
