@@ -87,10 +87,19 @@ def test_meta_service_down_gives_3017_without_hanging():
             t = time.monotonic()
             assert s.is_exist("k") == -3017
             assert time.monotonic() - t < 2 + LOAD_SLACK_S      # client_timeout_seconds, and a loaded host
-            t = time.monotonic()   # once known down, calls fail at once: not one waits its timeout
-            assert s.batch_is_exist(["k", "j"]) == [-3017, -3017]
-            assert s.get("k") == b""
-            assert time.monotonic() - t < 1.5
+            # once known down, calls fail at once: not one waits its timeout. "At once" is within 0.2 s
+            # of the last failure, so a stall of this process between two calls (a loaded host) makes
+            # the next one try again and wait; a few tries, one of which must be quick (none would be
+            # if calls waited their timeout: each try would take 2 x 2 s)
+            took = []
+            for _ in range(3):
+                t = time.monotonic()
+                assert s.batch_is_exist(["k", "j"]) == [-3017, -3017]
+                assert s.get("k") == b""
+                took.append(time.monotonic() - t)
+                if took[-1] < 1.5:
+                    break
+            assert min(took) < 1.5, took
         finally:
             os.kill(ms.pid, signal.SIGCONT)
         wait_for(lambda: s.is_exist("k") == 1, 5, "the MetaService to answer again")
