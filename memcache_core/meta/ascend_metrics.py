@@ -22,14 +22,14 @@ from .stats import Snapshot
 # "events:<name>" (a count of events), "members" (segments that left: Leave requests and deaths).
 OPS: tuple[tuple[str, str, str], ...] = (
     ("alloc", "keys:put", "objects asked to be allocated (each key of an Alloc request)"),
-    ("batch_alloc", "requests:Alloc", "Alloc requests (puts and batch_alloc)"),
+    ("batch_alloc", "requests:Alloc+ArenaCommit", "Alloc requests (puts and batch_alloc) and small puts' arena commits"),
     ("get", "keys:get", "objects looked up for reading (each key of a Lookup)"),
     ("batch_get", "requests:Lookup", "Lookup requests"),
     ("remove", "keys:remove", "objects asked to be removed"),
     ("batch_remove", "requests:Remove", "Remove requests"),
     ("remove_all", "requests:RemoveAll+RemovePrefix", "remove_all and remove_by_prefix requests"),
     ("update_state", "keys:commit", "objects committed (made visible)"),
-    ("batch_update_state", "requests:Commit+Abort", "Commit and Abort requests"),
+    ("batch_update_state", "requests:Commit+Abort+ArenaCommit", "Commit, Abort and arena commit requests"),
     ("query", "keys:query", "objects described (each key of batch_get_key_info)"),
     ("batch_query", "requests:Info", "batch_get_key_info requests"),
     ("get_all_keys", "events:http_get_all_keys", "/get_all_keys calls"),

@@ -58,7 +58,7 @@ def test_routes_and_metric_families_as_ascend_answers_them():
     families is exported once, with counts that follow what was done; /livez needs no token,
     /kv_events/status and the /memory routes need the admin token like the other admin routes."""
     with running_meta_service(kv_events_enable=True, kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}") as ms:
-        s = StoreProcess(ms)
+        s = StoreProcess(ms, small_put_max_bytes=0)   # two-phase puts: one Alloc and one Commit request
         try:
             keys = [f"asc-{i}" for i in range(5)]
             assert s("put", keys=keys, layout=[4096])["codes"] == [0] * 5
