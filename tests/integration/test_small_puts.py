@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import secrets
 import threading
+from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
@@ -222,6 +224,11 @@ def test_meta_service_restart_between_grant_and_commit(meta, stores):
         store.close()
 
 
+def answers_again(reader: Any, key: str) -> bool:
+    """The reader's MetaService answers it again (after a restart its calls fail fast for a while)."""
+    return bool(reader("exist", keys=[key])["codes"] == [1])
+
+
 def test_recovery_after_a_meta_service_restart_includes_arena_objects(meta, stores):
     """Scenario: objects put through the arena are in the writer's segment with their headers: after
     the MetaService is killed and restarted, the writer's report brings them back, byte-exact for
@@ -232,7 +239,8 @@ def test_recovery_after_a_meta_service_restart_includes_arena_objects(meta, stor
     meta.kill()
     meta.start()
     wait_for(lambda: len(meta.http("/get_all_keys")["keys"]) == 100, 15, "recovery of the 100 arena objects")
-    for reader in (shm_reader, tcp_reader):
+    for reader in (shm_reader, tcp_reader):   # each reader reaches the MetaService again first
+        wait_for(partial(answers_again, reader, keys[0]), 15, "the reader to reach it again")
         got = reader("get", keys=keys, layout=SMALL)
         assert got["codes"] == [0] * 100 and got["mismatches"] == []
     wait_for(lambda: writer("put", keys=["after-restart"], layout=SMALL)["codes"] == [0], 15, "new small puts")
