@@ -42,13 +42,19 @@ from .table import ObjectTable
 class Arena:
     """A granted range ``[start, end)`` of a segment and the objects committed in it."""
 
-    __slots__ = ("id", "start", "end", "used", "_starts")
+    __slots__ = ("id", "start", "end", "used", "held", "_starts")
 
     def __init__(self, start: int, end: int) -> None:
         self.id = secrets.randbits(62) or 1   # never reused across MetaService lives (not a counter)
         self.start, self.end = start, end
         self.used: dict[int, int] = {}        # offset -> end of each committed object still holding space
+        self.held = 0                         # their bytes: the arena's unheld rest is reserved, not used
         self._starts: list[int] = []          # the same offsets, sorted
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of the arena that hold no committed object (free for its holder's small puts only)."""
+        return self.end - self.start - self.held
 
     def fits(self, offset: int, end: int) -> bool:
         """Inside the arena, aligned, and clear of every object committed in it."""
@@ -62,11 +68,14 @@ class Arena:
     def take(self, offset: int, end: int) -> None:
         bisect.insort(self._starts, offset)
         self.used[offset] = end
+        self.held += end - offset
 
     def release(self, offset: int) -> bool:
         """An object committed here left the table: its space stays the arena's (True), or not ours."""
-        if self.used.pop(offset, None) is None:
+        end = self.used.pop(offset, None)
+        if end is None:
             return False
+        self.held -= end - offset
         del self._starts[bisect.bisect_left(self._starts, offset)]
         return True
 

@@ -101,6 +101,8 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
     used = _gauge("segment_used_bytes", "Bytes allocated in a segment.", labels=labels)
     free = _gauge("segment_free_bytes", "Bytes not allocated in a segment.", labels=labels)
     objs = _gauge("segment_objects", "Committed objects in a segment.", labels=labels)
+    arena = _gauge("segment_arena_reserved_bytes", "Bytes of a segment's allocation arena that hold no object: "
+                   "counted in segment_used_bytes, reserved for its holder's small puts.", labels=labels)
     served = CounterMetricFamily("memcache_segment_served_bytes", "Payload bytes members copied out of (read) "
                                  "and into (write) a segment through shared memory (host_shm), as their "
                                  "heartbeats report them.", labels=[*labels, "direction"])
@@ -112,7 +114,8 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
         used.add_metric(lv, g.used_bytes)
         free.add_metric(lv, g.capacity_bytes - g.used_bytes)
         objs.add_metric(lv, g.objects)
-    yield from (cap, used, free, objs, served)
+        arena.add_metric(lv, g.arena_reserved_bytes)
+    yield from (cap, used, free, objs, arena, served)
     yield _gauge("segments_unlisted", f"Segments without series of their own (only the {MAX_SEGMENT_SERIES} "
                  "largest have them; the pool totals count all).",
                  len(s.segments) - min(len(s.segments), MAX_SEGMENT_SERIES))

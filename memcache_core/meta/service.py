@@ -98,7 +98,7 @@ class MetaServiceCore(Membership):
                                            owners.get(i), "dram",
                                            s.allocator.size, s.allocator.used, len(s.lru), s.allocator.largest_free,
                                            None if math.isinf(s.alloc_after) else round(max(0.0, s.alloc_after - now), 3),
-                                           math.isinf(s.alloc_after))
+                                           math.isinf(s.alloc_after), s.arena.reserved if s.arena else 0)
                         for i, s in sorted(t.segments.items())]
             members = [stats.MemberStats(m.client_id, m.host_id, m.pid, m.segment_id, round(now - m.last_seen, 3),
                                          *t.kept_of.get(m.client_id, (0, 0)))

@@ -48,6 +48,7 @@ class SegmentStats(msgspec.Struct):
     largest_free_bytes: int
     accepts_new_objects_in_s: float | None   # None: draining, never again
     draining: bool
+    arena_reserved_bytes: int = 0            # counted in used_bytes: its holder's arena, holding no object
 
 
 class MemberStats(msgspec.Struct):

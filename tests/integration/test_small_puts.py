@@ -15,7 +15,8 @@ import pytest
 
 from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
-from memcache_core.layout import payload_offset
+from memcache_core.layout import footprint, payload_offset
+from memcache_core.meta.allocator import aligned
 from memcache_core.rpc import expect
 from memcache_core.testing import MetaServiceProcess, mapped_segment, running_meta_service, wait_for
 
@@ -33,6 +34,12 @@ def round_trips(meta: MetaServiceProcess) -> dict[str, float]:
         m = re.search(rf'^memcache_request_seconds_count\{{op="{op}"\}} (\S+)$', text, re.M)
         out[op] = float(m.group(1)) if m else 0.0
     return out
+
+
+def arena_reserved(meta: MetaServiceProcess) -> int:
+    """Bytes of every arena that hold no object (``segment_arena_reserved_bytes``, summed)."""
+    text = meta.http("/metrics")
+    return sum(int(float(v)) for v in re.findall(r"^memcache_segment_arena_reserved_bytes\{[^}]*\} (\S+)$", text, re.M))
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -66,10 +73,16 @@ def test_round_trip_byte_exact_and_one_commit_per_batch(meta, stores):
     for reader in (shm_reader, tcp_reader, writer):
         got = reader("get", keys=first + second, layout=SMALL)
         assert got["codes"] == [0] * 128 and got["mismatches"] == []
-    # negative control: above small_put_max_bytes the put is two-phase
-    before = round_trips(meta)
+    # the arena's free part is reported: each small put takes its footprint out of it
+    reserved = arena_reserved(meta)
+    assert reserved > 0
+    assert writer("put", keys=[f"small-c-{i}" for i in range(4)], layout=SMALL)["codes"] == [0] * 4
+    assert reserved - arena_reserved(meta) == 4 * aligned(footprint(sum(SMALL)))
+    # negative control: above small_put_max_bytes the put is two-phase, and not in the arena
+    before, reserved = round_trips(meta), arena_reserved(meta)
     assert writer("put", keys=["large"], layout=[(64 << 10) + 1])["codes"] == [0]
     assert delta(before, round_trips(meta)) == {"alloc": 1, "commit": 1}
+    assert arena_reserved(meta) == reserved
     assert tcp_reader("get", keys=["large"], layout=[(64 << 10) + 1])["mismatches"] == []
     # a put of a key that exists is a no-op success through the arena too, and changes no bytes
     assert writer("put", keys=first[:4], layout=SMALL, version=2)["codes"] == [0] * 4
