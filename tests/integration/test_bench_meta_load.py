@@ -33,6 +33,9 @@ def test_quick_run_reports_every_figure(tmp_path):
     assert set(rows["put+remove"]["counts"]) == {"alloc", "commit", "remove"}, rows["put+remove"]
     assert rows["probe"]["probe_p50_us"] > 0 and rows["mix x1"]["offered_rps"] == rows["mix"]["rps"]
     assert "heartbeats of 16 members" in out.stdout
+    half = rows["mix x0.5"]   # issue 26 quotes is_exist at half of saturation: its own line, p50 and p99
+    assert f"p50 {half['probe_p50_us']} us, p99 {half['probe_p99_us']} us" in out.stdout
+    assert 0 < half["probe_p50_us"] <= half["probe_p99_us"], half
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
