@@ -59,3 +59,16 @@ def test_a_wrong_answer_fails_the_run():
         with pytest.raises(SystemExit, match=r"exist: \d+ of \d+ keys found, expected \d+"):
             bench.run_phase("exist", ms.pid, addr, load_secret(ms.config.get("auth_secret_path", "")), args,
                             "exist=1", 0)
+
+
+def test_heartbeat_cost_benchmark_runs():
+    """``benchmarks/bench_heartbeat.py`` (the in-process cost of one heartbeat, quoted in
+    benchmarks/README.md) still runs: its members join, every heartbeat is answered as known."""
+    bench = os.path.join(os.path.dirname(BENCH), "bench_heartbeat.py")
+    out = subprocess.run([sys.executable, bench, "--members", "8", "--rounds", "200", "--cold-rounds", "20",
+                          "--gap-ms", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out.stdout.splitlines()
+            if line.split()[:1] in (["hot"], ["cold"])}
+    assert set(rows) == {"hot", "cold"} and all(0 < r[2] <= r[1] for r in rows.values()), out.stdout
+    assert "Python calls per heartbeat (cProfile, hot):" in out.stdout and "8 members" in out.stdout
