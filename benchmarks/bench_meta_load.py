@@ -29,7 +29,8 @@ sends it: no pipelining to amortise the server's system calls over), ``lookup`` 
 (each kind alone: the CPU cost of one call of each kind is the inverse of its requests per CPU-second),
 ``mix``
 (the mix, as fast as it is answered: saturation), then the mix offered open-loop at each fraction of
-the saturation rate in ``--levels`` (the latency-against-load curve). The MetaService's CPU time is
+the saturation rate in ``--levels`` (the latency-against-load curve; 0.5 always among them, its
+``is_exist`` p50/p99 printed on a line of its own: issue 26 quotes it there). The MetaService's CPU time is
 read from ``/proc/<pid>/stat`` at both ends of each phase, so throughput is quoted **per
 MetaService CPU-second** and does not depend on how many cores the machine had free (each row also
 carries the host's 1-minute load average: on a crowded host every figure is worse). Latencies are
@@ -528,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="length of each phase")
     ap.add_argument("--mix", default=DEFAULT_MIX, help=f"weights of the request kinds (default {DEFAULT_MIX})")
     ap.add_argument("--levels", default="0.1,0.25,0.5,0.75,0.9,1.0,1.25",
-                    help="offered load as fractions of the measured saturation rate of the mix")
+                    help="offered load as fractions of the measured saturation rate of the mix (0.5 is always "
+                         "run: the is_exist p50/p99 there is printed on a line of its own)")
     ap.add_argument("--rates", help="offered loads in requests/s of the mix (instead of --levels; no saturation run)")
     ap.add_argument("--phases", default="all",
                     help=f"run only these phases after idle and heartbeats (comma-separated: {', '.join(ALONE)}, mix)")
@@ -545,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json, encoding="utf-8") as f:
             rows = json.load(f)["results"]
         print(table(rows))
+        half = next((r for r in rows if r["phase"] == "mix x0.5"), None)
+        if half is not None:
+            print(half_saturation(half))
         if args.plot:
             _plot(rows, args.plot)
         return 0
@@ -603,7 +608,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             elif "mix" in wanted:
                 saturated = phase("mix", args.mix, 0)
                 report(saturated)
-                for level in (float(x) for x in args.levels.split(",")):
+                for level in levels(args.levels):
                     report(phase(f"mix x{level:g}", args.mix, saturated["rps"] * level))
         finally:
             stop.set()
@@ -616,7 +621,24 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     hb = rows[1]["meta_cpu_share"] - rows[0]["meta_cpu_share"]
     print(f"heartbeats of {args.members} members every {args.heartbeat_ms} ms: {hb:.2%} of one core "
           f"above idle ({rows[0]['meta_cpu_share']:.2%})")
+    half = next((r for r in rows if r["phase"] == "mix x0.5"), None)
+    if half is not None:
+        print(half_saturation(half))
     return rows
+
+
+def levels(spec: str) -> list[float]:
+    """The fractions of saturation to offer, with 0.5 always among them (issue 26 quotes is_exist there)."""
+    out = [float(x) for x in spec.split(",")]
+    return out if 0.5 in out else sorted([*out, 0.5])
+
+
+def half_saturation(row: dict[str, Any]) -> str:
+    """The line that quotes ``is_exist`` at half of the measured saturation rate (target: p99 <= 1 ms)."""
+    return (f"is_exist at 50% of saturation ({row['offered_rps']:,.0f} requests/s of the mix offered, "
+            f"{row['rps']:,.0f} served, MetaService at {row['meta_cpu_share']:.0%} of a core): "
+            f"p50 {row['probe_p50_us']} us, p99 {row['probe_p99_us']} us (target p99 <= 1,000 us); "
+            f"batched exist p50 {row['exist_p50_us']} us, p99 {row['exist_p99_us']} us")
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:

@@ -124,9 +124,10 @@ class Membership:
                 held[1] += r.written
                 held[2] += r.read
                 held[3] += r.written
+        # (``get``, not ``events[...]``: a Counter's missing key costs a Python call, three a heartbeat)
         t, events, sid = self.table, self.member_events, m.segment_id
         reply = p.HeartbeatReply(self.epoch, known=True, disk_tiers=len(t.disk_tiers), generation_ceiling=t.gen_ceiling,
-                                 departures=events["leaves"] + events["deaths"] + events["rejoins"])
+                                 departures=events.get("leaves", 0) + events.get("deaths", 0) + events.get("rejoins", 0))
         if sid is None:   # (a member without a segment: nothing else is its own)
             return reply
         reply.journal = t.segments[sid].journal_since(ack)

@@ -229,8 +229,12 @@ class Segment:
             del self.journal[: len(self.journal) - MAX_JOURNAL]
 
     def journal_since(self, ack: int) -> list[JournalEntry]:
-        self.acked = max(self.acked, min(ack, self.journal_seq))
-        if self.journal and self.journal[0].seq <= ack:
+        """The entries after ``ack``, which the owner says it applied (those before are dropped)."""
+        if ack > self.acked:   # (acked <= journal_seq always: the owner cannot ack what was not sent)
+            self.acked = min(ack, self.journal_seq)
+        if not self.journal:   # every heartbeat of a quiet segment: no list to scan or copy
+            return []
+        if self.journal[0].seq <= ack:
             keep = next((i for i, e in enumerate(self.journal) if e.seq > ack), len(self.journal))
             del self.journal[:keep]
         return list(self.journal)

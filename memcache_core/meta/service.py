@@ -143,7 +143,8 @@ class MetaServiceCore(Membership):
             case p.Lookup(keys=keys, lease=lease):
                 return p.LookupReply(t.lookup_many(keys, now, lease), self.config.lease_ttl_ms)
             case p.Heartbeat(client_id=cid, token=token, journal_ack=ack, moved=moved):
-                validate.moved(moved)
+                if moved:   # (most heartbeats carry no byte counts)
+                    validate.moved(moved)
                 return self._heartbeat(cid, token, ack, now, moved)
             case p.Join():
                 validate.join(req)

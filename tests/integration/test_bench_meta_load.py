@@ -33,6 +33,9 @@ def test_quick_run_reports_every_figure(tmp_path):
     assert set(rows["put+remove"]["counts"]) == {"alloc", "commit", "remove"}, rows["put+remove"]
     assert rows["probe"]["probe_p50_us"] > 0 and rows["mix x1"]["offered_rps"] == rows["mix"]["rps"]
     assert "heartbeats of 16 members" in out.stdout
+    half = rows["mix x0.5"]   # issue 26 quotes is_exist at half of saturation: its own line, p50 and p99
+    assert f"p50 {half['probe_p50_us']} us, p99 {half['probe_p99_us']} us" in out.stdout
+    assert 0 < half["probe_p50_us"] <= half["probe_p99_us"], half
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -56,3 +59,16 @@ def test_a_wrong_answer_fails_the_run():
         with pytest.raises(SystemExit, match=r"exist: \d+ of \d+ keys found, expected \d+"):
             bench.run_phase("exist", ms.pid, addr, load_secret(ms.config.get("auth_secret_path", "")), args,
                             "exist=1", 0)
+
+
+def test_heartbeat_cost_benchmark_runs():
+    """``benchmarks/bench_heartbeat.py`` (the in-process cost of one heartbeat, quoted in
+    benchmarks/README.md) still runs: its members join, every heartbeat is answered as known."""
+    bench = os.path.join(os.path.dirname(BENCH), "bench_heartbeat.py")
+    out = subprocess.run([sys.executable, bench, "--members", "8", "--rounds", "200", "--cold-rounds", "20",
+                          "--gap-ms", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out.stdout.splitlines()
+            if line.split()[:1] in (["hot"], ["cold"])}
+    assert set(rows) == {"hot", "cold"} and all(0 < r[2] <= r[1] for r in rows.values()), out.stdout
+    assert "Python calls per heartbeat (cProfile, hot):" in out.stdout and "8 members" in out.stdout

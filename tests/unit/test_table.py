@@ -154,6 +154,25 @@ def test_journal_tells_the_owner_what_left_its_segment(n):
     assert t.segments[1].journal_since(j[-1].seq) == []
 
 
+def test_the_acknowledged_point_only_rises_and_never_passes_what_was_journaled():
+    """Scenario: heartbeats acknowledge the journal; an ack from an older heartbeat (lower) does not
+    move it back, an ack past the last entry (a member of an earlier table) stops at the last entry,
+    and the empty journal of a quiet segment answers every heartbeat with a list of its own."""
+    t = make()
+    put(t, "k0", size=100_000)
+    put(t, "k1", size=100_000)
+    seg = t.segments[1]
+    assert seg.journal_since(5) == [] and seg.acked == 0   # nothing journaled: nothing to acknowledge
+    t.remove("k0", 10.0)
+    t.remove("k1", 10.0)
+    first, second = seg.journal_since(0)
+    assert seg.journal_since(first.seq) == [second] and seg.acked == first.seq
+    assert seg.journal_since(0) == [second] and seg.acked == first.seq   # a stale ack moves nothing
+    assert seg.journal_since(second.seq + 100) == [] and seg.acked == second.seq
+    a, b = seg.journal_since(second.seq), seg.journal_since(second.seq)
+    assert a == b == [] and a is not b
+
+
 def test_second_writer_commit_and_foreign_commit_are_refused():
     """Scenario: only the writer that allocated a pending object may commit or abort it."""
     t = make()
