@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from memcache_core.testing import start_local_service, wait_for
+from memcache_core.testing import die_with_parent, start_local_service, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -130,7 +130,7 @@ class Engine:
         spec_path.write_text(json.dumps(spec))
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(self.out)],
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     env=engine_env())
+                                     env=engine_env(), preexec_fn=die_with_parent())
 
     def result(self, timeout_s: float = ENGINE_TIMEOUT_S) -> dict[str, Any]:
         try:
