@@ -42,7 +42,8 @@ def test_servers_die_when_the_process_that_started_them_is_killed():
     """Scenario: a parent process starts a MetaService (``MetaServiceProcess``) and a LocalService
     (``StoreProcess``), then is killed with SIGKILL, so no cleanup of its own runs. Both servers
     must be gone soon after (without the tie they run on with PPID 1 until someone kills them)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env=env)
     pids: dict[str, int] = {}
