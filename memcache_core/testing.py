@@ -4,12 +4,15 @@
 (with a deadline; a process that died is never counted as started) and always terminates it.
 ``start_local_service()`` starts a standalone provider and waits for its join; ``wait_for()`` polls
 for a state (never a fixed sleep); ``started()`` is a fixture's factory that stops what it made;
-``mapped_segment()`` maps a segment file from outside its owner (bit rot, a late writer).
+``mapped_segment()`` maps a segment file from outside its owner (bit rot, a late writer);
+``die_with_parent()`` makes every server a test starts die with the test's process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import mmap
 import os
@@ -121,6 +124,38 @@ def terminate(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_
             proc.wait()
 
 
+PR_SET_PDEATHSIG = 1   # linux/prctl.h
+
+
+@functools.cache
+def _prctl() -> Any:
+    """libc's ``prctl``, looked up in the parent: the child between fork and exec only calls it."""
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """The ``preexec_fn`` for ``subprocess.Popen`` of a server a test starts: on Linux the child is
+    sent SIGKILL when the process that started it dies (a pytest killed by a CI timeout, Ctrl-C or
+    ``kill -9``), instead of living on with PPID 1, holding its ports and shared memory into the next
+    run. A parent that died before the child's ``prctl`` took effect is caught by the child (its
+    parent is no longer the starter): it kills itself.
+
+    The kernel sends the signal when the *thread* that started the child exits, so a child started
+    from any thread but the main one (which lives as long as the process) is not tied: ``None``, as
+    on other systems."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl, parent = _prctl(), os.getpid()
+
+    def tie() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:   # the starter died before the tie: its signal will never come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return tie
+
+
 def free_port() -> int:
     """A loopback port free now, for a server to bind later: chosen outside the kernel's ephemeral
     range, so that no outgoing connection (which takes its local port from that range) can take it
@@ -191,7 +226,8 @@ class MetaServiceProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen([sys.executable, "-m", "memcache_core.meta_service",
                                       "--config_path", self.config_path],
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent())
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -294,7 +330,7 @@ def start_local_service(config: dict[str, Any], directory: str | os.PathLike[str
     log_path = os.path.join(directory, f"{name}.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", path],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+                                stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
 
     def joined() -> int:
         ids = [s["segment_id"] for s in segments() if s.get("pid") == proc.pid]

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import urllib.request
 
-from .testing import free_port, terminate, wait_for
+from .testing import die_with_parent, free_port, terminate, wait_for
 
 
 def make_etcd_tls_files(directory: str) -> dict[str, str]:
@@ -73,7 +73,7 @@ class EtcdProcess:
              "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
              *(["--cert-file", self.tls["server_cert"], "--key-file", self.tls["server_key"], "--client-cert-auth",
                 "--trusted-ca-file", self.tls["ca"]] if self.tls else [])],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent())
         log.close()
         wait_for(lambda: self._healthy(), timeout_s, "etcd to answer")
         return self

@@ -60,12 +60,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         return 1
     model = args.model or ensure_model(python)
     meta = (MetaHandle.from_config(args.meta_config, python) if args.meta_config
-            else start_meta(state_dir, python))
+            else start_meta(state_dir, python, detached=True))   # both outlive this command
     try:
         server = start_server(args.port, meta, python=python, model=model,
                               log_path=state_dir / "server.log",
                               extra_config=json.loads(args.extra_config) if args.extra_config else None,
-                              extra_args=args.sglang_args)
+                              extra_args=args.sglang_args, detached=True)
     except BaseException:
         meta.stop()
         raise

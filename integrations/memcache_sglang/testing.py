@@ -6,7 +6,9 @@ For the SGLang engine tests, ``benchmarks/bench_sglang_ttft.py`` and ``examples/
 ports, :func:`start_server` an SGLang server joined to its pool (page 128, write-through, the
 ``layer_first`` host layout, ``--device cpu``) that is ready once *its* process answers ``/health``;
 the handles stop exactly the process groups they started and tell, for a failure report, whether a
-server is alive or died and the tail of its log. :func:`ensure_model` makes the tiny local model
+server is alive or died and the tail of its log. What they start dies with the process that started
+it (``memcache_core.testing.die_with_parent``: a killed test run leaves no server behind) unless
+started ``detached``, as the command line's servers are, which outlive it. :func:`ensure_model` makes the tiny local model
 with ``examples/make_tiny_model.py``, so it needs a checkout of this repository.
 
 Imports only the standard library (and :mod:`memcache_core.testing`), so the command line runs
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memcache_core.testing import free_port
+from memcache_core.testing import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[2]   # the checkout (the package is installed editable)
 CACHE = Path(os.environ.get("MEMCACHE_CACHE_DIR") or Path.home() / ".cache" / "memcache")
@@ -131,11 +133,11 @@ class MetaHandle:
         cfg = json.loads(Path(path).read_text())
         return cls(path, cfg["meta_service_url"], cfg["config_store_url"], cfg["metrics_url"], python)
 
-    def start(self, timeout_s: float = META_READY_TIMEOUT_S) -> MetaHandle:
+    def start(self, timeout_s: float = META_READY_TIMEOUT_S, detached: bool = False) -> MetaHandle:
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen([self.python, "-m", self.launcher, "--config_path", self.config_path],
                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=None if detached else die_with_parent())
         log.close()
         self.pid = proc.pid
         deadline = time.monotonic() + timeout_s
@@ -177,7 +179,7 @@ class MetaHandle:
 
 
 def start_meta(run_dir: str | Path, python: str = sys.executable, launcher: str | None = None,
-               env: dict[str, str] | None = None, **meta_config: Any) -> MetaHandle:
+               env: dict[str, str] | None = None, detached: bool = False, **meta_config: Any) -> MetaHandle:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"meta_service_url": f"tcp://127.0.0.1:{free_port()}",
@@ -189,7 +191,7 @@ def start_meta(run_dir: str | Path, python: str = sys.executable, launcher: str 
                       python, str(run_dir / "meta.log"), env=dict(env or {}))
     if launcher:
         meta.launcher = launcher
-    return meta.start()
+    return meta.start(detached=detached)
 
 
 def log_tail(path: str | Path, lines: int = 40) -> str:
@@ -268,7 +270,7 @@ def sglang_command(python: str, model: str, port: int, extra_config: dict[str, A
 def start_server(port: int, meta: MetaHandle, *, python: str = sys.executable, model: str | None = None,
                  log_path: str | Path | None = None, extra_config: dict[str, Any] | None = None,
                  extra_args: list[str] | None = None, env: dict[str, str] | None = None,
-                 timeout_s: float = SERVER_READY_TIMEOUT_S) -> ServerHandle:
+                 timeout_s: float = SERVER_READY_TIMEOUT_S, detached: bool = False) -> ServerHandle:
     """Start SGLang on 127.0.0.1:port joined to ``meta``'s pool; return once /health answers."""
     model = model or ensure_model(python)
     cfg = meta.backend_config(**(extra_config or {}))
@@ -280,7 +282,8 @@ def start_server(port: int, meta: MetaHandle, *, python: str = sys.executable, m
                  "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", **(env or {})}
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(sglang_command(python, model, port, cfg, extra_args), stdout=log,
-                            stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+                            stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                            preexec_fn=None if detached else die_with_parent())
     log.close()
     server = ServerHandle(port, proc.pid, str(log_path), model, cfg)
     deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from memcache_core import DistributedObjectStore
-from memcache_core.testing import MetaServiceProcess, running_meta_service, started
+from memcache_core.testing import MetaServiceProcess, die_with_parent, running_meta_service, started
 
 WORKER = os.path.join(os.path.dirname(__file__), "store_worker.py")
 
@@ -33,7 +33,8 @@ class StoreProcess:
                 "protocol": "host_shm", "dram_size": "256MB", "client_timeout_seconds": 5,
                 "heartbeat_interval_ms": 200, **cfg}
         self.proc = subprocess.Popen([sys.executable, WORKER, json.dumps(conf)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     preexec_fn=die_with_parent())
         hello = json.loads(self.proc.stdout.readline() or '{"ready": false}')  # type: ignore[union-attr]
         if not hello.get("ready"):
             self.proc.kill()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from memcache_core import DistributedObjectStore, LocalConfig
-from memcache_core.testing import wait_for
+from memcache_core.testing import die_with_parent, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +128,7 @@ def test_cli_rejects_bad_config_and_stops_on_sigterm(tmp_path):
                                 "config_store_url": f"tcp://127.0.0.1:{free_port()}",
                                 "metrics_url": f"http://127.0.0.1:{port}", "colour": "blue"}))
     proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "meta-service", "--config_path", str(good)],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent())
     stop_once_healthy(proc, port)
     assert proc.stderr is not None
     assert "colour" in proc.stderr.read()        # unknown key: a warning, not fatal
@@ -166,4 +166,4 @@ def test_python_form_of_the_meta_service(tmp_path, form):
         path.write_text(json.dumps(conf))
         env["MMC_META_CONFIG_PATH"] = str(path)
         code = "from memcache_core import MetaService\nraise SystemExit(MetaService.main())"
-    stop_once_healthy(subprocess.Popen([sys.executable, "-c", code], env=env), port)
+    stop_once_healthy(subprocess.Popen([sys.executable, "-c", code], env=env, preexec_fn=die_with_parent()), port)

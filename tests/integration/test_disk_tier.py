@@ -33,7 +33,8 @@ pytestmark = pytest.mark.integration
 
 LAYOUT = [512 << 10, 256 << 10, 256 << 10]      # 1 MiB objects in three pieces
 SCALE = int(os.environ.get("MEMCACHE_DISK_TEST_SCALE", "1"))
-MS_CONFIG: dict[str, Any] = {"heartbeat_timeout_ms": 3000, "lease_ttl_ms": 1000, "evict_check_interval_seconds": 0.5}
+# heartbeat_timeout_ms at its default: a provider paused by a loaded machine is not declared dead
+MS_CONFIG: dict[str, Any] = {"lease_ttl_ms": 1000, "evict_check_interval_seconds": 0.5}
 
 
 def provider(ms: MetaServiceProcess, disk: str, scale: int = 1, **cfg: Any) -> StoreProcess:
@@ -245,7 +246,7 @@ def test_disk_objects_survive_a_metaservice_restart(tmp_path):
 def test_a_provider_killed_and_restarted_at_once_keeps_its_disk_objects(tmp_path):
     """A provider is SIGKILLed and started again on its disk_path before the MetaService declares the
     old one dead: the new one's records take over, and the old one's death loses nothing."""
-    with running_meta_service(**MS_CONFIG) as ms:
+    with running_meta_service(**MS_CONFIG, heartbeat_timeout_ms=3000) as ms:   # the old one's death
         prov = provider(ms, str(tmp_path / "d"), disk_write_policy="write_through")
         keys = [f"kr-{i}" for i in range(4)]
         assert prov("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 4

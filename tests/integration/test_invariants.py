@@ -26,7 +26,7 @@ import pytest
 
 from memcache_core import protocol as p
 from memcache_core.rpc import expect
-from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
+from memcache_core.testing import MetaServiceProcess, die_with_parent, running_meta_service, wait_for
 from memcache_core.transfer.nixl import available as nixl_available
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -47,7 +47,7 @@ class Fleet:
         out = os.path.join(self.dir, name)
         log = open(out + ".log", "wb")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen([sys.executable, WORKER, json.dumps(conf), out, str(self.seconds)],
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
         log.close()
         self.procs.append((name, proc))
         return proc

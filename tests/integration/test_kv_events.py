@@ -55,8 +55,10 @@ def decode() -> Decode:
 
 
 def events_config(**extra: object) -> dict[str, object]:
+    """The MetaService's settings; members are declared dead after the default ``heartbeat_timeout_ms``
+    (a member of a test that is not about death must not die of a loaded machine's pauses)."""
     return {"kv_events_enable": True, "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
-            "kv_events_model_name": "m1", "kv_events_block_size": 32, "heartbeat_timeout_ms": 1500, **extra}
+            "kv_events_model_name": "m1", "kv_events_block_size": 32, **extra}
 
 
 def joined_store(meta, **overrides: object) -> DistributedObjectStore:
@@ -112,10 +114,11 @@ def test_replicas_and_a_killed_member_are_published(decode: Decode) -> None:
     """Scenario: two providers, 10 objects with 2 replicas: 20 BlockStored, one per replica on its
     segment's topic. One provider is killed with -9: once it is declared dead, one BlockRemoved per
     copy it held, on its topic; the objects stay in the pool on the survivor."""
-    cfg = events_config()
+    # a short timeout, for the killed member's death; the survivor heartbeats 15 times within it
+    cfg = events_config(heartbeat_timeout_ms=3000)
     with running_meta_service(**cfg) as meta:
         sub = KVEventSubscriber(str(cfg["kv_events_endpoint"]), decode)
-        s = joined_store(meta, dram_size="64MB")
+        s = joined_store(meta, dram_size="64MB", heartbeat_interval_ms=200)
         victim = StoreProcess(meta, dram_size="64MB")
         try:
             sub.wait_until_subscribed(lambda k: s.put(k, b"p"))
@@ -135,7 +138,7 @@ def test_replicas_and_a_killed_member_are_published(decode: Decode) -> None:
             def removed_once() -> bool:
                 sub.poll()
                 return all(sub.keys("BlockRemoved").count(k) == 1 for k in keys)
-            wait_for(removed_once, 15, "a BlockRemoved per copy the killed member held")
+            wait_for(removed_once, 20, "a BlockRemoved per copy the killed member held")
             assert sub.topics == {f"m1|{host}|{vid}".encode()}
             assert s.batch_is_exist(keys) == [1] * 10
         finally:

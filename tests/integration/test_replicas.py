@@ -78,7 +78,7 @@ def test_a_corrupt_replica_is_read_around_dropped_alone_and_made_again():
     memory. The read still succeeds byte-exact from the other replica; the MetaService drops only
     the damaged copy, then has the good replica's holder copy it again (re-replication), and the
     object reads byte-exact from either replica."""
-    with running_meta_service(lease_ttl_ms=2000, heartbeat_timeout_ms=3000) as ms:
+    with running_meta_service(lease_ttl_ms=2000, heartbeat_timeout_ms=10_000) as ms:   # no death wanted here
         holders = [_store(ms, True, dram_size="8MB") for _ in range(2)]
         client = _store(ms, False)
         try:

@@ -31,7 +31,14 @@ from memcache_core.local import disk_record as rec
 from memcache_core.local.disk import DiskStore
 from memcache_core.memory import buffer_address
 from memcache_core.rpc import MAX_PENDING_REPLIES, MAX_PREAUTH_PER_SOURCE, PREAUTH_TIMEOUT_S, RpcClient
-from memcache_core.testing import MetaServiceProcess, free_port, make_tls_files, terminate, wait_for
+from memcache_core.testing import (
+    MetaServiceProcess,
+    die_with_parent,
+    free_port,
+    make_tls_files,
+    terminate,
+    wait_for,
+)
 from memcache_core.transfer.tcp import TcpClient
 from tests.integration.stores import StoreProcess
 from tests.security.wire import LAYOUT, addr_of, ask, authed, frame
@@ -58,7 +65,8 @@ def test_a_data_server_out_of_descriptors_accepts_again_once_they_are_free():
     byte-exact data."""
     key = secrets.token_bytes(32)
     proc = subprocess.Popen([sys.executable, "-c", DATA_SERVER, key.hex()], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=die_with_parent())
     held: list[socket.socket] = []
     client = TcpClient(5.0, key)
     try:
@@ -257,7 +265,8 @@ def test_a_relay_cannot_inject_a_data_plane_request():
     connection before reading a payload byte, and the bytes read back by an honest reader are intact."""
     key = secrets.token_bytes(32)
     proc = subprocess.Popen([sys.executable, "-c", DATA_SERVER.replace("(128, 128)", "(1024, 1024)"), key.hex()],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=die_with_parent())
     client, honest = TcpClient(5.0, key), TcpClient(5.0, key)
     relay: Relay | None = None
     try:
@@ -340,7 +349,8 @@ def test_connections_trickling_their_handshake_are_cut_at_the_deadline_and_cappe
             s.close()
     key = secrets.token_bytes(32)
     proc = subprocess.Popen([sys.executable, "-c", DATA_SERVER.replace("(128, 128)", "(1024, 1024)"), key.hex()],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=die_with_parent())
     client = TcpClient(5.0, key)
     held = []
     try:

@@ -73,7 +73,7 @@ def test_late_writer_bytes_in_reclaimed_and_reused_space_are_a_miss():
     stalled writer wakes up, writes its bytes into the segment where ``late`` was and commits. The
     commit is refused and readers of ``other`` get a miss (-3110), never the late bytes; a re-put
     of ``other`` reads back byte-exact."""
-    with running_meta_service(pending_timeout_ms=300, lease_ttl_ms=500, heartbeat_timeout_ms=3000) as ms:
+    with running_meta_service(pending_timeout_ms=300, lease_ttl_ms=500, heartbeat_timeout_ms=10_000) as ms:   # no death
         owner = _store(ms, 0, True, dram_size="4MB")
         reader = _store(ms, 1, False)
         try:

@@ -90,7 +90,7 @@ def test_at_its_quota_a_member_evicts_its_own_objects_and_a_restart_counts_them_
     unleased objects are evicted to make room (as in a full pool), never another member's, and every
     object left reads back byte-exact. After a MetaService restart the recovered objects are back,
     counted against no one (segment headers do not name their writer)."""
-    with running_meta_service(member_max_objects=4, heartbeat_timeout_ms=1500, lease_ttl_ms=500) as meta:
+    with running_meta_service(member_max_objects=4, heartbeat_timeout_ms=10_000, lease_ttl_ms=500) as meta:   # no death
         other = StoreProcess(meta)
         store = DistributedObjectStore()
         assert store.setup(meta.local_config(heartbeat_interval_ms=200)) == 0

@@ -20,7 +20,7 @@ from memcache_core import DistributedObjectStore
 from memcache_core import protocol as p
 from memcache_core.auth import load_secret
 from memcache_core.rpc import MAX_CLIENT_CONNECTIONS, MAX_PENDING_REPLY, RpcClient
-from memcache_core.testing import MetaServiceProcess, wait_for
+from memcache_core.testing import MetaServiceProcess, die_with_parent, wait_for
 from tests.security.wire import LAYOUT, addr_of, ask, authed, frame
 
 pytestmark = pytest.mark.integration
@@ -209,7 +209,7 @@ def test_out_of_file_descriptors_the_meta_service_pauses_accepting_instead_of_sp
     run = "import runpy, sys; sys.argv = ['meta', '--config_path', sys.argv[1]]; " \
           "runpy.run_module('memcache_core.meta_service', run_name='__main__')"
     ms.proc = subprocess.Popen([sys.executable, "-c", limit + run, ms.config_path], start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
     held: list[socket.socket] = []
     try:
         wait_for(ms.healthy, 30, "the MetaService to answer /health")

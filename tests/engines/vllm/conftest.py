@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import BLOCK, CROWD, CROWD_MAX_TOKENS, MAX_TOKENS, PROMPTS, Engine, Pool, make_model
+from vllm_harness import (
+    BLOCK,
+    CROWD,
+    CROWD_MAX_TOKENS,
+    MAX_TOKENS,
+    PROMPTS,
+    Engine,
+    Pool,
+    engine_spec,
+    make_model,
+)
 
 from memcache_core.testing import running_meta_service, started
 
@@ -74,9 +84,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 def engines(tmp_path: Path, tiny_model: str) -> Iterator[Callable[..., Engine]]:
     def engine(name: str, steps: list[dict[str, Any]], kv: dict[str, Any] | None = None,
                **spec: Any) -> Engine:
-        full = {"model": tiny_model, "block_size": BLOCK, "steps": steps,
-                "kv_transfer_config": kv, "enable_prefix_caching": False, **spec}
-        return Engine(full, tmp_path, name)
+        return Engine(engine_spec(tiny_model, BLOCK, steps, kv, **spec), tmp_path, name)
 
     with started(engine, Engine.kill) as start:
         yield start

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import BLOCK, MAX_TOKENS, P1, P2, Engine, Pool, assert_same_output, full_hit
+from vllm_harness import BLOCK, MAX_TOKENS, P1, P2, Engine, Pool, assert_same_output, full_hit, metric
 
 from memcache_core.testing import running_meta_service, wait_for
 
@@ -38,11 +38,6 @@ def disk_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
             yield pool
         finally:
             pool.stop()
-
-
-def metric(res: dict[str, Any], name: str) -> float:
-    m = res["metrics"]
-    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
 
 
 def disk_counter(pool: Pool, name: str) -> int:

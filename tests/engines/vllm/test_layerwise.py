@@ -14,14 +14,13 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from memcache_vllm.layerwise import LayerwiseWorker
 from memcache_vllm.layout import BlockLayout
 from memcache_vllm.stats import StatsRecorder
-from vllm_harness import P1, P5, Engine, Pool, assert_same_output, make_model
+from vllm_harness import P1, P5, assert_same_output, engine_spec, make_model, metric, own_pool
 
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core.testing import running_meta_service
@@ -104,11 +103,6 @@ def test_layerwise_save_and_load_through_a_real_pool(store: DistributedObjectSto
 
 # -- real engines ----------------------------------------------------------------------------------
 
-def metric(res: dict[str, Any], name: str) -> float:
-    m = res["metrics"]
-    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
-
-
 MAX_TOKENS = 8
 MODELS = {"gqa": ("2", "256", "4", "2"), "mha": ("2", "256", "4", "4")}
 
@@ -135,30 +129,17 @@ def test_layerwise_restores_equal_vllm_prefix_hits_and_whole_blocks(model: str, 
     hit = (len(P1) - 1) // block * block
     shared = len(P1) // block * block
 
-    def start(name: str, kv: dict[str, Any] | None, **spec: Any) -> Engine:
-        full = {"model": tiny, "block_size": block, "steps": steps, "kv_transfer_config": kv,
-                "enable_prefix_caching": False, **spec}
-        return Engine(full, tmp_path, name)
-
-    with running_meta_service() as meta:
-        pool = Pool(meta, tmp_path)
-        engines: list[Engine] = []
-        try:
-            pool.start_local_service("256MB")
-            # R needs no pool: it runs beside L (the thread count is fixed, so logprobs compare bit for bit)
-            engines += [start("reference", None, enable_prefix_caching=True),
-                        start("layerwise", pool.kv_transfer_config(use_layerwise=True, layerwise_prefetch_layers=1))]
-            ref, lw = (e.result() for e in engines)
-            text = meta.http("/metrics")
-            for op in ("info", "lease"):
-                m = re.search(rf'^memcache_request_seconds_count{{op="{op}"}} (\S+)$', text, re.M)
-                assert m and float(m.group(1)) > 0, f"L made no {op} request: the layer-wise path did not run"
-            engines.append(start("whole_block", pool.kv_transfer_config()))
-            whole = engines[-1].result()
-        finally:
-            for e in engines:
-                e.kill()
-            pool.stop()
+    with own_pool(tmp_path) as (pool, start):
+        # R needs no pool: it runs beside L (the thread count is fixed, so logprobs compare bit for bit)
+        engines = [start("reference", engine_spec(tiny, block, steps, None, enable_prefix_caching=True)),
+                   start("layerwise", engine_spec(tiny, block, steps, pool.kv_transfer_config(
+                       use_layerwise=True, layerwise_prefetch_layers=1)))]
+        ref, lw = (e.result() for e in engines)
+        text = pool.meta.http("/metrics")
+        for op in ("info", "lease"):
+            m = re.search(rf'^memcache_request_seconds_count{{op="{op}"}} (\S+)$', text, re.M)
+            assert m and float(m.group(1)) > 0, f"L made no {op} request: the layer-wise path did not run"
+        whole = start("whole_block", engine_spec(tiny, block, steps, pool.kv_transfer_config())).result()
     r1, r1_hit, r5 = (s[0] for s in ref["steps"])
     assert r1_hit["num_cached_tokens"] == hit, "R's second P1 is vLLM's own prefix-cache hit"
     assert_same_output(r1_hit, r1, "vLLM's prefix-cache hit against its own computation")

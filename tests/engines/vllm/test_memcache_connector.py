@@ -26,6 +26,7 @@ from vllm_harness import (
     Pool,
     assert_same_output,
     full_hit,
+    metric,
 )
 
 from memcache_core.testing import wait_for
@@ -52,11 +53,6 @@ def seeded(pool: Pool, tiny_model: str, baseline: dict[str, Any], tmp_path_facto
     # Saves are asynchronous; the engine frees a request's blocks (and exits) only after they are done.
     assert len(pool.keys()) == len(P2) // BLOCK, "one key per full prompt block (one rank)"
     return pool
-
-
-def metric(res: dict[str, Any], name: str) -> float:
-    m = res["metrics"]
-    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
 
 
 def test_fresh_instance_loads_saved_prefix(seeded: Pool, engines, baseline) -> None:

@@ -15,7 +15,7 @@ import pytest
 import requests
 from vllm_harness import BLOCK, MAX_TOKENS, P1, P2, REPO, engine_env
 
-from memcache_core.testing import free_port, wait_for
+from memcache_core.testing import die_with_parent, free_port, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,7 +41,7 @@ def test_openai_server_reports_pool_hits(tiny_model: str, baseline, tmp_path: Pa
          "--block-size", str(BLOCK), "--pool-dram", "256MB", "--", "--dtype", "bfloat16",
          "--max-model-len", "4096", "--seed", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=engine_env(),
-        start_new_session=True)
+        start_new_session=True, preexec_fn=die_with_parent())
     ready = threading.Event()
     lines: list[str] = []
 

@@ -33,6 +33,7 @@ from vllm_harness import (
     Pool,
     assert_same_output,
     full_hit,
+    metric,
     tokens,
 )
 
@@ -46,11 +47,6 @@ RUNNER = tokens(1500, 9)
 
 def gen(*prompts: list[int], batch: bool = False) -> dict[str, Any]:
     return {"generate": list(prompts), "max_tokens": MAX_TOKENS, "batch": batch}
-
-
-def metric(res: dict[str, Any], name: str) -> float:
-    m = res["metrics"]
-    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
 
 
 def wait_all(*engines: Engine) -> list[dict[str, Any]]:

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import P1, P2, P5, Engine, Pool, assert_same_output, make_model
+from vllm_harness import P1, P2, P5, assert_same_output, engine_spec, make_model, metric, own_pool
 
 from memcache_core import DistributedObjectStore, LocalConfig
-from memcache_core.testing import running_meta_service
 
 pytestmark = pytest.mark.engine
 
@@ -25,11 +24,6 @@ TP = 2
 BLOCK = 32
 MAX_TOKENS = 8
 RANK_KEY = re.compile(r"^(?P<head>.*@)tp(?P<rank>\d+)of(?P<size>\d+)@pp0of1@(?P<block>[^@]+)$")
-
-
-def metric(res: dict[str, Any], name: str) -> float:
-    m = res["metrics"]
-    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
 
 
 def read_objects(meta: Any, keys: list[str]) -> list[bytes]:
@@ -66,34 +60,24 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
     hit1, hit = (len(P1) - 1) // BLOCK * BLOCK, (len(P5) - 1) // BLOCK * BLOCK   # P2 and P5: 450 tokens
     shared = len(P1) // BLOCK * BLOCK    # P2's blocks in P5's objects
 
-    def start(name: str, kv: dict[str, Any], steps: list[dict[str, Any]], **spec: Any) -> Engine:
-        # engine core in the runner's process: one process fewer to start per engine
-        full = {"model": tiny, "block_size": BLOCK, "steps": steps, "kv_transfer_config": kv,
-                "tensor_parallel_size": TP, "enable_prefix_caching": False, "engine_in_process": True, **spec}
-        return Engine(full, tmp_path, name)
-
-    with running_meta_service() as meta:
-        pool = Pool(meta, tmp_path)
-        engines: list[Engine] = []
-        try:
-            pool.start_local_service("256MB")
-            # started together, so that their start-ups overlap; the files order their steps
-            engines += [
-                start("layerwise", pool.kv_transfer_config(use_layerwise=True, layerwise_prefetch_layers=1),
-                      [{"wait_for_file": str(w_cold), "timeout_s": 600}, gen(P5), gen(P5), gen(P1), reset,
-                       gen(P5), reset, gen(P1), reset, gen(P2), {"signal_file": str(l_done)}],
-                      enable_prefix_caching=True),
-                start("whole_block", pool.kv_transfer_config(kv_role="kv_consumer", consumer_is_to_load=True),
-                      [gen(P2), {"signal_file": str(w_cold)}, {"wait_for_file": str(l_done), "timeout_s": 600},
-                       gen(P5), gen(P1), gen(P2)]),
-            ]
-            lw, whole = (e.result() for e in engines)
-            keys = pool.keys()
-            objects = dict(zip(keys, read_objects(meta, keys), strict=True))
-        finally:
-            for e in engines:
-                e.kill()
-            pool.stop()
+    # engine core in the runner's process: one process fewer to start per engine
+    tp = {"tensor_parallel_size": TP, "engine_in_process": True}
+    with own_pool(tmp_path) as (pool, start):
+        # started together, so that their start-ups overlap; the files order their steps
+        engines = [
+            start("layerwise", engine_spec(
+                tiny, BLOCK, [{"wait_for_file": str(w_cold), "timeout_s": 600}, gen(P5), gen(P5), gen(P1), reset,
+                              gen(P5), reset, gen(P1), reset, gen(P2), {"signal_file": str(l_done)}],
+                pool.kv_transfer_config(use_layerwise=True, layerwise_prefetch_layers=1),
+                enable_prefix_caching=True, **tp)),
+            start("whole_block", engine_spec(
+                tiny, BLOCK, [gen(P2), {"signal_file": str(w_cold)}, {"wait_for_file": str(l_done), "timeout_s": 600},
+                              gen(P5), gen(P1), gen(P2)],
+                pool.kv_transfer_config(kv_role="kv_consumer", consumer_is_to_load=True), **tp)),
+        ]
+        lw, whole = (e.result() for e in engines)
+        keys = pool.keys()
+        objects = dict(zip(keys, read_objects(pool.meta, keys), strict=True))
 
     # (b) every rank wrote its own key per block
     by_block: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)

@@ -6,16 +6,24 @@ standalone LocalService holding the blocks, so they outlive the engines that sav
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from memcache_core.testing import start_local_service, wait_for
+from memcache_core.testing import (
+    die_with_parent,
+    running_meta_service,
+    start_local_service,
+    started,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -130,7 +138,7 @@ class Engine:
         spec_path.write_text(json.dumps(spec))
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(self.out)],
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     env=engine_env())
+                                     env=engine_env(), preexec_fn=die_with_parent())
 
     def result(self, timeout_s: float = ENGINE_TIMEOUT_S) -> dict[str, Any]:
         try:
@@ -146,6 +154,36 @@ class Engine:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def engine_spec(model: str, block: int, steps: list[dict[str, Any]], kv: dict[str, Any] | None,
+                **spec: Any) -> dict[str, Any]:
+    """What one engine lifetime runs (``llm_runner.py``): ``model`` with ``block``-token blocks, its
+    ``steps``, the connector's ``kv_transfer_config`` (None: no connector), vLLM's prefix cache off
+    unless ``spec`` turns it on; ``spec`` adds or overrides any other key."""
+    return {"model": model, "block_size": block, "steps": steps, "kv_transfer_config": kv,
+            "enable_prefix_caching": False, **spec}
+
+
+@contextlib.contextmanager
+def own_pool(workdir: Path, dram: str = "256MB") -> Iterator[tuple[Pool, Callable[[str, dict[str, Any]], Engine]]]:
+    """A pool of the test's own (a MetaService and a standalone ``dram`` provider) and
+    ``start(name, spec)``, which starts an engine lifetime in ``workdir``. On exit every engine
+    started is killed, then the pool stopped."""
+    with running_meta_service() as meta:
+        pool = Pool(meta, workdir)
+        try:
+            pool.start_local_service(dram)
+            with started(lambda name, spec: Engine(spec, workdir, name), Engine.kill) as start:
+                yield pool, start
+        finally:
+            pool.stop()
+
+
+def metric(res: dict[str, Any], name: str) -> float:
+    """An engine's vLLM metric ``name`` (a counter may carry the ``_total`` suffix), 0 if absent."""
+    m = res["metrics"]
+    return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
 
 
 def assert_same_output(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
