@@ -11,9 +11,11 @@ objects are read again.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from memcache_core.testing import free_port, running_meta_service, wait_for
+from memcache_core.testing import MetaServiceProcess, free_port, running_meta_service, wait_for
 from tests.integration.stores import StoreProcess
 
 pytestmark = pytest.mark.integration
@@ -23,8 +25,12 @@ KEYS = [f"restart-{i}" for i in range(6)]
 RESTARTS = 3
 
 
-def _segments(ms) -> set[int]:
+def _segments(ms: MetaServiceProcess) -> set[int]:
     return {g["segment_id"] for g in ms.http("/get_all_segments")["segments"]}
+
+
+def _joined(ms: MetaServiceProcess, segment_id: int) -> bool:
+    return segment_id in _segments(ms)
 
 
 def test_a_quickly_restarted_provider_serves_its_disk_records_beside_its_old_incarnation(tmp_path):
@@ -59,7 +65,7 @@ def test_a_quickly_restarted_provider_serves_its_disk_records_beside_its_old_inc
                 a.kill()
                 a = provider()
                 new = a("id")["id"]
-                wait_for(lambda new=new: new in _segments(ms), 15, "the restarted provider to join")
+                wait_for(functools.partial(_joined, ms, new), 15, "the restarted provider to join")
                 read_from_disk(n)        # the old incarnation is still a member: heartbeat_timeout_ms
             wait_for(lambda: _segments(ms) == {new}, 30, "every old incarnation to be declared dead")
             read_from_disk(RESTARTS + 1)

@@ -196,7 +196,8 @@ def test_controls_survive_rounds_of_removes_and_quick_restarts_on_one_disk_path(
     segment; nothing the new segment is told to delete (drops, journal) names one of them; the removed
     records are refused."""
     t = make("write_through")
-    sid, on_disk, kept = 1, {}, set()
+    sid, kept = 1, set()
+    on_disk: dict[str, p.ObjectReport] = {}   # the records on the disk_path
     for n in range(4):
         for i in range(3):
             code, gen, _ = t.alloc(1, f"{n}-{i}", OBJ, 1, [sid], 0.0)
