@@ -280,7 +280,7 @@ def _read_part(svc: Provider, sid: int, items: list) -> list[MemCacheError | Non
         return svc.disk.read_into(items)
     try:
         assert svc.engine is not None
-        return svc.engine.tcp.disk_request(svc.segment_info(sid).data_addr, OP_DISK_READ, items)
+        return svc.engine.tcp.disk_request(svc.segment_info(sid).data_addr, OP_DISK_READ, items, sid)
     except MemCacheError as e:
         return [e] * len(items)
 
@@ -305,7 +305,7 @@ def promote_remote(svc: Provider, sid: int, items: list[tuple[str, int, int]]) -
     try:
         assert svc.engine is not None
         errs = svc.engine.tcp.disk_request(svc.segment_info(sid).data_addr, OP_PROMOTE,
-                                           [(k, s, c, []) for k, s, c in items])
+                                           [(k, s, c, []) for k, s, c in items], sid)
     except MemCacheError as e:
         return [e.code] * len(items)
     return [errors.SUCCESS if e is None else e.code for e in errs]

@@ -86,7 +86,7 @@ class TransferEngine:
 
     def suspect(self, seg: SegmentInfo) -> bool:
         """Whether reads should try this segment last: its data server missed a read deadline lately."""
-        return not self.local(seg) and self.tcp.suspect(seg.data_addr)
+        return not self.local(seg) and self.tcp.suspect(seg.data_addr, seg.segment_id)
 
     def read(self, ops: list[CopyOp]) -> None:
         self._run(ops, reading=True)
@@ -97,20 +97,21 @@ class TransferEngine:
     def _run(self, ops: list[CopyOp], reading: bool) -> None:
         """Run every op; failures are recorded per op in ``op.error``, never raised."""
         shm_ops = [op for op in ops if self.local(op.segment)]
-        by_peer: dict[str, list[CopyOp]] = defaultdict(list)
+        # per route and segment: a provider restarted on its address is another peer (``TcpClient``)
+        by_peer: dict[tuple[str, int], list[CopyOp]] = defaultdict(list)
         for op in ops:
             if not self.local(op.segment):
-                by_peer[self._route(op)].append(op)
+                by_peer[(self._route(op), op.segment.segment_id)].append(op)
         big = sum(op.nbytes for op in ops) >= INLINE_BYTES
         nthreads = self._threads[reading] if big else 1
-        jobs: list[tuple[str, list[CopyOp]]] = []
-        for addr, peer_ops in by_peer.items():
-            if addr.startswith(NIXL):
-                jobs.append((addr, peer_ops))   # one job per peer and batch
+        jobs: list[tuple[tuple[str, int], list[CopyOp]]] = []
+        for peer, peer_ops in by_peer.items():
+            if peer[0].startswith(NIXL):
+                jobs.append((peer, peer_ops))   # one job per peer and batch
             else:   # reads with a fallback and those without in jobs of their own (``_tcp_read``)
                 for group in (g for g in ([o for o in peer_ops if o.fallback],
                                           [o for o in peer_ops if not o.fallback]) if g):
-                    jobs.extend((addr, chunk) for chunk in split_by_bytes(group, nthreads))
+                    jobs.extend((peer, chunk) for chunk in split_by_bytes(group, nthreads))
         if len(jobs) == 1 and not shm_ops:
             self._job(jobs[0], reading)
             return
@@ -142,26 +143,26 @@ class TransferEngine:
                                       time.perf_counter() - t0, sum(op.error is not None for op in ops))
                 self.metrics.moved_shm(reading, [(op.segment.segment_id, op.nbytes) for op in ops if op.error is None])
 
-    def _job(self, job: tuple[str, list[CopyOp]], reading: bool) -> None:
+    def _job(self, job: tuple[tuple[str, int], list[CopyOp]], reading: bool) -> None:
         t0 = time.perf_counter()
         try:
             self._do_job(job, reading)
         finally:
             if self.metrics is not None:
-                addr, ops = job
+                (addr, _sid), ops = job
                 self.metrics.transfer("nixl" if addr.startswith(NIXL) else "host_tcp", reading,
                                       sum(op.nbytes for op in ops if op.error is None),
                                       time.perf_counter() - t0, sum(op.error is not None for op in ops))
 
-    def _do_job(self, job: tuple[str, list[CopyOp]], reading: bool) -> None:
-        addr, ops = job
+    def _do_job(self, job: tuple[tuple[str, int], list[CopyOp]], reading: bool) -> None:
+        (addr, sid), ops = job
         try:
             if addr.startswith(NIXL):
                 (self._nixl_read if reading else self._nixl_write)(ops)
             elif reading:
-                self._tcp_read(addr, ops)
+                self._tcp_read(addr, sid, ops)
             else:
-                self._tcp_write(addr, ops)
+                self._tcp_write(addr, sid, ops)
         except MemCacheError as e:
             for op in ops:
                 op.error = op.error or e
@@ -172,7 +173,7 @@ class TransferEngine:
 
     # ---- TCP: hash the sources before sending, the destinations after receiving ------------------------
 
-    def _tcp_write(self, addr: str, ops: list[CopyOp]) -> None:
+    def _tcp_write(self, addr: str, sid: int, ops: list[CopyOp]) -> None:
         wire: list[tuple[int, list[tuple[int, int]]]] = []
         keep = []
         for op in ops:
@@ -183,11 +184,11 @@ class TransferEngine:
                 ptr, n, anchor = buffer_address(op.header())
                 keep.append(anchor)
                 wire.append((op.offset, [(ptr, n)]))      # the server writes ranges in order: header last
-        self.tcp.write(addr, wire)
+        self.tcp.write(addr, wire, sid)
 
-    def _tcp_read(self, addr: str, ops: list[CopyOp]) -> None:
+    def _tcp_read(self, addr: str, sid: int, ops: list[CopyOp]) -> None:
         self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops],
-                      self.stall_s if ops[0].fallback else None)
+                      self.stall_s if ops[0].fallback else None, sid)
         _verify_all(ops)
 
     # ---- NIXL: one job per peer (a read: a request per slice); the same checksums as TCP ------------
@@ -211,7 +212,7 @@ class TransferEngine:
 
     def forget(self, seg: SegmentInfo) -> None:
         self.shm.forget(seg)
-        self.tcp.forget(seg.data_addr)
+        self.tcp.forget(seg.data_addr, seg.segment_id)
         if self.nixl is not None:
             self.nixl.forget(seg)
 

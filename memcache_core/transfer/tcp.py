@@ -99,8 +99,16 @@ class Link:
     session: Session
 
 
+Peer = tuple[str, int]   # (data server address, segment id): one incarnation of a peer
+
+
 class TcpClient:
-    """Connection pools to peers' data servers.
+    """Connection pools to peers' data servers, one per peer incarnation: keyed by the address and the
+    segment the requests are for (``segment_id``; 0 for a bare data server). A provider killed and
+    started again often listens on the same address (its configured ``hcom_url``) under a new segment
+    id, sometimes while the old one is still a member: a connection made to the old process is dead,
+    and must never carry a request meant for the new one (that request would fail, a hit read as a
+    miss), nor may forgetting the old one end the new one's requests.
 
     A read given a ``Deadline`` (one with another replica to go to) fails with ``PeerUnavailable``
     when the peer misses it, and the peer is then *suspect* for ``SUSPECT_S`` (``suspect``: readers
@@ -112,15 +120,16 @@ class TcpClient:
         self.timeout_s = timeout_s
         self.secret = secret
         self.tls = tls
-        self._idle: dict[str, list[Link]] = defaultdict(list)
-        self._busy: dict[str, set[Link]] = defaultdict(set)
-        self._missed: dict[str, float] = {}     # peer -> when it last missed a deadline
+        self._idle: dict[Peer, list[Link]] = defaultdict(list)
+        self._busy: dict[Peer, set[Link]] = defaultdict(set)
+        self._missed: dict[Peer, float] = {}     # peer -> when it last missed a deadline
         self._lock = threading.Lock()
 
-    def _acquire(self, addr: str, deadline: Deadline | None) -> Link:
+    def _acquire(self, peer: Peer, deadline: Deadline | None) -> Link:
         with self._lock:
-            if self._idle[addr]:
-                return self._idle[addr].pop()
+            if self._idle[peer]:
+                return self._idle[peer].pop()
+        addr = peer[0]
         host, port = addr.rsplit(":", 1)
         bound = min(self.timeout_s, 5.0)
         try:
@@ -139,59 +148,62 @@ class TcpClient:
         tune(s)
         return Link(s, session)
 
-    def _release(self, addr: str, s: Link) -> None:
+    def _release(self, peer: Peer, s: Link) -> None:
         with self._lock:
-            self._idle[addr].append(s)
+            self._idle[peer].append(s)
 
     @contextlib.contextmanager
-    def _socket(self, addr: str, what: str, deadline: Deadline | None = None) -> Iterator[Link]:
-        """A pooled connection to ``addr`` for one request: back to the pool when the request went
+    def _socket(self, peer: Peer, what: str, deadline: Deadline | None = None) -> Iterator[Link]:
+        """A pooled connection to ``peer`` for one request: back to the pool when the request went
         through, closed on any failure (a socket error is ``PeerUnavailable``, naming ``what``; a
         missed ``deadline`` makes the peer suspect)."""
+        addr = peer[0]
         try:
-            s = self._acquire(addr, deadline)
+            s = self._acquire(peer, deadline)
         except PeerUnavailable:
             if deadline is not None and deadline.at <= time.monotonic():
-                self._suspect(addr)
+                self._suspect(peer)
             raise
         with self._lock:
-            self._busy[addr].add(s)
+            self._busy[peer].add(s)
         ok = False
         try:
             yield s
             ok = True
         except (OSError, ConnectionError) as e:
             if isinstance(e, TimeoutError) and deadline is not None:
-                self._suspect(addr)
+                self._suspect(peer)
                 raise PeerUnavailable(f"{what} {addr} made no progress: {e}; trying another replica") from e
             raise PeerUnavailable(f"{what} {addr} failed: {e}") from e
         finally:
             with self._lock:
-                self._busy[addr].discard(s)
+                self._busy[peer].discard(s)
             if ok:
-                self._release(addr, s)
+                self._release(peer, s)
             else:
                 s.sock.close()
 
-    def _suspect(self, addr: str) -> None:
+    def _suspect(self, peer: Peer) -> None:
         with self._lock:
-            first = addr not in self._missed
-            self._missed[addr] = time.monotonic()
+            first = peer not in self._missed
+            self._missed[peer] = time.monotonic()
         if first:
-            logger.warning("data server %s missed a read deadline; reading other replicas first for %.0f s",
-                           addr, SUSPECT_S)
+            logger.warning("data server %s (segment %d) missed a read deadline; reading other replicas first "
+                           "for %.0f s", peer[0], peer[1], SUSPECT_S)
 
-    def suspect(self, addr: str) -> bool:
-        """Whether ``addr`` missed a read deadline in the last ``SUSPECT_S`` (a reader tries it last)."""
+    def suspect(self, addr: str, segment_id: int = 0) -> bool:
+        """Whether the peer missed a read deadline in the last ``SUSPECT_S`` (a reader tries it last)."""
+        peer = (addr, segment_id)
         with self._lock:
-            t = self._missed.get(addr)
+            t = self._missed.get(peer)
             if t is not None and time.monotonic() - t > SUSPECT_S:
-                del self._missed[addr]
+                del self._missed[peer]
                 return False
             return t is not None
 
-    def _request(self, addr: str, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
-        with self._socket(addr, "transfer with", deadline) as link:
+    def _request(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
+        addr = peer[0]
+        with self._socket(peer, "transfer with", deadline) as link:
             s = link.sock
             head = HEAD.pack(MAGIC, op, len(ops))
             ranges = b"".join(RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
@@ -214,29 +226,33 @@ class TcpClient:
             if deadline is not None:
                 s.settimeout(self.timeout_s)   # back in the pool: the next request sets its own
 
-    def read(self, addr: str, ops: list[Op], stall_s: float | None = None) -> None:
-        """Read ``ops`` from ``addr``. ``stall_s``: fail after ``Deadline(stall_s, bytes)`` rather
-        than the client timeout (the caller has another replica to read instead)."""
+    def read(self, addr: str, ops: list[Op], stall_s: float | None = None, segment_id: int = 0) -> None:
+        """Read ``ops`` of segment ``segment_id`` from its data server ``addr``. ``stall_s``: fail after
+        ``Deadline(stall_s, bytes)`` rather than the client timeout (the caller has another replica to
+        read instead)."""
         deadline = None
         if stall_s is not None:
             deadline = Deadline(stall_s, sum(size for _, pieces in ops for _, size in pieces))
-        self._request(addr, OP_READ, ops, deadline)
+        self._request((addr, segment_id), OP_READ, ops, deadline)
 
-    def disk_request(self, addr: str, op: int, items: list[disk_wire.Item]) -> list[MemCacheError | None]:
+    def disk_request(self, addr: str, op: int, items: list[disk_wire.Item],
+                     segment_id: int = 0) -> list[MemCacheError | None]:
         """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
-        with self._socket(addr, "disk request to") as link:
+        with self._socket((addr, segment_id), "disk request to") as link:
             return disk_wire.request(link.sock, link.session, HEAD.pack(MAGIC, op, len(items)), op, items)
 
-    def write(self, addr: str, ops: list[Op]) -> None:
-        self._request(addr, OP_WRITE, ops)
+    def write(self, addr: str, ops: list[Op], segment_id: int = 0) -> None:
+        self._request((addr, segment_id), OP_WRITE, ops)
 
-    def forget(self, addr: str) -> None:
+    def forget(self, addr: str, segment_id: int = 0) -> None:
         """The peer left the pool (or was declared dead): close its idle connections, and end the
-        requests in flight to it now (they fail with ``PeerUnavailable``; a reader moves on)."""
+        requests in flight to it now (they fail with ``PeerUnavailable``; a reader moves on). Those of
+        another segment served at the same address (the peer's next incarnation) are left alone."""
+        peer = (addr, segment_id)
         with self._lock:
-            conns = self._idle.pop(addr, [])
-            busy = list(self._busy.pop(addr, ()))
-            self._missed.pop(addr, None)
+            conns = self._idle.pop(peer, [])
+            busy = list(self._busy.pop(peer, ()))
+            self._missed.pop(peer, None)
         for c in conns:
             c.sock.close()
         for c in busy:

@@ -186,3 +186,35 @@ def test_a_record_attaches_only_to_its_own_write_and_the_newest_write_wins_at_jo
     assert disk.add_reports(t, 1, [newer]) == 1
     assert t.objects["k"].generation == gen + 10 and t.objects["k"].disk == (1, gen + 10)
     assert t.objects["k"].locations == []
+
+
+def test_controls_survive_rounds_of_removes_and_quick_restarts_on_one_disk_path():
+    """Scenario (test_disk_removal's rounds, in the table): each round puts objects on the provider's
+    current segment with their disk records, removes some while the owner is frozen, then the provider
+    restarted on the disk_path joins as a new segment reporting every record on disk, and only then is
+    the old segment declared dead. The objects never removed keep their record, attached to the newest
+    segment; nothing the new segment is told to delete (drops, journal) names one of them; the removed
+    records are refused."""
+    t = make("write_through")
+    sid, kept = 1, set()
+    on_disk: dict[str, p.ObjectReport] = {}   # the records on the disk_path
+    for n in range(4):
+        for i in range(3):
+            code, gen, _ = t.alloc(1, f"{n}-{i}", OBJ, 1, [sid], 0.0)
+            assert code == 0 and t.commit(1, f"{n}-{i}", gen, 0.0, checksum=gen) == 0
+        disk.sync(t, sid, p.DiskSync(sid, b"", "write_through", 100 * MB, 0, 64 * MB,
+                                     [report(t, f"{n}-{i}") for i in range(3)], []), 0.0)
+        on_disk.update((f"{n}-{i}", report(t, f"{n}-{i}")) for i in range(3))
+        kept.add(f"{n}-2")
+        for i in range(2):
+            assert t.remove(f"{n}-{i}", 0.0) == 0
+        new = sid + 1
+        t.add_segment(p.SegmentInfo(new, 10 * MB, "h", f"/dev/shm/x{new}", "127.0.0.1:1"))
+        assert disk.add_reports(t, new, list(on_disk.values())) == len(kept)
+        t.drop_segment(sid)   # the old incarnation is declared dead after the new one re-attached
+        sid = new
+        assert set(t.objects) == kept and all(t.objects[k].disk == (sid, on_disk[k].generation) for k in kept)
+        told = {r.key for r in t.disk_drops.get(sid, [])} | {e.obj.key for e in t.segments[sid].journal}
+        assert not told & kept and told == set(on_disk) - kept
+        for k in told:
+            on_disk.pop(k)   # the new incarnation deletes them

@@ -67,7 +67,7 @@ def test_forgetting_a_peer_ends_the_reads_waiting_on_it(silent_peer):
     t = threading.Thread(target=read, daemon=True)
     try:
         t.start()
-        wait_for(lambda: client._busy.get(silent_peer), 10, "the read to be in flight")
+        wait_for(lambda: client._busy.get((silent_peer, 0)), 10, "the read to be in flight")
         client.forget(silent_peer)
         t.join(30)
         assert not t.is_alive(), "the read still waits on a forgotten peer"

@@ -1,0 +1,100 @@
+"""Connections pooled per peer incarnation (``transfer/tcp.py``): a provider killed and started again
+listens on the same address (its ``hcom_url``) under a new segment id, often while the old one is
+still a member. A connection made to the old process must not carry a request for the new one, and
+forgetting the old one must leave the new one's requests alone."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from memcache_core.errors import PeerUnavailable
+from memcache_core.local.segment import create_segment
+from memcache_core.memory import Mapping
+from memcache_core.testing import wait_for
+from memcache_core.transfer.tcp import TcpClient
+from memcache_core.transfer.tcp_server import DataServer
+
+OLD, NEW = 11, 12   # the segment ids of two incarnations of one provider
+
+
+@pytest.fixture
+def segments() -> Iterator[list[Mapping]]:
+    segs = [create_segment(1 << 20) for _ in range(2)]
+    for i, seg in enumerate(segs):
+        seg.view(0, 4096)[:] = bytes([i + 1]) * 4096
+    yield segs
+    for seg in segs:
+        seg.close()
+
+
+def _read(client: TcpClient, addr: str, sid: int) -> bytes:
+    out = np.zeros(4096, np.uint8)
+    client.read(addr, [(0, [(out.ctypes.data, out.nbytes)])], segment_id=sid)
+    return out.tobytes()
+
+
+def test_a_restarted_peer_on_the_same_address_is_read_on_a_connection_of_its_own(segments):
+    """Scenario: a reader read segment OLD over TCP (its connection is pooled); OLD's process dies and
+    its next incarnation (segment NEW, other bytes) listens on the same address. Before, the read of
+    NEW took the pooled connection to the dead process and failed: every object asked of NEW in that
+    batch (a provider's whole disk tier after a quick restart) read as a miss. Now NEW is read on a
+    connection of its own, byte-exact, however often this happens."""
+    old = DataServer(segments[0], "127.0.0.1", 0)
+    addr = old.addr
+    client = TcpClient(timeout_s=10.0)
+    try:
+        assert _read(client, addr, OLD) == b"\x01" * 4096
+        for _ in range(3):   # the old incarnation dies, the new one binds its port; and again
+            old.close()
+            new = DataServer(segments[1], "127.0.0.1", int(addr.rsplit(":", 1)[1]))
+            assert new.addr == addr, "the new incarnation did not get the old one's port"
+            assert _read(client, addr, NEW) == b"\x02" * 4096
+            client.forget(addr, OLD)         # the old one is declared dead: NEW's connection stays
+            assert _read(client, addr, NEW) == b"\x02" * 4096
+            new.close()
+            old = DataServer(segments[0], "127.0.0.1", int(addr.rsplit(":", 1)[1]))
+            assert old.addr == addr
+            client.forget(addr, NEW)
+            assert _read(client, addr, OLD) == b"\x01" * 4096
+        old.close()
+    finally:
+        client.close()
+
+
+def test_forgetting_an_old_incarnation_leaves_the_new_ones_reads_in_flight():
+    """Scenario: a read of segment NEW waits on its data server; the reader learns that OLD, which
+    had the same address, was declared dead (``forget(addr, OLD)``): the read of NEW is not ended.
+    Forgetting NEW itself ends it at once with PeerUnavailable."""
+    with socket.socket() as listener:   # accepts (in the kernel) and never answers: a read stays in flight
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        host, port = listener.getsockname()
+        addr = f"{host}:{port}"
+        client = TcpClient(timeout_s=60.0)
+        out: dict[str, BaseException | None] = {}
+
+        def read() -> None:
+            try:
+                _read(client, addr, NEW)
+                out["error"] = None
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                out["error"] = e
+
+        t = threading.Thread(target=read, daemon=True)
+        try:
+            t.start()
+            wait_for(lambda: client._busy.get((addr, NEW)), 10, "the read to be in flight")
+            client.forget(addr, OLD)
+            t.join(0.5)
+            assert t.is_alive() and "error" not in out, out
+            client.forget(addr, NEW)
+            t.join(30)
+            assert not t.is_alive(), "the read still waits on a forgotten peer"
+            assert isinstance(out["error"], PeerUnavailable), out
+        finally:
+            client.close()
