@@ -23,7 +23,7 @@ large file in DIR with the same kind of I/O.
 Partial hits: after the full hits, the loaded instance runs prompts of the same length whose first
 half and first three quarters (whole blocks) are the saved prompts' and the rest new: those blocks
 come from the pool, the rest is computed (and saved). The table prints, per hit, the median TTFT
-beside the cold one, and the connector's load time (its ``load_time_s``) per prompt.
+beside the cold one, and the connector's load and save times (``load_time_s``, ``save_time_s``) per prompt.
 
 ``--layerwise``: two more instances with ``use_layerwise`` (docs/vllm.md "Layer-wise"): one restores
 the same full and partial hits layer by layer (loads overlap the forward; the partial hits' new part
@@ -84,12 +84,13 @@ def run_instance(spec_path: str, out_path: str) -> None:
 
 
 def connector_seconds() -> dict[str, float]:
-    """The connector's ``load_time_s`` and ``layer_wait_s`` counters so far (docs/vllm.md "Observability"),
+    """The connector's ``load_time_s``, ``layer_wait_s`` and ``save_time_s`` counters so far (docs/vllm.md "Observability"),
     read from the Prometheus registry: ``LLM.get_metrics`` rounds counters down to whole numbers."""
     from prometheus_client import REGISTRY
 
-    names = {"vllm:memcache_load_time_s_total": "load_s", "vllm:memcache_layer_wait_s_total": "wait_s"}
-    got = {"load_s": 0.0, "wait_s": 0.0}
+    names = {"vllm:memcache_load_time_s_total": "load_s", "vllm:memcache_layer_wait_s_total": "wait_s",
+             "vllm:memcache_save_time_s_total": "save_s"}
+    got = dict.fromkeys(names.values(), 0.0)
     for family in REGISTRY.collect():
         for sample in family.samples:
             if sample.name in names:
@@ -214,18 +215,20 @@ def report_layerwise(runs: dict[str, Any]) -> None:
 
 
 def report_hits(runs: dict[str, Any]) -> None:
-    """Full and partial hits side by side: median TTFT, and the connector's median load time per
-    prompt (layer-wise: the load runs beside the forward; wait is how long the forward stalled)."""
+    """Full and partial hits side by side: median TTFT, and the connector's median load and save
+    times per prompt (layer-wise: the load runs beside the forward, wait is how long the forward
+    stalled for a layer, and the save of the new blocks ends inside the step; whole blocks: the save
+    runs after the step)."""
     cold = statistics.median(r["ttft_s"] for r in runs["cold"]) * 1000
-    print(f"{'hit':<5} {'cached':>7} {'cold ms':>9} {'whole-block ms':>15} {'(load)':>8} "
-          f"{'layer-wise ms':>14} {'(load':>7} {'wait)':>7}")
+    print(f"{'hit':<5} {'cached':>7} {'cold ms':>9} {'whole-block ms':>15} {'(load':>7} {'save)':>7} "
+          f"{'layer-wise ms':>14} {'(load':>7} {'wait':>5} {'save)':>7}")
     for hit in ("full", "3/4", "1/2"):
         row = [r for r in runs["loaded"] if r["hit"] == hit]
         lw = [r for r in runs.get("layerwise", []) if r["hit"] == hit]
         med = lambda rs, k: f"{statistics.median(r[k] for r in rs) * 1000:.1f}" if rs else "-"   # noqa: E731
         print(f"{hit:<5} {statistics.median(r['cached'] for r in row):>7.0f} {cold:>9.1f} "
-              f"{med(row, 'ttft_s'):>15} {med(row, 'load_s'):>8} {med(lw, 'ttft_s'):>14} "
-              f"{med(lw, 'load_s'):>7} {med(lw, 'wait_s'):>7}")
+              f"{med(row, 'ttft_s'):>15} {med(row, 'load_s'):>7} {med(row, 'save_s'):>7} {med(lw, 'ttft_s'):>14} "
+              f"{med(lw, 'load_s'):>7} {med(lw, 'wait_s'):>5} {med(lw, 'save_s'):>7}")
 
 
 def copy_calls(meta: Any, model: str, n_blocks: int, reps: int = 5) -> str:
