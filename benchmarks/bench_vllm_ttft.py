@@ -20,9 +20,19 @@ left): 3. from disk, each block read from the provider's disk tier (direct I/O w
 filesystem takes it). Also prints the disk's raw sequential read speed, measured on an equally
 large file in DIR with the same kind of I/O.
 
+Partial hits: after the full hits, the loaded instance runs prompts of the same length whose first
+half and first three quarters (whole blocks) are the saved prompts' and the rest new: those blocks
+come from the pool, the rest is computed (and saved). The table prints, per hit, the median TTFT
+beside the cold one, and the connector's load and save times (``load_time_s``, ``save_time_s``) per prompt.
+
 ``--layerwise``: two more instances with ``use_layerwise`` (docs/vllm.md "Layer-wise"): one restores
-the same prompts layer by layer (loads overlap the forward), one computes other prompts and saves them
-layer by layer (inside the step, where the whole-block path saves in the background).
+the same full and partial hits layer by layer (loads overlap the forward; the partial hits' new part
+is other tokens than the whole-block instance's, so that neither finds the other's saves), the wait
+of the forward for a layer (``layer_wait_s``) printed beside the load time; one computes other
+prompts and saves them layer by layer (inside the step, where the whole-block path saves in the
+background). Then, on one prompt's worth of the saved objects, the copy calls each path makes: one
+``batch_get_into_layers`` of every block against describe + lease, one ``batch_copy_layers`` per
+layer, and unlease (medians of 5).
 """
 
 from __future__ import annotations
@@ -57,17 +67,45 @@ def run_instance(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     llm = LLM(model=spec["model"], block_size=BLOCK, enforce_eager=True, dtype="bfloat16",
               max_model_len=spec["max_model_len"], enable_prefix_caching=False, seed=0,
-              kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]))
+              kv_transfer_config=KVTransferConfig(**spec["kv_transfer_config"]), disable_log_stats=False)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([{"prompt_token_ids": prompt(64, 999)}], params, use_tqdm=False)  # warm-up
     results = []
-    for seed in spec["seeds"]:
-        p = prompt(spec["prompt_tokens"], seed)
+    for label, p in spec["prompts"]:
+        before = connector_seconds()
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-        results.append({"ttft_s": time.perf_counter() - t0, "cached": out.num_cached_tokens,
-                        "token": out.outputs[0].token_ids[0]})
+        ttft = time.perf_counter() - t0
+        after = connector_seconds()
+        results.append({"hit": label, "ttft_s": ttft, "cached": out.num_cached_tokens,
+                        "token": out.outputs[0].token_ids[0],
+                        **{name: after[name] - before[name] for name in after}})
     Path(out_path).write_text(json.dumps(results))
+
+
+def connector_seconds() -> dict[str, float]:
+    """The connector's ``load_time_s``, ``layer_wait_s`` and ``save_time_s`` counters so far (docs/vllm.md "Observability"),
+    read from the Prometheus registry: ``LLM.get_metrics`` rounds counters down to whole numbers."""
+    from prometheus_client import REGISTRY
+
+    names = {"vllm:memcache_load_time_s_total": "load_s", "vllm:memcache_layer_wait_s_total": "wait_s",
+             "vllm:memcache_save_time_s_total": "save_s"}
+    got = dict.fromkeys(names.values(), 0.0)
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name in names:
+                got[names[sample.name]] += sample.value
+    return got
+
+
+def hit_prompts(n: int, seeds: list[int], instance: int) -> list[tuple[str, list[int]]]:
+    """Full hits of the saved prompts, then partial hits: their first half and three quarters (whole
+    blocks), the rest new tokens of this ``instance``'s own."""
+    out = [("full", prompt(n, seed)) for seed in seeds]
+    for j, (label, frac) in enumerate((("3/4", 0.75), ("1/2", 0.5))):
+        cut = int(n * frac) // BLOCK * BLOCK
+        out += [(label, prompt(n, seed)[:cut] + prompt(n - cut, 1000 * instance + 100 * j + seed)) for seed in seeds]
+    return out
 
 
 def main() -> int:
@@ -112,14 +150,17 @@ def main() -> int:
                    "kv_connector_extra_config": {"meta_service_url": meta.meta_service_url,
                                                  "config_store_url": meta.config_store_url,
                                                  "protocol": "host_shm", "dram_size": "0"}}
-            spec = {"model": model, "seeds": seeds, "prompt_tokens": args.prompt_tokens,
-                    "max_model_len": args.prompt_tokens + 64, "kv_transfer_config": ktc}
+            n = args.prompt_tokens
+            spec = {"model": model, "prompts": [("cold", prompt(n, seed)) for seed in seeds],
+                    "max_model_len": n + 64, "kv_transfer_config": ktc}
             lw_ktc = json.loads(json.dumps(ktc))
             lw_ktc["kv_connector_extra_config"].update(use_layerwise=True,
                                                       layerwise_prefetch_layers=args.prefetch_layers)
-            specs = {"cold": spec, "loaded": spec, "disk": spec,
-                     "layerwise": {**spec, "kv_transfer_config": lw_ktc},
-                     "layerwise cold": {**spec, "kv_transfer_config": lw_ktc, "seeds": [x + 100 for x in seeds]}}
+            specs = {"cold": spec, "loaded": {**spec, "prompts": hit_prompts(n, seeds, 1)},
+                     "disk": {**spec, "prompts": [("full", prompt(n, seed)) for seed in seeds]},
+                     "layerwise": {**spec, "kv_transfer_config": lw_ktc, "prompts": hit_prompts(n, seeds, 2)},
+                     "layerwise cold": {**spec, "kv_transfer_config": lw_ktc,
+                                        "prompts": [("cold", prompt(n, seed + 100)) for seed in seeds]}}
             phases = ["cold", "loaded"] + (["layerwise", "layerwise cold"] if args.layerwise else []) + \
                 (["disk"] if args.disk else [])
             runs = {}
@@ -132,21 +173,26 @@ def main() -> int:
                 subprocess.run([sys.executable, __file__, "--instance", str(work / f"{name}.spec.json"), str(out)],
                                check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 runs[phase] = json.loads(out.read_text())
+            if args.layerwise:
+                calls = copy_calls(meta, model, (n - 1) // BLOCK)
         finally:
             local.terminate()
             local.wait(30)
     cold = [r["ttft_s"] for r in runs["cold"]]
-    loaded = [r["ttft_s"] for r in runs["loaded"]]
-    same = all(a["token"] == b["token"] for a, b in zip(runs["cold"], runs["loaded"], strict=True))
+    full_hits = [r for r in runs["loaded"] if r["hit"] == "full"]
+    loaded = [r["ttft_s"] for r in full_hits]
+    same = all(a["token"] == b["token"] for a, b in zip(runs["cold"], full_hits, strict=True))
     print(f"model {model}, prompt {args.prompt_tokens} tokens, {args.prompts} prompts, block {BLOCK}")
     print(f"cold   TTFT median {statistics.median(cold) * 1000:9.1f} ms  (cached tokens "
           f"{[r['cached'] for r in runs['cold']]})")
     print(f"loaded TTFT median {statistics.median(loaded) * 1000:9.1f} ms  (cached tokens "
-          f"{[r['cached'] for r in runs['loaded']]})")
+          f"{[r['cached'] for r in full_hits]})")
     print(f"speed-up cold/loaded {statistics.median(cold) / statistics.median(loaded):.1f}x; "
           f"first tokens identical: {same}")
     if args.layerwise:
         report_layerwise(runs)
+        print(calls)
+    report_hits(runs)
     bars = {"cold": cold, "loaded from the pool": loaded}
     if args.disk:
         bars = {"cold": cold, "from DRAM": loaded, "from disk": report_disk(runs, Path(args.disk))}
@@ -159,12 +205,80 @@ def main() -> int:
 
 def report_layerwise(runs: dict[str, Any]) -> None:
     """The restore and the cold run with use_layerwise beside the whole-block ones."""
-    lw, lw_cold = runs["layerwise"], runs["layerwise cold"]
+    lw = [r for r in runs["layerwise"] if r["hit"] == "full"]
+    lw_cold = runs["layerwise cold"]
     same = all(a["token"] == b["token"] for a, b in zip(runs["cold"], lw, strict=True))
     print(f"layer-wise restore TTFT median {statistics.median(r['ttft_s'] for r in lw) * 1000:9.1f} ms  (cached "
           f"tokens {[r['cached'] for r in lw]}); first tokens identical: {same}")
     print(f"layer-wise cold    TTFT median {statistics.median(r['ttft_s'] for r in lw_cold) * 1000:9.1f} ms  "
           f"(saves inside the step; cached tokens {[r['cached'] for r in lw_cold]})")
+
+
+def report_hits(runs: dict[str, Any]) -> None:
+    """Full and partial hits side by side: median TTFT, and the connector's median load and save
+    times per prompt (layer-wise: the load runs beside the forward, wait is how long the forward
+    stalled for a layer, and the save of the new blocks ends inside the step; whole blocks: the save
+    runs after the step)."""
+    cold = statistics.median(r["ttft_s"] for r in runs["cold"]) * 1000
+    print(f"{'hit':<5} {'cached':>7} {'cold ms':>9} {'whole-block ms':>15} {'(load':>7} {'save)':>7} "
+          f"{'layer-wise ms':>14} {'(load':>7} {'wait':>5} {'save)':>7}")
+    for hit in ("full", "3/4", "1/2"):
+        row = [r for r in runs["loaded"] if r["hit"] == hit]
+        lw = [r for r in runs.get("layerwise", []) if r["hit"] == hit]
+        med = lambda rs, k: f"{statistics.median(r[k] for r in rs) * 1000:.1f}" if rs else "-"   # noqa: E731
+        print(f"{hit:<5} {statistics.median(r['cached'] for r in row):>7.0f} {cold:>9.1f} "
+              f"{med(row, 'ttft_s'):>15} {med(row, 'load_s'):>7} {med(row, 'save_s'):>7} {med(lw, 'ttft_s'):>14} "
+              f"{med(lw, 'load_s'):>7} {med(lw, 'wait_s'):>5} {med(lw, 'save_s'):>7}")
+
+
+def copy_calls(meta: Any, model: str, n_blocks: int, reps: int = 5) -> str:
+    """The copies of ``n_blocks`` saved objects into a layer-major buffer (as the KV caches are laid
+    out), both ways: one ``batch_get_into_layers`` (the whole-block load) against describe + lease,
+    one ``batch_copy_layers`` per layer and unlease (the layer-wise load). Medians of ``reps``."""
+    import ctypes
+    import mmap
+
+    from memcache_core import G2H
+    from memcache_core.local.store import open_store
+
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    store = open_store(meta.local_config(), 0, init_bm=False)
+    try:
+        keys = sorted(meta.http("/get_all_keys")["keys"])[:n_blocks]
+        size = store.batch_get_key_info(keys[:1], 1)[0].size()
+        piece = size // layers
+        buf = mmap.mmap(-1, len(keys) * size)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert store.register_buffer(base, len(keys) * size) == 0
+        at = lambda layer, k: base + (layer * len(keys) + k) * piece   # noqa: E731
+        whole, info, per_layer, unlease = [], [], [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            rc = store.batch_get_into_layers(keys, [[at(lay, k) for lay in range(layers)] for k in range(len(keys))],
+                                             [[piece] * layers] * len(keys))
+            whole.append(time.perf_counter() - t0)
+            assert rc == [0] * len(keys), rc
+            want, buf[:] = bytes(buf), bytes(len(buf))
+            t0 = time.perf_counter()
+            gvas = [i.gva_list()[0] for i in store.batch_get_key_info(keys, 1)]
+            assert store.batch_add_lease(keys, 10_000) == [0] * len(keys)
+            info.append(time.perf_counter() - t0)
+            for lay in range(layers):
+                t0 = time.perf_counter()
+                assert store.batch_copy_layers([g + lay * piece for g in gvas], [[at(lay, k)] for k in range(len(keys))],
+                                               [[piece]] * len(keys), G2H) == 0
+                per_layer.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            store.batch_remove_lease(keys)
+            unlease.append(time.perf_counter() - t0)
+            assert bytes(buf) == want, "the layer-wise copies differ from the whole-block copy"
+    finally:
+        store.close()
+    ms = lambda xs: statistics.median(xs) * 1000   # noqa: E731
+    return (f"copy calls for {len(keys)} objects of {size / 1024:.0f} KiB ({layers} layers): whole-block one "
+            f"batch_get_into_layers {ms(whole):.2f} ms; layer-wise describe+lease {ms(info):.2f} ms + {layers} x "
+            f"batch_copy_layers {ms(per_layer):.2f} ms + unlease {ms(unlease):.2f} ms = "
+            f"{ms(info) + layers * ms(per_layer) + ms(unlease):.2f} ms")
 
 
 def evict_everything(meta: Any) -> None:
@@ -197,8 +311,6 @@ def report_disk(runs: dict[str, Any], disk: Path) -> list[float]:
     print(f"reference: the disk tier holds {nbytes / 2**20:.1f} MiB; reading that many bytes from one file in "
           f"{disk} takes {secs * 1000:.1f} ms ({nbytes / secs / 1e9:.2f} GB/s)")
     return ttfts
-
-
 
 
 def raw_read_seconds(directory: Path, nbytes: int, chunk: int = 4 << 20) -> float:

@@ -4,13 +4,13 @@ The parts against a real pool (seconds): a save layer by layer is published only
 arrived, reads back byte-exact through the whole-block path (checksum included), and loads layer by
 layer no further ahead than ``layerwise_prefetch_layers``; missing blocks are failed loads. Then real
 vLLM engines: outputs and logprobs with layer-wise saves and loads equal vLLM's own prefix-cache hit
-and the whole-block path, for a GQA and an MHA model at two block sizes.
+and the whole-block path, for a GQA model at blocks of 32 tokens and an MHA model at 64 (TP 2 in
+test_tensor_parallel.py takes the other two pairs).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +20,17 @@ import torch
 from memcache_vllm.layerwise import LayerwiseWorker
 from memcache_vllm.layout import BlockLayout
 from memcache_vllm.stats import StatsRecorder
-from vllm_harness import P1, P5, assert_same_output, engine_spec, make_model, metric, own_pool
+from vllm_harness import (
+    P1,
+    P5,
+    SHAPES,
+    all_shapes,
+    assert_same_output,
+    engine_spec,
+    make_model,
+    metric,
+    own_pool,
+)
 
 from memcache_core import DistributedObjectStore, LocalConfig
 from memcache_core.testing import running_meta_service
@@ -104,17 +114,14 @@ def test_layerwise_save_and_load_through_a_real_pool(store: DistributedObjectSto
 # -- real engines ----------------------------------------------------------------------------------
 
 MAX_TOKENS = 8
-MODELS = {"gqa": ("2", "256", "4", "2"), "mha": ("2", "256", "4", "4")}
 
 
+# {GQA, MHA} x {32, 64} x {TP 1, TP 2} covered pairwise in CI: (GQA, 32) and (MHA, 64) at TP 1 here,
+# (GQA, 64) and (MHA, 32) at TP 2 in test_tensor_parallel.py; the rest of the cross product is opt-in.
+# CPU attention takes blocks of multiples of 32 only.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("model", "block"), [
-    ("gqa", 32),
-    # one more engine test (75 s to 5 min here): opt in. CPU attention takes blocks of multiples of 32 only
-    pytest.param("mha", 64, marks=pytest.mark.skipif(not os.environ.get("MEMCACHE_ENGINE_ALL_SHAPES"),
-                                                     reason="set MEMCACHE_ENGINE_ALL_SHAPES=1 to run")),
-])
+@pytest.mark.parametrize(("model", "block"), [("gqa", 32), ("mha", 64), *all_shapes(("gqa", 64), ("mha", 32))])
 def test_layerwise_restores_equal_vllm_prefix_hits_and_whole_blocks(model: str, block: int,
                                                                     tmp_path: Path) -> None:
     """Scenario: engine R (no connector, vLLM's own prefix cache) runs P1 twice (the second is a
@@ -123,7 +130,7 @@ def test_layerwise_restores_equal_vllm_prefix_hits_and_whole_blocks(model: str, 
     pool. Engine W (whole-block path) runs P1 and P5 from what L saved (P5 whole, L saved its blocks
     too). Tokens and logprobs of every restore equal R's, every load was whole (no failed block), and
     L went through the GVA path (the MetaService answered its Info and Lease requests)."""
-    tiny = make_model(f"lw-{model}", *MODELS[model])
+    tiny = make_model(f"lw-{model}", *SHAPES[model])
     steps = [{"generate": [P1], "max_tokens": MAX_TOKENS}, {"generate": [P1], "max_tokens": MAX_TOKENS},
              {"generate": [P5], "max_tokens": MAX_TOKENS}]
     hit = (len(P1) - 1) // block * block

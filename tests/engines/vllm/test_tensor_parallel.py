@@ -14,14 +14,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import P1, P2, P5, assert_same_output, engine_spec, make_model, metric, own_pool
+from vllm_harness import (
+    P1,
+    P2,
+    P5,
+    SHAPES,
+    all_shapes,
+    assert_same_output,
+    engine_spec,
+    make_model,
+    metric,
+    own_pool,
+)
 
 from memcache_core import DistributedObjectStore, LocalConfig
 
 pytestmark = pytest.mark.engine
 
 TP = 2
-BLOCK = 32
 MAX_TOKENS = 8
 RANK_KEY = re.compile(r"^(?P<head>.*@)tp(?P<rank>\d+)of(?P<size>\d+)@pp0of1@(?P<block>[^@]+)$")
 
@@ -38,10 +48,14 @@ def read_objects(meta: Any, keys: list[str]) -> list[bytes]:
         store.close()
 
 
+# With test_layerwise.py's (GQA, 32) and (MHA, 64) at TP 1, these two cover {GQA, MHA} x {32, 64} x
+# {TP 1, TP 2} pairwise; the other two TP-2 shapes are opt-in.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) -> None:
-    """Scenario, TP 2 (GQA model, 2 KV heads: one per rank). Engine W, a fresh TP-2 consumer on the
+@pytest.mark.parametrize(("model", "block"), [("gqa", 64), ("mha", 32), *all_shapes(("gqa", 32), ("mha", 64))])
+def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(model: str, block: int, tmp_path: Path) -> None:
+    """Scenario, TP 2: a GQA model (2 KV heads: one per rank) with blocks of 64 tokens, an MHA model
+    (4 KV heads: two per rank) with blocks of 32. Engine W, a fresh TP-2 consumer on the
     whole-block path, computes P2 cold while the pool is empty. Then engine L (use_layerwise, vLLM's
     prefix cache on) computes P5 cold and saves it layer by layer, runs P5 and P1 again (vLLM's own
     prefix-cache hits), and, dropping its prefix cache before each, runs P5 and P1 loading them layer
@@ -51,14 +65,14 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
     Every restore's tokens and logprobs equal a cold computation (P5 in L, P2 in W) or vLLM's own
     prefix-cache hit (P1). The pool holds one key per block per rank: for each block a ``tp0of2`` and
     a ``tp1of2`` key, with the same namespace and block name and different bytes (each rank's own KV
-    head). Each engine's load and save counts are its two ranks' sum: both ranks loaded every block,
+    heads). Each engine's load and save counts are its two ranks' sum: both ranks loaded every block,
     none failed."""
-    tiny = make_model("lw-gqa", "2", "256", "4", "2")
+    tiny = make_model(f"lw-{model}", *SHAPES[model])
     w_cold, l_done = tmp_path / "reader_cold.done", tmp_path / "writer.done"
     gen: Any = lambda p: {"generate": [p], "max_tokens": MAX_TOKENS}   # noqa: E731
     reset = {"reset_prefix_cache": {"reset_connector": False}}
-    hit1, hit = (len(P1) - 1) // BLOCK * BLOCK, (len(P5) - 1) // BLOCK * BLOCK   # P2 and P5: 450 tokens
-    shared = len(P1) // BLOCK * BLOCK    # P2's blocks in P5's objects
+    hit1, hit = (len(P1) - 1) // block * block, (len(P5) - 1) // block * block   # P2 and P5: 450 tokens
+    shared = len(P1) // block * block    # P2's blocks in P5's objects
 
     # engine core in the runner's process: one process fewer to start per engine
     tp = {"tensor_parallel_size": TP, "engine_in_process": True}
@@ -66,12 +80,12 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
         # started together, so that their start-ups overlap; the files order their steps
         engines = [
             start("layerwise", engine_spec(
-                tiny, BLOCK, [{"wait_for_file": str(w_cold), "timeout_s": 600}, gen(P5), gen(P5), gen(P1), reset,
+                tiny, block, [{"wait_for_file": str(w_cold), "timeout_s": 600}, gen(P5), gen(P5), gen(P1), reset,
                               gen(P5), reset, gen(P1), reset, gen(P2), {"signal_file": str(l_done)}],
                 pool.kv_transfer_config(use_layerwise=True, layerwise_prefetch_layers=1),
                 enable_prefix_caching=True, **tp)),
             start("whole_block", engine_spec(
-                tiny, BLOCK, [gen(P2), {"signal_file": str(w_cold)}, {"wait_for_file": str(l_done), "timeout_s": 600},
+                tiny, block, [gen(P2), {"signal_file": str(w_cold)}, {"wait_for_file": str(l_done), "timeout_s": 600},
                               gen(P5), gen(P1), gen(P2)],
                 pool.kv_transfer_config(kv_role="kv_consumer", consumer_is_to_load=True), **tp)),
         ]
@@ -85,7 +99,7 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
         m = RANK_KEY.match(key)
         assert m and int(m["size"]) == TP, f"{key!r} does not name its rank as tp<r>of{TP}"
         by_block[m["head"], m["block"]][int(m["rank"])] = key
-    assert len(by_block) == len(P5) // BLOCK + len(P2) // BLOCK - shared // BLOCK, \
+    assert len(by_block) == len(P5) // block + len(P2) // block - shared // block, \
         f"one namespace and the blocks of P5 and P2 expected: {keys}"
     for ranks in by_block.values():
         assert sorted(ranks) == list(range(TP)), f"a block without a key of every rank: {ranks}"
@@ -111,6 +125,6 @@ def test_tp2_ranks_store_their_own_keys_and_restores_equal_vllm(tmp_path: Path) 
     for res in (lw, whole):
         assert metric(res, "memcache_load_failed_blocks") == 0
     assert metric(lw, "memcache_save_blocks") == TP * len(by_block)
-    assert metric(lw, "memcache_load_blocks") == TP * (hit + hit1 + shared) // BLOCK
+    assert metric(lw, "memcache_load_blocks") == TP * (hit + hit1 + shared) // block
     assert metric(whole, "memcache_save_blocks") == 0
-    assert metric(whole, "memcache_load_blocks") == TP * (hit + hit1 + hit) // BLOCK
+    assert metric(whole, "memcache_load_blocks") == TP * (hit + hit1 + hit) // block

@@ -30,6 +30,9 @@ HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "llm_runner.py"
 BLOCK = 32
 ENGINE_TIMEOUT_S = 420
+# The layer-wise tests' tiny Llamas (layers, hidden, heads, KV heads): GQA (2 KV heads, one per rank
+# at TP 2) and MHA (4 KV heads, two per rank at TP 2).
+SHAPES = {"gqa": ("2", "256", "4", "2"), "mha": ("2", "256", "4", "4")}
 
 
 def make_model(name: str, layers: str, hidden: str, heads: str, kv_heads: str) -> str:
@@ -42,6 +45,14 @@ def make_model(name: str, layers: str, hidden: str, heads: str, kv_heads: str) -
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
+
+
+def all_shapes(*cases: tuple[str, int]) -> list[Any]:
+    """``cases`` as parameters that run only with ``MEMCACHE_ENGINE_ALL_SHAPES=1`` (each one more
+    engine start: the rest of the cross product of the layer-wise shapes beyond CI's pairwise cover)."""
+    skip = pytest.mark.skipif(not os.environ.get("MEMCACHE_ENGINE_ALL_SHAPES"),
+                              reason="set MEMCACHE_ENGINE_ALL_SHAPES=1 to run")
+    return [pytest.param(*case, marks=skip) for case in cases]
 
 
 def engine_env() -> dict[str, str]:
