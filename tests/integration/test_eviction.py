@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -81,11 +82,16 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
             wait_for(lambda: all(s["used_bytes"] <= 0.8 * s["capacity_bytes"]
                                  for s in ms.http("/api/v1/capacity/usage")["segments"]), 10,
                      "every segment back under its low-water mark")
-            # the oldest keys are gone and some recent ones survive. Eviction is LRU per segment, not
-            # across the pool: a put that finds its writer's segment full goes to another segment with
-            # room before anything is evicted, so the segments that took the latest overflow are
-            # trimmed too (8 to 22 of the last 32 keys survived in quiet runs, 7 under load).
-            assert sum(readers[0]("exist", keys=written[-32:])["codes"]) > 0
+            # the oldest keys are gone, and what survives is mostly recent. Eviction is LRU per segment,
+            # not across the pool (a put that finds its writer's segment full goes to another segment
+            # with room before anything is evicted, so the segments that took the latest overflow are
+            # trimmed too), and the readers' gets refresh old keys: which of the last keys survive
+            # depends on the machine's load (8 to 22 of the last 32 in quiet runs, none in one loaded
+            # run). Asserted: the survivors are the newer keys, by their median position.
+            alive = readers[0]("exist", keys=written)["codes"]
+            survivors = [i for i, c in enumerate(alive) if c == 1]
+            assert survivors, "eviction left nothing in a pool trimmed to its low-water mark"
+            assert statistics.median(survivors) > len(written) / 2, (len(written), survivors)
             assert readers[0]("exist", keys=["w0-0-0", "w1-0-0"])["codes"] == [0, 0]
         finally:
             for proc in writers + readers:
