@@ -36,8 +36,10 @@ class DataServer:
 
     def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, disk: object = None,
-                 served: Callable[[str, bool, int], None] | None = None) -> None:
+                 served: Callable[[str, bool, int], None] | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.mapping = mapping
+        self.idle_timeout_s = idle_timeout_s   # a connection silent this long is closed
         self.served = served      # (path, read?, bytes): the owner's count of what peers moved here
         self.disk = disk          # the owner's disk tier (local/tier.py), for disk_wire requests
         self.secret = secret
@@ -142,7 +144,7 @@ class DataServer:
             conn, session = self._handshake(conn, pending)
             if session is None:
                 return
-            conn.settimeout(IDLE_TIMEOUT_S)
+            conn.settimeout(self.idle_timeout_s)
             tag = bytearray(session.size)
             while True:
                 recv_exact(conn, memoryview(head))
