@@ -9,10 +9,12 @@ oldest (as on the control plane). Bounded: at most
 ``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
-Wire format (little endian). Request: ``b"MCD1"``, op (1 read, 2 write), range count, then
-``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
+Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write), range count, the segment id
+the request is for (0: whatever the server serves, for tools), then ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
 forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
-back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. The
+back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. A server
+that serves another segment (a provider restarted on the address of a dead one a reader still
+lists) answers ``WRONG_SEGMENT`` and moves nothing: the reader gets ``PeerUnavailable``. The
 payload bytes carry no MAC (it would cost more than the copy: docs/security.md): every object's
 checksum, verified by its readers, makes altered bytes a miss. The server sends from and receives
 into the segment memory itself, and the client receives straight into the destination buffers:
@@ -33,16 +35,17 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from ..auth import AuthFailed, Session, client_handshake
-from ..errors import MemCacheError, PeerUnavailable, TransferFailed
+from ..errors import LOCAL_NOT_CONNECTED, MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import view_at
 from . import disk_wire
 from .sealed import recv_exact, recv_sealed
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"MCD1"
+MAGIC = b"MCD2"
 OP_READ, OP_WRITE = 1, 2
-HEAD = struct.Struct("<4sBI")
+HEAD = struct.Struct("<4sBIQ")     # magic, op, count, segment id
+WRONG_SEGMENT = LOCAL_NOT_CONNECTED   # the answer's status: this server serves another segment
 RANGE = struct.Struct("<QQ")
 ANSWER = struct.Struct("<iQ")
 
@@ -242,7 +245,7 @@ class TcpClient:
         addr = peer[0]
         with self._socket(peer, "transfer with", deadline, fresh) as link:
             s = link.sock
-            head = HEAD.pack(MAGIC, op, len(ops))
+            head = HEAD.pack(MAGIC, op, len(ops), peer[1])
             ranges = b"".join(RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
             if deadline is not None:
                 deadline.arm(s)
@@ -255,6 +258,9 @@ class TcpClient:
                 deadline.arm(s)     # the answer is a few bytes: one receive
             status, _total = ANSWER.unpack(recv_sealed(s, link.session, ANSWER.size, f"the answer of {addr}"))
             link.answered = True
+            if status == WRONG_SEGMENT:
+                raise PeerUnavailable(f"data server {addr} does not serve segment {peer[1]} (it left; another "
+                                      f"process listens there now): nothing moved")
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
             if op == OP_READ:
@@ -277,7 +283,7 @@ class TcpClient:
                      segment_id: int = 0) -> list[MemCacheError | None]:
         """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
         with self._socket((addr, segment_id), "disk request to") as link:
-            return disk_wire.request(link.sock, link.session, HEAD.pack(MAGIC, op, len(items)), op, items)
+            return disk_wire.request(link.sock, link.session, HEAD.pack(MAGIC, op, len(items), segment_id), op, items)
 
     def write(self, addr: str, ops: list[Op], segment_id: int = 0) -> None:
         self._request((addr, segment_id), OP_WRITE, ops)

@@ -144,7 +144,7 @@ class _FreezingPeer:
             assert session is not None
             head = bytearray(HEAD.size)
             recv_exact(conn, memoryview(head))
-            _, _, n = HEAD.unpack(head)
+            n = HEAD.unpack(head)[2]
             raw = bytearray(n * RANGE.size + session.size)
             recv_exact(conn, memoryview(raw))
             total = sum(RANGE.unpack_from(raw, i * RANGE.size)[1] for i in range(n))
