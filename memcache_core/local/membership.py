@@ -26,6 +26,7 @@ from ..errors import MemCacheError, MetaServiceUnavailable
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..transfer import TransferEngine
+from ..transfer.tcp_server import DataServer
 from . import recovery, tier
 from .arena import ArenaWriter
 from .drain import Drainer
@@ -73,6 +74,7 @@ class Membership:
     session: Session
     segment: Mapping | None
     engine: TransferEngine | None
+    data_server: DataServer | None
     disk: tier.DiskTier | None
     drainer: Drainer
     arenas: ArenaWriter | None
@@ -109,6 +111,8 @@ class Membership:
             seg = None
             if self._segment_template is not None:
                 seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
+            if self.data_server is not None:
+                self.data_server.serve_segment(j.client_id)   # requests for any other segment are refused
             with self._lock:
                 stale, self._segments = list(self._segments.values()), {}
                 self._journal_ack = 0

@@ -1,9 +1,9 @@
 """Requests to a provider's disk tier over its data server (``tcp.py``), after the same handshake.
 
-Request: the data server's head (``b"MCD1"``, op, count), then per object ``(size u64, checksum u64,
+Request: the data server's head (``b"MCD2"``, op, count, segment id), then per object ``(size u64, checksum u64,
 key length u16)`` and the key, then the session's MAC of head and items (``sealed.py``). ``OP_DISK_READ``: the owner reads the record, verifies it and answers
 per object ``(status i32, length u64)`` and its MAC, followed by the payload when the status is 0, straight into the
-reader's buffers. ``OP_PROMOTE``: the owner brings the objects back into its DRAM segment and answers
+reader's buffers (a server serving another segment answers -3018 for each, reading nothing). ``OP_PROMOTE``: the owner brings the objects back into its DRAM segment and answers
 ``(status, 0)`` per object. A status is a MemCache code (-3007 no such record, -3110 the record failed
 its checksum, -3111 disk I/O error). Everything a peer sends is bounded before it is used.
 """
@@ -56,14 +56,16 @@ def read_items(conn: socket.socket, session: Session, head: bytes | bytearray,
     return items
 
 
-def serve(conn: socket.socket, session: Session, head: bytes | bytearray, op: int, n: int, disk: Any) -> bool:
-    """Answer one disk request; False when it was malformed (the connection is then closed)."""
+def serve(conn: socket.socket, session: Session, head: bytes | bytearray, op: int, n: int, disk: Any,
+          refused: int = 0) -> bool:
+    """Answer one disk request (``refused``: a code answered for every object instead); False when it
+    was malformed (the connection is then closed)."""
     items = read_items(conn, session, head, n)
     if items is None:
         return False
-    if disk is None:
+    if disk is None or refused:
         for _ in items:
-            conn.sendall(sealed(session, _ANSWER.pack(-3007, 0)))
+            conn.sendall(sealed(session, _ANSWER.pack(refused or -3007, 0)))
         return True
     if op == OP_PROMOTE:
         for code in disk.promote_local(items):

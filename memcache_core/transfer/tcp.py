@@ -9,10 +9,12 @@ oldest (as on the control plane). Bounded: at most
 ``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
-Wire format (little endian). Request: ``b"MCD1"``, op (1 read, 2 write), range count, then
-``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
+Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write), range count, the segment id
+the request is for (0: whatever the server serves, for tools), then ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
 forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
-back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. The
+back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. A server
+that serves another segment (a provider restarted on the address of a dead one a reader still
+lists) answers ``WRONG_SEGMENT`` and moves nothing: the reader gets ``PeerUnavailable``. The
 payload bytes carry no MAC (it would cost more than the copy: docs/security.md): every object's
 checksum, verified by its readers, makes altered bytes a miss. The server sends from and receives
 into the segment memory itself, and the client receives straight into the destination buffers:
@@ -33,16 +35,17 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from ..auth import AuthFailed, Session, client_handshake
-from ..errors import MemCacheError, PeerUnavailable, TransferFailed
+from ..errors import LOCAL_NOT_CONNECTED, MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import view_at
 from . import disk_wire
 from .sealed import recv_exact, recv_sealed
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"MCD1"
+MAGIC = b"MCD2"
 OP_READ, OP_WRITE = 1, 2
-HEAD = struct.Struct("<4sBI")
+HEAD = struct.Struct("<4sBIQ")     # magic, op, count, segment id
+WRONG_SEGMENT = LOCAL_NOT_CONNECTED   # the answer's status: this server serves another segment
 RANGE = struct.Struct("<QQ")
 ANSWER = struct.Struct("<iQ")
 
@@ -50,6 +53,8 @@ Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, siz
 
 MIN_PEER_RATE = 64 << 20        # bytes/s below which a read with another replica to go to gives up (Deadline)
 SUSPECT_S = 10.0                # a peer that missed a deadline is read last for this long
+POOL_IDLE_S = 240.0             # an idle pooled connection older than this is closed, not reused: below
+                                # the data server's IDLE_TIMEOUT_S (300 s), after which it closes its end
 
 
 class Deadline:
@@ -97,6 +102,15 @@ class Link:
 
     sock: socket.socket
     session: Session
+    pooled: bool = False        # taken from the idle pool (its peer may have closed it meanwhile)
+    answered: bool = False      # the current request's answer arrived
+    idle_since: float = 0.0     # when it went back to the pool
+
+
+class _StaleLink(PeerUnavailable):
+    """A request failed on a connection taken from the idle pool before any answer arrived, other than
+    by a timeout: the peer most likely closed it while it was idle (``IDLE_TIMEOUT_S``). A read or a
+    write of whole ranges is idempotent: it is sent again, once, on a fresh connection."""
 
 
 Peer = tuple[str, int]   # (data server address, segment id): one incarnation of a peer
@@ -114,6 +128,11 @@ class TcpClient:
     when the peer misses it, and the peer is then *suspect* for ``SUSPECT_S`` (``suspect``: readers
     try it last). ``forget`` (the peer left the pool, or was declared dead) also ends the requests
     in flight to it at once, not only its idle connections.
+
+    The data server closes a connection silent for ``IDLE_TIMEOUT_S``: a pooled one idle for
+    ``POOL_IDLE_S`` is closed rather than reused, and a read or write that fails on a pooled connection
+    before its answer arrived (the send fails, or the answer's receive meets EOF or a reset; never a
+    timeout: a frozen peer has its own path) is sent again once, on a fresh connection.
     """
 
     def __init__(self, timeout_s: float, secret: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
@@ -125,10 +144,18 @@ class TcpClient:
         self._missed: dict[Peer, float] = {}     # peer -> when it last missed a deadline
         self._lock = threading.Lock()
 
-    def _acquire(self, peer: Peer, deadline: Deadline | None) -> Link:
+    def _acquire(self, peer: Peer, deadline: Deadline | None, fresh: bool = False) -> Link:
+        old: list[Link] = []
         with self._lock:
-            if self._idle[peer]:
-                return self._idle[peer].pop()
+            idle = self._idle[peer]
+            while idle and not fresh:
+                link = idle.pop()
+                if time.monotonic() - link.idle_since < POOL_IDLE_S:
+                    link.pooled, link.answered = True, False
+                    return link
+                old.append(link)   # its peer is about to close it (or did): a fresh one instead
+        for link in old:
+            link.sock.close()
         addr = peer[0]
         host, port = addr.rsplit(":", 1)
         bound = min(self.timeout_s, 5.0)
@@ -149,17 +176,20 @@ class TcpClient:
         return Link(s, session)
 
     def _release(self, peer: Peer, s: Link) -> None:
+        s.idle_since = time.monotonic()
         with self._lock:
             self._idle[peer].append(s)
 
     @contextlib.contextmanager
-    def _socket(self, peer: Peer, what: str, deadline: Deadline | None = None) -> Iterator[Link]:
-        """A pooled connection to ``peer`` for one request: back to the pool when the request went
-        through, closed on any failure (a socket error is ``PeerUnavailable``, naming ``what``; a
-        missed ``deadline`` makes the peer suspect)."""
+    def _socket(self, peer: Peer, what: str, deadline: Deadline | None = None,
+                fresh: bool = False) -> Iterator[Link]:
+        """A pooled connection to ``peer`` for one request (a new one when ``fresh``): back to the pool
+        when the request went through, closed on any failure (a socket error is ``PeerUnavailable``,
+        naming ``what``, ``_StaleLink`` when it came from the pool and no answer had arrived; a missed
+        ``deadline`` makes the peer suspect)."""
         addr = peer[0]
         try:
-            s = self._acquire(peer, deadline)
+            s = self._acquire(peer, deadline, fresh)
         except PeerUnavailable:
             if deadline is not None and deadline.at <= time.monotonic():
                 self._suspect(peer)
@@ -174,6 +204,8 @@ class TcpClient:
             if isinstance(e, TimeoutError) and deadline is not None:
                 self._suspect(peer)
                 raise PeerUnavailable(f"{what} {addr} made no progress: {e}; trying another replica") from e
+            if s.pooled and not s.answered and not isinstance(e, TimeoutError):
+                raise _StaleLink(f"{what} {addr} failed on a pooled connection: {e}") from e
             raise PeerUnavailable(f"{what} {addr} failed: {e}") from e
         finally:
             with self._lock:
@@ -202,10 +234,18 @@ class TcpClient:
             return t is not None
 
     def _request(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
+        """Send the request; once more on a fresh connection when a pooled one turned out closed."""
+        try:
+            self._attempt(peer, op, ops, deadline, fresh=False)
+        except _StaleLink as e:
+            logger.debug("%s; sending it again on a fresh connection", e)
+            self._attempt(peer, op, ops, deadline, fresh=True)
+
+    def _attempt(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None, fresh: bool) -> None:
         addr = peer[0]
-        with self._socket(peer, "transfer with", deadline) as link:
+        with self._socket(peer, "transfer with", deadline, fresh) as link:
             s = link.sock
-            head = HEAD.pack(MAGIC, op, len(ops))
+            head = HEAD.pack(MAGIC, op, len(ops), peer[1])
             ranges = b"".join(RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
             if deadline is not None:
                 deadline.arm(s)
@@ -217,6 +257,10 @@ class TcpClient:
             if deadline is not None:
                 deadline.arm(s)     # the answer is a few bytes: one receive
             status, _total = ANSWER.unpack(recv_sealed(s, link.session, ANSWER.size, f"the answer of {addr}"))
+            link.answered = True
+            if status == WRONG_SEGMENT:
+                raise PeerUnavailable(f"data server {addr} does not serve segment {peer[1]} (it left; another "
+                                      f"process listens there now): nothing moved")
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
             if op == OP_READ:
@@ -239,7 +283,7 @@ class TcpClient:
                      segment_id: int = 0) -> list[MemCacheError | None]:
         """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
         with self._socket((addr, segment_id), "disk request to") as link:
-            return disk_wire.request(link.sock, link.session, HEAD.pack(MAGIC, op, len(items)), op, items)
+            return disk_wire.request(link.sock, link.session, HEAD.pack(MAGIC, op, len(items), segment_id), op, items)
 
     def write(self, addr: str, ops: list[Op], segment_id: int = 0) -> None:
         self._request((addr, segment_id), OP_WRITE, ops)

@@ -20,7 +20,7 @@ from ..rpc.server import MAX_PREAUTH_PER_SOURCE, PREAUTH_SHARE
 from ..tls import tls_handshake
 from . import disk_wire
 from .sealed import recv_exact, sealed
-from .tcp import ANSWER, HEAD, MAGIC, OP_READ, OP_WRITE, RANGE, tune
+from .tcp import ANSWER, HEAD, MAGIC, OP_READ, OP_WRITE, RANGE, WRONG_SEGMENT, tune
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,17 @@ ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this paus
 
 
 class DataServer:
-    """Serves one segment to peers; one thread per connection."""
+    """Serves one segment to peers; one thread per connection. A request names the segment it is for;
+    once the owner told ``serve_segment`` its ids, one for any other is refused (``WRONG_SEGMENT``)
+    before a byte moves. Until then (a bare data server), and for a request naming 0, any is served."""
 
     def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, disk: object = None,
-                 served: Callable[[str, bool, int], None] | None = None) -> None:
+                 served: Callable[[str, bool, int], None] | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.mapping = mapping
+        self.idle_timeout_s = idle_timeout_s   # a connection silent this long is closed
+        self.segment_ids: frozenset[int] = frozenset()   # the ids the owner's segment had (empty: bare)
         self.served = served      # (path, read?, bytes): the owner's count of what peers moved here
         self.disk = disk          # the owner's disk tier (local/tier.py), for disk_wire requests
         self.secret = secret
@@ -60,6 +65,15 @@ class DataServer:
         self.refused = 0
         self._warned_at = 0.0
         threading.Thread(target=self._accept, name="memcache-data-accept", daemon=True).start()
+
+    def serve_segment(self, segment_id: int) -> None:
+        """The owner joined the pool with its segment as ``segment_id`` (every id it held names this
+        same memory: ids are random, never handed to another process while this one could be listed)."""
+        self.segment_ids = self.segment_ids | {segment_id}
+
+    def _refuses(self, segment_id: int) -> bool:
+        ids = self.segment_ids
+        return bool(segment_id and ids and segment_id not in ids)
 
     def _accept(self) -> None:
         while not self._stop:
@@ -142,15 +156,16 @@ class DataServer:
             conn, session = self._handshake(conn, pending)
             if session is None:
                 return
-            conn.settimeout(IDLE_TIMEOUT_S)
+            conn.settimeout(self.idle_timeout_s)
             tag = bytearray(session.size)
             while True:
                 recv_exact(conn, memoryview(head))
-                magic, op, n = HEAD.unpack(head)
+                magic, op, n, sid = HEAD.unpack(head)
                 if magic != MAGIC or op not in (OP_READ, OP_WRITE, *DISK_OPS) or not 0 < n <= MAX_RANGES:
                     return
                 if op in DISK_OPS:
-                    if not disk_wire.serve(conn, session, head, op, n, self.disk):
+                    if not disk_wire.serve(conn, session, head, op, n, self.disk,
+                                           WRONG_SEGMENT if self._refuses(sid) else 0):
                         return
                     continue
                 raw = bytearray(n * RANGE.size)
@@ -162,6 +177,9 @@ class DataServer:
                     return
                 ranges = [RANGE.unpack_from(raw, i * RANGE.size) for i in range(n)]
                 total = sum(length for _, length in ranges)
+                if self._refuses(sid):
+                    conn.sendall(sealed(session, ANSWER.pack(WRONG_SEGMENT, 0)))
+                    return  # the write payload (if any) is not drained: close the connection
                 if any(off + length > self.mapping.size for off, length in ranges):
                     conn.sendall(sealed(session, ANSWER.pack(-1, 0)))
                     return  # the write payload (if any) is not drained: close the connection

@@ -279,7 +279,7 @@ def test_a_relay_cannot_inject_a_data_plane_request():
         client.read(f"{relay.addr[0]}:{relay.addr[1]}", [(0, [(ptr, 4096)])])   # handshake relayed
         assert out.tobytes() == bytes(range(256)) * 16
         seen = relay.from_server
-        forged = b"MCD1" + struct.pack("<BIQQ", 2, 1, 0, 4096)
+        forged = b"MCD2" + struct.pack("<BIQQQ", 2, 1, 0, 0, 4096)
         relay.inject(forged + secrets.token_bytes(TAG) + b"\xee" * 4096)
         assert relay.server_closed.wait(10), "the data server kept the connection after a forged request"
         assert relay.from_server == seen

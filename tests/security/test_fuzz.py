@@ -207,19 +207,19 @@ def data_server(tmp_path_factory):
 
 
 def _head(op: int, ranges: list[tuple[int, int]]) -> bytes:
-    return b"MCD1" + struct.pack("<BI", op, len(ranges)) + b"".join(
+    return b"MCD2" + struct.pack("<BIQ", op, len(ranges), 0) + b"".join(
         struct.pack("<QQ", off % 2**64, n % 2**64) for off, n in ranges)
 
 
 # (bytes the insider seals with its session's MAC, bytes sent after them unsealed)
 DATA_FRAMES = st.one_of(
-    st.binary(max_size=256).filter(lambda b: not b.startswith(b"MCD1\x02")).map(lambda b: (b"", b)),
+    st.binary(max_size=256).filter(lambda b: not b.startswith(b"MCD2\x02")).map(lambda b: (b"", b)),
     st.tuples(st.sampled_from([0, 1, 3, 255]), st.lists(st.tuples(INTS, INTS), max_size=6), st.binary(max_size=64))
     .map(lambda t: (_head(t[0], t[1]), t[2])),
     # writes only beyond the honest bytes: an authenticated peer may write, the honest data is elsewhere
     st.tuples(st.lists(st.tuples(st.integers(1 << 20, 4 << 20), st.integers(0, 1 << 12)), max_size=4),
               st.binary(max_size=4096)).map(lambda t: (_head(2, t[0]), t[1])),
-    st.tuples(st.integers(0, 2**32 - 1)).map(lambda t: (b"", b"MCD1\x01" + struct.pack("<I", t[0]))),
+    st.tuples(st.integers(0, 2**32 - 1)).map(lambda t: (b"", b"MCD2\x01" + struct.pack("<IQ", t[0], 0))),
 )
 
 

@@ -59,8 +59,8 @@ def test_data_port_reads_and_writes_without_the_secret_are_refused(meta, stores)
     keys = [f"d-{i}" for i in range(4)]
     assert owner("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 4
     addr = _data_addr(meta, owner)
-    read_req = b"MCD1" + struct.pack("<BI", 1, 1) + struct.pack("<QQ", 0, 1 << 20)
-    write_req = b"MCD1" + struct.pack("<BI", 2, 1) + struct.pack("<QQ", 0, 1 << 20) + b"\xAA" * (1 << 20)
+    read_req = b"MCD2" + struct.pack("<BIQ", 1, 1, 0) + struct.pack("<QQ", 0, 1 << 20)
+    write_req = b"MCD2" + struct.pack("<BIQ", 2, 1, 0) + struct.pack("<QQ", 0, 1 << 20) + b"\xAA" * (1 << 20)
     for req in (read_req, write_req):
         with socket.create_connection(addr) as s:
             try:

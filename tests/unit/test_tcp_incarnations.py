@@ -16,6 +16,7 @@ from memcache_core.errors import PeerUnavailable
 from memcache_core.local.segment import create_segment
 from memcache_core.memory import Mapping
 from memcache_core.testing import wait_for
+from memcache_core.transfer.disk_wire import OP_DISK_READ
 from memcache_core.transfer.tcp import TcpClient
 from memcache_core.transfer.tcp_server import DataServer
 
@@ -98,3 +99,39 @@ def test_forgetting_an_old_incarnation_leaves_the_new_ones_reads_in_flight():
             assert isinstance(out["error"], PeerUnavailable), out
         finally:
             client.close()
+
+
+def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments):
+    """Scenario: a reader still lists segment OLD (dead) at an address where NEW's data server now
+    listens, and opens a fresh connection there. Before, it read NEW's bytes as OLD's (caught only by a
+    checksum, when verified). Now NEW's server refuses the request: PeerUnavailable, nothing read or
+    written; the request for NEW (and one naming no segment, as tools send) is served byte-exact."""
+    server = DataServer(segments[1], "127.0.0.1", 0)
+    server.serve_segment(NEW)
+    client = TcpClient(timeout_s=10.0)
+    try:
+        out = np.zeros(4096, np.uint8)
+        with pytest.raises(PeerUnavailable, match=f"does not serve segment {OLD}"):
+            client.read(server.addr, [(0, [(out.ctypes.data, out.nbytes)])], segment_id=OLD)
+        assert not out.any(), "a refused read wrote into the destination"
+        src = np.full(4096, 0xEE, np.uint8)
+        with pytest.raises(PeerUnavailable, match=f"does not serve segment {OLD}"):
+            client.write(server.addr, [(0, [(src.ctypes.data, src.nbytes)])], segment_id=OLD)
+        assert bytes(segments[1].view(0, 4096)) == b"\x02" * 4096, "a refused write reached the segment"
+        errs = client.disk_request(server.addr, OP_DISK_READ, [("k", 4096, 0, [(out.ctypes.data, 4096)])], OLD)
+        assert [type(e) for e in errs] == [PeerUnavailable] and not out.any()
+        assert _read(client, server.addr, NEW) == b"\x02" * 4096
+        assert _read(client, server.addr, 0) == b"\x02" * 4096
+        server.serve_segment(13)   # a re-join under another id: the same memory, both ids served
+        assert _read(client, server.addr, 13) == b"\x02" * 4096
+        assert _read(client, server.addr, NEW) == b"\x02" * 4096
+    finally:
+        client.close()
+        server.close()
+    bare = DataServer(segments[0], "127.0.0.1", 0)   # no owner told it an id: serves any
+    client = TcpClient(timeout_s=10.0)
+    try:
+        assert _read(client, bare.addr, OLD) == b"\x01" * 4096
+    finally:
+        client.close()
+        bare.close()
