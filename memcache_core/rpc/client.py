@@ -135,6 +135,15 @@ class RpcClient:
         self._down_at = time.monotonic()
         self._move_on(self.url if url is None else url)
 
+    def _slow_not_down(self, probe: bool, timeout_s: float) -> bool:
+        """A probe (a heartbeat) that waited less than the client timeout and got no answer says the
+        MetaService is slow, not down: it must not make other calls fail at once (a CPU-starved but
+        live MetaService would turn into failed puts and misses). Those calls still wait at most their
+        own timeout, and one that times out marks it down. With several MetaServices to go to (a URL
+        list, or an HA leader in etcd) it does mark it, so the client moves on to the next one."""
+        single = self.endpoints.count == 1 and not self.endpoints.target.etcd
+        return probe and timeout_s < self.timeout_s and single
+
     def _move_on(self, url: str) -> None:
         """The MetaService at ``url`` failed: the next call goes to the next endpoint, at once."""
         if (self.endpoints.count > 1 or self.endpoints.target.etcd) and self.endpoints.advance(url):
@@ -287,7 +296,8 @@ class RpcClient:
             stale = c.used and isinstance(e, (ConnectionResetError, BrokenPipeError)) and not c.buf
             if stale:
                 raise _StaleConnection(str(e)) from e
-            self.mark_down(str(e), c.url)
+            if not (isinstance(e, TimeoutError) and self._slow_not_down(probe, timeout_s)):
+                self.mark_down(str(e), c.url)
             raise MetaServiceUnavailable(f"MetaService at {c.url}: {e}") from e
         finally:
             c.used = True

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -83,5 +84,46 @@ def test_a_single_url_client_reports_not_leader(servers):
         with pytest.raises(errors.NotLeader) as e:
             rpc.call(p.Exist(["k"]))
         assert e.value.code == errors.NOT_LEADER == -3120
+    finally:
+        rpc.close()
+
+
+class SlowServer(Server):
+    """Answers after ``delay_s``: a live MetaService starved of CPU."""
+
+    delay_s = 0.0
+
+    def answer(self, body: bytes) -> bytes:
+        time.sleep(self.delay_s)
+        return super().answer(body)
+
+
+@pytest.fixture
+def slow() -> Iterator[SlowServer]:
+    s = SlowServer()
+    with polling(s.srv):
+        yield s
+
+
+def test_a_short_probe_without_an_answer_does_not_make_other_calls_fail_at_once(slow):
+    """A heartbeat (a probe with a timeout shorter than the client's) that times out says the
+    MetaService is slow, not down: the next call waits for its answer instead of failing with -3017.
+    Negative control: a call that waited its whole client timeout does mark it down."""
+    rpc = RpcClient(slow.url, 5.0)
+    try:
+        slow.delay_s = 0.6
+        with pytest.raises(errors.MetaServiceUnavailable):
+            rpc.call(p.Exist(["k"]), timeout_s=0.2, probe=True)
+        assert not rpc.down
+        assert expect(rpc.call(p.Exist(["k"])), p.Flags).flags == [True]   # waited, answered
+    finally:
+        rpc.close()
+    rpc = RpcClient(slow.url, 0.2)
+    try:
+        with pytest.raises(errors.MetaServiceUnavailable):
+            rpc.call(p.Exist(["k"]))
+        assert rpc.down
+        with pytest.raises(errors.MetaServiceUnavailable, match="unreachable"):
+            rpc.call(p.Exist(["k"]))   # at once: it is known down
     finally:
         rpc.close()
