@@ -167,11 +167,12 @@ class Engine:
             self.proc.wait()
 
 
-def engine_spec(model: str, block: int, steps: list[dict[str, Any]], kv: dict[str, Any] | None,
+def engine_spec(model: str, block: int, steps: list[dict[str, Any]], kv: dict[str, Any] | None, /,
                 **spec: Any) -> dict[str, Any]:
     """What one engine lifetime runs (``llm_runner.py``): ``model`` with ``block``-token blocks, its
     ``steps``, the connector's ``kv_transfer_config`` (None: no connector), vLLM's prefix cache off
-    unless ``spec`` turns it on; ``spec`` adds or overrides any other key."""
+    unless ``spec`` turns it on; ``spec`` adds or overrides any key, ``model`` included (the first
+    four are positional only, so ``model=`` in ``spec`` is an override, not a second value)."""
     return {"model": model, "block_size": block, "steps": steps, "kv_transfer_config": kv,
             "enable_prefix_caching": False, **spec}
 
