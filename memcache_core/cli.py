@@ -19,6 +19,18 @@ logger = logging.getLogger(__name__)
 
 def _local_service(path: str) -> int:
     from .local.service import LocalService
+    # SIGTERM / SIGINT are taken before the start: one that comes while it starts (it may already have
+    # joined) stops the start where it is, closes what was made and exits 0; one that comes after
+    # closes it as usual. Never the default action, which killed a provider that had just joined.
+    stop, starting = threading.Event(), [True]
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if starting[0]:
+            raise SystemExit(0)   # in the main thread, out of ``start``, whose failure path closes
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         config = load_file(LocalConfig, path)
         configure_logging(config.log_level, name="local_service")
@@ -26,13 +38,11 @@ def _local_service(path: str) -> int:
             config.segment_prefault = "on"   # a provider's segment is the pool: fault it in at start
         svc = LocalService(config)
         svc.start(0, with_segment=True, metrics_required=True)   # its metrics are a provider's only view
+        starting[0] = False
     except (MemCacheError, OSError) as e:   # one line naming the setting, never a traceback
         configure_logging("info")
         logger.error("LocalService cannot start: %s", e)
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     logger.info("LocalService %d serving %d bytes (%s)", svc.client_id, config.dram_bytes, config.protocol)
     stop.wait()
     svc.close()
