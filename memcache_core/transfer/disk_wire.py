@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from ..auth import Session
@@ -86,14 +87,17 @@ def serve(conn: socket.socket, session: Session, head: bytes | bytearray, op: in
     return True
 
 
-def request(sock: socket.socket, session: Session, head: bytes, op: int,
-            items: list[Item]) -> list[MemCacheError | None]:
-    """Send one disk request on an authenticated connection; per-object error or None."""
+def request(sock: socket.socket, session: Session, head: bytes, op: int, items: list[Item],
+            on_answer: Callable[[], None] | None = None) -> list[MemCacheError | None]:
+    """Send one disk request on an authenticated connection; per-object error or None. ``on_answer``
+    runs once the first answer has arrived (from then on a failure is not a closed idle connection)."""
     body = b"".join(_ITEM.pack(size, checksum, len(k.encode())) + k.encode() for k, size, checksum, _ in items)
     sock.sendall(sealed(session, head + body))
     out: list[MemCacheError | None] = []
     for key, size, _, pieces in items:
         status, length = _ANSWER.unpack(recv_sealed(sock, session, _ANSWER.size, f"{key!r}: the disk tier's answer"))
+        if on_answer is not None and not out:
+            on_answer()
         if status != 0:
             out.append(error_from_code(status, f"{key!r}: the disk tier answered {status}"))
             continue

@@ -32,13 +32,16 @@ import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from ..auth import AuthFailed, Session, client_handshake
 from ..errors import LOCAL_NOT_CONNECTED, MemCacheError, PeerUnavailable, TransferFailed
 from ..memory import view_at
 from . import disk_wire
 from .sealed import recv_exact, recv_sealed
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +133,7 @@ class TcpClient:
     in flight to it at once, not only its idle connections.
 
     The data server closes a connection silent for ``IDLE_TIMEOUT_S``: a pooled one idle for
-    ``POOL_IDLE_S`` is closed rather than reused, and a read or write that fails on a pooled connection
+    ``POOL_IDLE_S`` is closed rather than reused, and a read, write or disk request that fails on a pooled connection
     before its answer arrived (the send fails, or the answer's receive meets EOF or a reset; never a
     timeout: a frozen peer has its own path) is sent again once, on a fresh connection.
     """
@@ -233,13 +236,17 @@ class TcpClient:
                 return False
             return t is not None
 
-    def _request(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
-        """Send the request; once more on a fresh connection when a pooled one turned out closed."""
+    @staticmethod
+    def _once_more_if_stale(attempt: Callable[[bool], T]) -> T:
+        """``attempt(fresh)``; once more on a fresh connection when a pooled one turned out closed."""
         try:
-            self._attempt(peer, op, ops, deadline, fresh=False)
+            return attempt(False)
         except _StaleLink as e:
             logger.debug("%s; sending it again on a fresh connection", e)
-            self._attempt(peer, op, ops, deadline, fresh=True)
+            return attempt(True)
+
+    def _request(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
+        self._once_more_if_stale(lambda fresh: self._attempt(peer, op, ops, deadline, fresh))
 
     def _attempt(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None, fresh: bool) -> None:
         addr = peer[0]
@@ -281,9 +288,17 @@ class TcpClient:
 
     def disk_request(self, addr: str, op: int, items: list[disk_wire.Item],
                      segment_id: int = 0) -> list[MemCacheError | None]:
-        """Read records from (or promote them at) a provider's disk tier; per-object error or None."""
-        with self._socket((addr, segment_id), "disk request to") as link:
-            return disk_wire.request(link.sock, link.session, HEAD.pack(MAGIC, op, len(items), segment_id), op, items)
+        """Read records from (or promote them at) a provider's disk tier; per-object error or None. Sent
+        again once on a fresh connection when a pooled one turned out closed (as reads are): the closed
+        one carried nothing to the provider."""
+        head = HEAD.pack(MAGIC, op, len(items), segment_id)
+
+        def attempt(fresh: bool) -> list[MemCacheError | None]:
+            with self._socket((addr, segment_id), "disk request to", fresh=fresh) as link:
+                return disk_wire.request(link.sock, link.session, head, op, items,
+                                         on_answer=lambda: setattr(link, "answered", True))
+
+        return self._once_more_if_stale(attempt)
 
     def write(self, addr: str, ops: list[Op], segment_id: int = 0) -> None:
         self._request((addr, segment_id), OP_WRITE, ops)

@@ -11,13 +11,18 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import xxhash
 
 from memcache_core.auth import server_handshake
 from memcache_core.errors import PeerUnavailable
+from memcache_core.layout import payload_offset
+from memcache_core.local.disk import DiskStore
 from memcache_core.local.segment import create_segment
 from memcache_core.memory import Mapping
+from memcache_core.protocol import ObjectReport
 from memcache_core.testing import wait_for
 from memcache_core.transfer import tcp
+from memcache_core.transfer.disk_wire import OP_DISK_READ
 from memcache_core.transfer.sealed import recv_exact, sealed
 from memcache_core.transfer.tcp import ANSWER, HEAD, OP_READ, RANGE, Link, TcpClient
 from memcache_core.transfer.tcp_server import DataServer
@@ -114,6 +119,45 @@ def test_a_pooled_connection_idle_past_the_bound_is_not_reused(segment, monkeypa
     finally:
         client.close()
         server.close()
+
+
+def test_a_disk_request_on_a_pooled_connection_the_server_closed_is_sent_again(segment, tmp_path):
+    """Scenario: a reader's pooled connection to a provider sat idle past the data server's idle
+    timeout, and the next read of an object held on the provider's disk tier alone goes out on it.
+    Before, the disk read failed (PeerUnavailable: a miss of a stored object); now it is sent again on a
+    fresh connection and the record's bytes arrive. The control sends it on the closed one alone."""
+    payload = bytes(segment.view(0, 4096))
+    segment.view(payload_offset(0), 4096)[:] = payload
+    report = ObjectReport("on-disk", 0, 4096, 1, xxhash.xxh3_64_intdigest(payload))
+    store = DiskStore(str(tmp_path), 64 << 20)
+    server = DataServer(segment, "127.0.0.1", 0, SECRET, disk=store, idle_timeout_s=0.2)
+    server.serve_segment(SID)
+    client = TcpClient(timeout_s=10.0, secret=SECRET)
+
+    def disk_read(**kw: bool) -> tuple[list, bytes]:
+        out = np.zeros(4096, np.uint8)
+        item = [("on-disk", 4096, report.checksum, [(out.ctypes.data, out.nbytes)])]
+        if kw:
+            head = HEAD.pack(tcp.MAGIC, OP_DISK_READ, 1, SID)
+            with client._socket((server.addr, SID), "disk request to", fresh=False) as link:
+                return tcp.disk_wire.request(link.sock, link.session, head, OP_DISK_READ, item), out.tobytes()
+        return client.disk_request(server.addr, OP_DISK_READ, item, SID), out.tobytes()
+
+    try:
+        assert store.offer([report], segment) == 1
+        wait_for(lambda: store.holds("on-disk"), 10, "the disk record")
+        assert disk_read() == ([None], payload)
+        stale = _pooled_closed(client, server.addr)
+        assert disk_read() == ([None], payload)            # a hit, not a miss
+        assert stale.sock.fileno() == -1, "the closed connection went back to the pool"
+
+        _pooled_closed(client, server.addr)                 # control: the closed connection alone fails
+        with pytest.raises(PeerUnavailable, match="pooled connection"):
+            disk_read(control=True)
+    finally:
+        client.close()
+        server.close()
+        store.close()
 
 
 class _FreezingPeer:
