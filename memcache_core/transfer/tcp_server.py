@@ -64,12 +64,24 @@ class DataServer:
         self._preauth_all: dict[_Handshaking, None] = {}
         self.refused = 0
         self._warned_at = 0.0
+        self._version_warned_at = -60.0
         threading.Thread(target=self._accept, name="memcache-data-accept", daemon=True).start()
 
     def serve_segment(self, segment_id: int) -> None:
         """The owner joined the pool with its segment as ``segment_id`` (every id it held names this
         same memory: ids are random, never handed to another process while this one could be listed)."""
         self.segment_ids = self.segment_ids | {segment_id}
+
+    def _other_version(self, magic: bytes) -> None:
+        """A member of another data-plane version (an older or newer memcache) sent a request: say so
+        (once a minute); it is closed unanswered, and the peer reads another replica or misses."""
+        now = time.monotonic()
+        if now - self._version_warned_at >= 60.0:
+            self._version_warned_at = now
+            logger.warning("data server %s: a peer speaks data-plane protocol %s, this provider %s (another "
+                           "memcache version); its requests are refused, so reads between the two read as "
+                           "misses: run one version in the whole pool (docs/operations.md, Upgrades)",
+                           self.addr, magic.decode("ascii", "replace"), MAGIC.decode())
 
     def _refuses(self, segment_id: int) -> bool:
         ids = self.segment_ids
@@ -162,6 +174,8 @@ class DataServer:
                 recv_exact(conn, memoryview(head))
                 magic, op, n, sid = HEAD.unpack(head)
                 if magic != MAGIC or op not in (OP_READ, OP_WRITE, *DISK_OPS) or not 0 < n <= MAX_RANGES:
+                    if magic != MAGIC and magic[:3] == MAGIC[:3]:
+                        self._other_version(bytes(magic))
                     return
                 if op in DISK_OPS:
                     if not disk_wire.serve(conn, session, head, op, n, self.disk,

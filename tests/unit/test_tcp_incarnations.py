@@ -17,7 +17,7 @@ from memcache_core.local.segment import create_segment
 from memcache_core.memory import Mapping
 from memcache_core.testing import wait_for
 from memcache_core.transfer.disk_wire import OP_DISK_READ
-from memcache_core.transfer.tcp import TcpClient
+from memcache_core.transfer.tcp import HEAD, OP_READ, RANGE, TcpClient
 from memcache_core.transfer.tcp_server import DataServer
 
 OLD, NEW = 11, 12   # the segment ids of two incarnations of one provider
@@ -135,3 +135,28 @@ def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments):
     finally:
         client.close()
         bare.close()
+
+
+def test_a_request_of_another_data_plane_version_is_refused_and_said_so(segments, caplog):
+    """Scenario: during an upgrade, a member of another memcache version (data plane ``MCD1``) sends
+    this provider a read. It is closed unanswered (the reader misses; nothing of the segment is sent),
+    and the provider's log names both versions once, not per request; its own version's reads go on."""
+    server = DataServer(segments[0], "127.0.0.1", 0)
+    client = TcpClient(timeout_s=10.0)
+    try:
+        host, port = server.addr.rsplit(":", 1)
+        for _ in range(2):
+            with socket.create_connection((host, int(port))) as s:   # auth off: no handshake
+                s.sendall(HEAD.pack(b"MCD1", OP_READ, 1, 0) + RANGE.pack(0, 4096) + bytes(64))
+                s.settimeout(10.0)
+                try:
+                    answer = s.recv(1)
+                except ConnectionResetError:   # closed with the request's unread bytes: a reset
+                    answer = b""
+                assert answer == b"", "a request of another version was answered"
+        wait_for(lambda: "speaks data-plane protocol" in caplog.text, 10, "the version warning")
+        assert caplog.text.count("a peer speaks data-plane protocol MCD1, this provider MCD2") == 1
+        assert _read(client, server.addr, 0) == b"\x01" * 4096
+    finally:
+        client.close()
+        server.close()
