@@ -133,15 +133,26 @@ def test_log_rotation_keys_are_honoured(tmp_path):
         MetaConfig(log_rotation_file_count=0)
 
 
-def test_open_store_names_the_failing_step():
+def test_open_store_names_the_failing_step(tmp_path, caplog):
+    """Each failing step is named with its code. The pool secret is this test's own file: with the
+    user's default one the outcome depended on whether an earlier test (or run) had made it (a fresh
+    machine's first run got -3000 where -3017 was meant)."""
+    import secrets
+
     from memcache_core import open_store
-    from memcache_core.errors import MemCacheError, MetaServiceUnavailable
+    from memcache_core.errors import InvalidParameter, MemCacheError, MetaServiceUnavailable
     from memcache_core.testing import free_port
 
     with pytest.raises(MemCacheError, match="setup failed with code -3000"):
         open_store(LocalConfig())   # host_rdma needs Ascend hardware: setup refuses it
+    secret = tmp_path / "pool.secret"
     down = LocalConfig(protocol="host_shm", meta_service_url=f"tcp://127.0.0.1:{free_port()}",
-                       client_timeout_seconds=1, dram_size="0")
+                       client_timeout_seconds=1, dram_size="0", auth_secret_path=str(secret))
+    with pytest.raises(InvalidParameter, match="init failed with code -3000"):
+        open_store(down, init_bm=False)   # a client never creates the secret: a missing one is a config error
+    assert f"cannot read the pool secret {secret}" in caplog.text
+    secret.write_text(secrets.token_hex(32) + "\n")
+    secret.chmod(0o600)
     with pytest.raises(MetaServiceUnavailable, match="init failed with code -3017"):
         open_store(down, init_bm=False)
 
