@@ -35,7 +35,7 @@ SIZE = 4096
 PREFIX = "1.Llama-3.1-8B-9c2a."
 
 
-def _core(objects: int, segments: int, low: float) -> tuple[service.MetaServiceCore, list[int]]:
+def core_with_segments(objects: int, segments: int, low: float) -> tuple[service.MetaServiceCore, list[int]]:
     core = service.MetaServiceCore(MetaConfig())
     core.table = ObjectTable(90, low, 10.0, 120.0, 1 << 40)
     per = -(-objects // segments) * aligned(footprint(SIZE)) * 10 // 9 + 4096
@@ -45,7 +45,7 @@ def _core(objects: int, segments: int, low: float) -> tuple[service.MetaServiceC
     return core, ids
 
 
-def _put(t: ObjectTable, keys: list[str], ids: list[int], rng: random.Random) -> None:
+def put_all(t: ObjectTable, keys: list[str], ids: list[int], rng: random.Random) -> None:
     for i, k in enumerate(keys):
         order = ids[i % len(ids):] + ids[:i % len(ids)]
         code, gen, _ = t.alloc(1, k, SIZE, 1, order, 0.0)
@@ -86,16 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(1)
     keys = [f"{PREFIX}{rng.getrandbits(256):064x}.{i % 1000:03d}" for i in range(args.objects)]
     more = [f"{PREFIX}{rng.getrandbits(256):064x}.new" for _ in range(args.objects // 4)]
-    core, ids = _core(args.objects, args.segments, args.low)
+    core, ids = core_with_segments(args.objects, args.segments, args.low)
     t = core.table
     start = time.perf_counter()
-    _put(t, keys, ids, rng)
+    put_all(t, keys, ids, rng)
     fill = time.perf_counter() - start
     if t.counters.evictions:
         raise SystemExit(f"{t.counters.evictions} evictions during the fill: segments too small")
     handle = _handle(core, keys[-1000:])   # (the leased Lookups make these 1,000 the most recent)
     start = time.perf_counter()
-    _put(t, more, ids, rng)
+    put_all(t, more, ids, rng)
     evict = time.perf_counter() - start
     n = t.counters.evictions
     _check_lru(t, keys, more, len(ids), n)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -142,3 +143,18 @@ def test_eviction_costs_the_same_per_object_in_a_large_segment():
     with the segment (a plain dict evicted from its front would rescan its deleted slots each time)."""
     small, large = _lookups_per_eviction(4000), _lookups_per_eviction(32000)
     assert large <= small * 1.1 + 1 and large < 20, (small, large)
+
+
+def test_the_native_table_prototype_answers_as_the_table_does():
+    """benchmarks/bench_meta_native.py (the measurement behind docs/design.md's "Capacity of one
+    MetaService"): its native map answers every Exist byte for byte as the MetaService's handler does
+    (pending and absent keys among them; the script fails otherwise), in under 250 bytes per object."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        pytest.skip("no C compiler: the prototype is built by the benchmark")
+    bench = os.path.join(os.path.dirname(BENCH), "bench_meta_native.py")
+    out = subprocess.run([sys.executable, bench, "--objects", "5000", "--pending", "50", "--sizes", "1,16,300",
+                          "--batches", "20", "--rounds", "1", "--cc", cc], check=True, capture_output=True, text=True,
+                         timeout=240).stdout
+    total = float(re.search(r"total ([\d.]+) B", out).group(1))   # type: ignore[union-attr]
+    assert total < 250 and len(re.findall(r"^\s+(?:1|16|300) ", out, re.M)) == 3, out
