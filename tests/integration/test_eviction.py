@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
@@ -29,6 +28,9 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
         failures: list[str] = []
         stop = threading.Event()
         reads = {"hits": 0, "misses": 0}
+        order: list[list[str]] = [[], []]   # each writer's stored keys, in the order it put them
+        placed: dict[str, int] = {}         # key -> the segment it was put in
+        asked: set[str] = set()             # keys a reader asked for (a get refreshes and leases them)
 
         def write(w: StoreProcess, wid: int) -> None:
             for batch in range(75):       # 75 batches x 8 keys x 320 KiB x 2 writers = 375 MiB
@@ -39,8 +41,13 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
                     failures.append("a put took more than 10 s")
                 if any(c not in (0, -3016, -3013) for c in codes):
                     failures.append(f"unexpected put codes {codes}")
+                done = [k for k, c in zip(keys, codes, strict=False) if c == 0]
                 with lock:
-                    written.extend(k for k, c in zip(keys, codes, strict=False) if c == 0)
+                    written.extend(done)
+                    order[wid].extend(done)
+                if done:   # where each landed (one gone already, evicted by the other writer: not known)
+                    found = ms.http("/batch_query_keys?keys=" + ",".join(done + ["-"]))["keys"]
+                    placed.update({o["key"]: o["locations"][0]["segment"] for o in found if o["exists"]})
 
         def read(r: StoreProcess) -> None:
             n = 0
@@ -52,6 +59,8 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
                     continue
                 n += 1
                 keys = pool[-8:] + pool[(n * 7) % len(pool)::max(1, len(pool) // 8)][:8]
+                with lock:
+                    asked.update(keys)
                 got = r("get", keys=keys, layout=layout)
                 if got["mismatches"]:
                     failures.append(f"mismatched bytes for {got['mismatches']}")
@@ -82,17 +91,27 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
             wait_for(lambda: all(s["used_bytes"] <= 0.8 * s["capacity_bytes"]
                                  for s in ms.http("/api/v1/capacity/usage")["segments"]), 10,
                      "every segment back under its low-water mark")
-            # the oldest keys are gone, and what survives is mostly recent. Eviction is LRU per segment,
-            # not across the pool (a put that finds its writer's segment full goes to another segment
-            # with room before anything is evicted, so the segments that took the latest overflow are
-            # trimmed too), and the readers' gets refresh old keys: which of the last keys survive
-            # depends on the machine's load (8 to 22 of the last 32 in quiet runs, none in one loaded
-            # run). Asserted: the survivors are the newer keys, by their median position.
-            alive = readers[0]("exist", keys=written)["codes"]
-            survivors = [i for i, c in enumerate(alive) if c == 1]
-            assert survivors, "eviction left nothing in a pool trimmed to its low-water mark"
-            assert statistics.median(survivors) > len(written) / 2, (len(written), survivors)
-            assert readers[0]("exist", keys=["w0-0-0", "w1-0-0"])["codes"] == [0, 0]
+            # Eviction is LRU per segment, not across the pool: which keys survive pool-wide depends
+            # on where the load sent the overflow (a segment that took early overflow and no later
+            # puts keeps those keys: a median position of 236 of 1,200 in one loaded run, ~970 in
+            # quiet ones). What LRU does promise, checked per segment: of the keys no reader asked
+            # for (a get refreshes a key), each writer's that survive in a segment are the last it
+            # put there, with every one it put there after them (Exist refreshes nothing).
+            alive = dict(zip(written, readers[0]("exist", keys=written)["codes"], strict=True))
+            assert any(c == 1 for c in alive.values()), "eviction left nothing in a pool trimmed to its low-water mark"
+            checked = gone = 0
+            for keys in order:
+                for sid in set(placed.values()):
+                    mine = [k for k in keys if placed.get(k) == sid and k not in asked]
+                    kept = [alive[k] == 1 for k in mine]
+                    if True in kept:
+                        first = kept.index(True)
+                        assert all(kept[first:]), (f"segment {sid}: a key was evicted while an older one stayed",
+                                                   list(zip(mine, kept, strict=True)))
+                    checked += len(mine)
+                    gone += kept.count(False)
+            # (readers ask for most keys, the newest ones always: ~250 of 1,200 are left to check)
+            assert checked >= 50 and gone, (checked, gone, len(written), len(asked), len(placed))
         finally:
             for proc in writers + readers:
                 proc.stop()
