@@ -7,7 +7,9 @@
  * lease end, two LRU links, an index of its extras and its state, in an 80-byte record; the key in
  * an arena after a 16-bit length; the map an open-addressing index at most 70% full, each slot a
  * record number and 32 bits of the key's hash (most absent keys cost one cache miss: no record read). Keys are hashed with SipHash-1-3 under a random key (CPython's own string hash; a hash
- * without a secret key would let a client choose colliding keys).
+ * without a secret key would let a client choose colliding keys). An Exist's keys are looked up in
+ * groups of 16 whose memory reads are prefetched together (a look-up is a few cache misses; in a group
+ * they overlap).
  *
  * One map per process (module state): enough for a measurement. */
 #define PY_SSIZE_T_CLEAN
@@ -16,6 +18,7 @@
 #include <string.h>
 
 enum { PENDING = 1, COMMITTED = 2 };
+enum { GROUP = 16 };   /* keys whose look-ups overlap (exist_reply) */
 
 typedef struct {
     uint64_t hash;
@@ -193,13 +196,29 @@ static PyObject *exist_reply(PyObject *self, PyObject *arg) {
     else if (n < 65536) { *o++ = 0xdc; *o++ = (unsigned char)(n >> 8); *o++ = (unsigned char)n; }
     else { *o++ = 0xdd; *o++ = (unsigned char)(n >> 24); *o++ = (unsigned char)(n >> 16);
            *o++ = (unsigned char)(n >> 8); *o++ = (unsigned char)n; }
-    for (int64_t i = 0; i < n; i++) {
-        int64_t len = str_len(&p, end);
-        if (len < 1 || len > 255 || end - p < len) { Py_DECREF(out); PyBuffer_Release(&in); Py_RETURN_NONE; }
-        uint64_t at;
-        record *r = find(p, (size_t)len, siphash13(p, (size_t)len), &at);
-        *o++ = (r != NULL && r->state == COMMITTED) ? 0xc3 : 0xc2;
-        p += len;
+    /* In groups of GROUP keys: hash all and prefetch their slots, then prefetch the records their
+     * first slots name, then probe: the cache misses of a group overlap instead of queuing. */
+    for (int64_t i = 0; i < n; i += GROUP) {
+        const unsigned char *key[GROUP];
+        size_t klen[GROUP];
+        uint64_t h[GROUP];
+        int g = (int)(n - i < GROUP ? n - i : GROUP);
+        for (int j = 0; j < g; j++) {
+            int64_t len = str_len(&p, end);
+            if (len < 1 || len > 255 || end - p < len) { Py_DECREF(out); PyBuffer_Release(&in); Py_RETURN_NONE; }
+            key[j] = p; klen[j] = (size_t)len; p += len;
+            h[j] = siphash13(key[j], klen[j]);
+            __builtin_prefetch(&slots[h[j] & mask]);
+        }
+        for (int j = 0; j < g; j++) {
+            uint64_t s = slots[h[j] & mask];
+            if (s != 0 && (s >> 32) == (h[j] >> 32)) __builtin_prefetch(&records[(uint32_t)s - 1]);
+        }
+        for (int j = 0; j < g; j++) {
+            uint64_t at;
+            record *r = find(key[j], klen[j], h[j], &at);
+            *o++ = (r != NULL && r->state == COMMITTED) ? 0xc3 : 0xc2;
+        }
     }
     memcpy(o, REPLY_TAIL, tail);
     PyBuffer_Release(&in);
