@@ -6,8 +6,9 @@
  * fields (first location, size, offset, generation, checksum, writer slot: five 64-bit words), the
  * lease end, two LRU links, an index of its extras and its state, in an 80-byte record; the key in
  * an arena after a 16-bit length; the map an open-addressing index at most 70% full, each slot a
- * record number and 32 bits of the key's hash (most absent keys cost one cache miss: no record read). Keys are hashed with SipHash-1-3 under a random key (CPython's own string hash; a hash
- * without a secret key would let a client choose colliding keys). An Exist's keys are looked up in
+ * record number and 32 bits of the key's hash (most absent keys cost one cache miss: no record read).
+ * Keys are hashed with SipHash-1-3 under a random key (CPython's own string hash; a hash without a
+ * secret key would let a client choose colliding keys). An Exist's keys are looked up in
  * groups of 16 whose memory reads are prefetched together (a look-up is a few cache misses; in a group
  * they overlap).
  *
