@@ -256,6 +256,9 @@ class MetaServiceProcess:
         return {"Authorization": f"Bearer {admin_token(secret)}"}
 
     def http(self, path: str, authorized: bool = True) -> Any:
+        """GET ``path`` of the admin API. The answer may take a while: a MetaService just restarted on a
+        crowded host was seen to take over 5 s (a test's poll then failed, not the MetaService); a
+        test that waits for a state polls this within its own deadline."""
         url, ctx = self.metrics_url + path, None
         if self.config.get("tls_enable"):
             import ssl
@@ -263,7 +266,7 @@ class MetaServiceProcess:
             ctx = ssl.create_default_context(cafile=self.config["tls_ca_path"])
             ctx.check_hostname = False
         req = urllib.request.Request(url, headers=self.admin_headers() if authorized else {})
-        with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
+        with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
             body = r.read()
         return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
 
