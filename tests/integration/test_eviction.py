@@ -45,7 +45,8 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
                 with lock:
                     written.extend(done)
                     order[wid].extend(done)
-                if done:   # where each landed (one gone already, evicted by the other writer: not known)
+                if done:   # where each landed (one gone already, evicted by the other writer: not known);
+                    # "-" (no such key) keeps the answer a list when one key is asked for
                     found = ms.http("/batch_query_keys?keys=" + ",".join(done + ["-"]))["keys"]
                     placed.update({o["key"]: o["locations"][0]["segment"] for o in found if o["exists"]})
 
