@@ -5,6 +5,12 @@ CUDA/HIP/XPU, and pins host memory through CUDA. This plugin, loaded in every SG
 the test environment, replaces the MHA host pool's two host<->device copy methods with
 torch-indexing versions that serve every io backend and host layout (``layer_first``,
 ``page_first``, ``page_first_direct``, ``page_head``), and turns pinning off. It changes nothing about the L3 storage path, which is what the tests exercise.
+
+It also lowers the host memory SGLang keeps in reserve before it sizes a host pool
+(``HICACHE_HOST_MEMORY_RESERVE_BYTES``, 10 GiB in stock SGLang, sized for GPU servers) to
+``TEST_HOST_MEMORY_RESERVE_BYTES``. The test servers ask for about 50 MB of host pool each, and two
+test runs on one 24 GiB host hold eight of them plus their engines: with the stock reserve SGLang
+refuses to start ("Not enough host memory available ... -0.07 GB free") although gigabytes are free.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import logging
 import torch
 
 logger = logging.getLogger(__name__)
+
+TEST_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
 
 def _token_index(layout: str, page_size: int, indices: torch.Tensor, layer: int) -> tuple:
@@ -78,6 +86,9 @@ def register() -> None:
     from sglang.srt.mem_cache.pool_host import base, common, mha
 
     common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain
+    # Read by base.host_memory_budget_bytes at every call, so setting the module global is enough.
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(base.HICACHE_HOST_MEMORY_RESERVE_BYTES,
+                                                 TEST_HOST_MEMORY_RESERVE_BYTES)
     mha.MHATokenToKVPoolHost.load_to_device_per_layer = load_to_device_per_layer
     mha.MHATokenToKVPoolHost.backup_from_device_all_layer = backup_from_device_all_layer
 
@@ -91,4 +102,5 @@ def register() -> None:
 
         unpinned_init._memcache_cpu_unpinned = True  # type: ignore[attr-defined]
         base.HostKVCache.__init__ = unpinned_init  # type: ignore[method-assign]
-    logger.info("CPU HiCache scaffolding applied (direct IO functions, unpinned host pool)")
+    logger.info("CPU HiCache scaffolding applied (direct IO functions, unpinned host pool, %d MiB host "
+                "memory reserve)", base.HICACHE_HOST_MEMORY_RESERVE_BYTES >> 20)
