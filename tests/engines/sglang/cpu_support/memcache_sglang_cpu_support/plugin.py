@@ -11,6 +11,14 @@ It also lowers the host memory SGLang keeps in reserve before it sizes a host po
 ``TEST_HOST_MEMORY_RESERVE_BYTES``. The test servers ask for about 50 MB of host pool each, and two
 test runs on one 24 GiB host hold eight of them plus their engines: with the stock reserve SGLang
 refuses to start ("Not enough host memory available ... -0.07 GB free") although gigabytes are free.
+
+And it gives the "device" KV pool a fixed byte budget, ``TEST_KV_POOL_BUDGET_BYTES``, instead of
+profiling it. On a CPU, SGLang profiles the host's available memory before and after loading the
+weights and refuses to start when it fell by more than ``1 - --mem-fraction-static`` in between.
+On a host shared with other test runs, their engines starting at the same moment made it fall that
+far ("Loaded weights leave no GPU memory for the KV cache ... minimum viable 0.3007"). The budget is
+far above what ``--max-total-tokens`` of the test servers needs, so SGLang caps the pool at exactly
+that many tokens, as it did with a profiled budget.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 TEST_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+TEST_KV_POOL_BUDGET_BYTES = 1 << 30
 
 
 def _token_index(layout: str, page_size: int, indices: torch.Tensor, layer: int) -> tuple:
@@ -79,16 +88,23 @@ def _alloc_plain(
     return torch.empty(dims, dtype=dtype, device=device)
 
 
+def _fixed_kv_budget(self, pre_model_load_memory: int) -> int:  # noqa: ANN001
+    """The "device" KV pool's byte budget, independent of what other processes hold meanwhile."""
+    return TEST_KV_POOL_BUDGET_BYTES
+
+
 def register() -> None:
     if torch.cuda.is_available():
         logger.info("CUDA is available; CPU HiCache scaffolding not applied")
         return
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.mem_cache.pool_host import base, common, mha
 
     common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain
     # Read by base.host_memory_budget_bytes at every call, so setting the module global is enough.
     base.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(base.HICACHE_HOST_MEMORY_RESERVE_BYTES,
                                                  TEST_HOST_MEMORY_RESERVE_BYTES)
+    KVCacheConfigurator._profile_available_bytes = _fixed_kv_budget  # type: ignore[method-assign]
     mha.MHATokenToKVPoolHost.load_to_device_per_layer = load_to_device_per_layer
     mha.MHATokenToKVPoolHost.backup_from_device_all_layer = backup_from_device_all_layer
 
@@ -103,4 +119,5 @@ def register() -> None:
         unpinned_init._memcache_cpu_unpinned = True  # type: ignore[attr-defined]
         base.HostKVCache.__init__ = unpinned_init  # type: ignore[method-assign]
     logger.info("CPU HiCache scaffolding applied (direct IO functions, unpinned host pool, %d MiB host "
-                "memory reserve)", base.HICACHE_HOST_MEMORY_RESERVE_BYTES >> 20)
+                "memory reserve, %d MiB KV pool budget)", base.HICACHE_HOST_MEMORY_RESERVE_BYTES >> 20,
+                TEST_KV_POOL_BUDGET_BYTES >> 20)
