@@ -37,6 +37,7 @@ class Member:
     segment_id: int | None
     last_seen: float
     token: bytes = b""
+    joined_with: bytes = b""   # the token its Join carried (of its previous session): the same Join sent again
 
 
 class Membership:
@@ -67,6 +68,11 @@ class Membership:
         old = self.members.get(cid)
         if old is not None and req.token and hmac.compare_digest(old.token, req.token):
             return cid   # the same member re-joining (it holds that id's token)
+        if old is not None and req.token and hmac.compare_digest(old.joined_with, req.token):
+            # the same Join again: its reply was lost (the member's call timed out), so the member
+            # still holds the session it joined with. Another id would leave its objects with a
+            # session that falls silent, and they would leave the pool with it.
+            return cid
         if 0 < cid and old is None and cid not in self.table.segments:
             return cid   # a member of a previous MetaService (epoch) re-joining with its id
         while True:
@@ -108,7 +114,7 @@ class Membership:
             logger.info("client %d joined from %s pid %d (no segment)", cid, req.host_id, req.pid)
         token = secrets.token_bytes(16)
         self.member_events["joins"] += 1
-        self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token)
+        self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token, req.token)
         return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token,
                         generation_ceiling=self.table.gen_ceiling)
 

@@ -68,3 +68,34 @@ def test_byte_counts_a_heartbeat_carries_are_still_validated():
     assert isinstance(_beat(core, reader, moved=[SegmentBytes(owner.client_id, 4096, 0)]), p.HeartbeatReply)
     r = _beat(core, owner)
     assert isinstance(r, p.HeartbeatReply) and r.served == [4096, 0]
+
+
+def test_a_rejoin_sent_again_after_its_reply_was_lost_keeps_the_members_id_and_objects():
+    """Scenario: after a failover a member re-joins the new leader with the id and token it had and
+    the objects of its segment, and the reply is lost (its call timed out, the leader was slow). Its
+    next heartbeat, still with the old session, is not known, so it sends the same re-join again.
+    That join is the same member's: it keeps its id, and its objects stay in the pool. (It used to
+    get a new id; its reports were refused as copies of objects the pool already held, and when the
+    first session fell silent the objects left the pool with it: acknowledged writes lost.)"""
+    core = service.MetaServiceCore(MetaConfig())
+    old_id, old_token = 0x5EED, os.urandom(16)   # issued by the previous leader
+    seg = p.SegmentInfo(0, 1 << 30, "h", f"/memcache-{os.getpid()}-{os.urandom(8).hex()}", "127.0.0.1:9")
+    objects = [p.ObjectReport(f"k{i}", i << 20, 4096, 1 + i) for i in range(4)]
+
+    def rejoin() -> p.Joined:
+        j = _call(core, p.Join(old_id, "h", os.getpid(), seg, objects, old_token, generation_ceiling=10))
+        assert isinstance(j, p.Joined), j
+        return j
+
+    first = rejoin()             # its reply never reached the member
+    r = _call(core, p.Heartbeat(old_id, old_token))
+    assert isinstance(r, p.HeartbeatReply) and not r.known
+    second = rejoin()
+    assert second.client_id == first.client_id == old_id
+    assert list(core.table.segments) == [old_id]
+    assert {k: [loc.segment_id for loc in core.table.objects[k].locations] for k in ("k0", "k1", "k2", "k3")} \
+        == {k: [old_id] for k in ("k0", "k1", "k2", "k3")}
+    assert isinstance(_beat(core, first), p.HeartbeatReply) and not _beat(core, first).known  # type: ignore[union-attr]
+    assert _beat(core, second).known  # type: ignore[union-attr]
+    # a join naming the id with some other token is not that member: it gets an id of its own
+    assert _call(core, p.Join(old_id, "h", os.getpid(), None, [], os.urandom(16))).client_id != old_id  # type: ignore[union-attr]
