@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import random
 import sys
 import time
@@ -17,6 +19,11 @@ import numpy as np
 
 from memcache_core import G2H, H2G, DistributedObjectStore, LocalConfig, ReplicateConfig
 from memcache_core.config import apply_dict
+
+# a test that wants the LocalService's own account (joins, re-joins, scans) in its failure output
+if os.environ.get("MEMCACHE_TEST_STORE_LOG_LEVEL"):
+    logging.basicConfig(level=os.environ["MEMCACHE_TEST_STORE_LOG_LEVEL"], stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
 
 
 def versioned(key: str, version: int | None) -> str:

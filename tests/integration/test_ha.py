@@ -133,7 +133,8 @@ class Traffic(threading.Thread):
 
 
 @pytest.fixture
-def pool() -> Iterator[Pool]:
+def pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pool]:
+    monkeypatch.setenv("MEMCACHE_TEST_STORE_LOG_LEVEL", "INFO")   # (in the output of a failure)
     with tempfile.TemporaryDirectory(prefix="memcache-ha-") as d:
         pl = Pool(d)
         try:
@@ -152,14 +153,32 @@ def start_traffic(pool: Pool) -> tuple[StoreProcess, StoreProcess, list[Traffic]
     return a, b, traffic
 
 
-def verify_all(stores: list[StoreProcess], traffic: list[Traffic]) -> None:
+def verify_all(stores: list[StoreProcess], traffic: list[Traffic], pool: Pool) -> None:
     keys = [k for t in traffic for k in t.stored]
     for s in stores:
         for i in range(0, len(keys), 64):
             got = s("get", keys=keys[i:i + 64], layout=LAYOUT)
             assert got["mismatches"] == []
-            lost = [k for k, c in zip(keys[i:i + 64], got["codes"], strict=True) if c != 0]
-            assert not lost, f"{len(lost)} objects whose put succeeded are not readable: {lost[:5]}"
+            lost = [(k, c) for k, c in zip(keys[i:i + 64], got["codes"], strict=True) if c != 0]
+            assert not lost, (f"{len(lost)} objects whose put succeeded are not readable: {lost[:5]}\n"
+                              f"{what_the_pool_says(pool, [k for k, _ in lost[:3]])}")
+
+
+def what_the_pool_says(pool: Pool, keys: list[str]) -> str:
+    """For a failure's message: the leader's view of ``keys`` and its segments, and every
+    MetaService's log of elections and joins (the test's directory is gone once it has failed)."""
+    out = []
+    for m in pool.leaders():
+        for path in (f"/batch_query_keys?keys={','.join(keys)}", "/get_all_segments"):
+            try:
+                out.append(f"leader {m.meta_service_url} {path}: {m.http(path)}")
+            except OSError as e:
+                out.append(f"leader {m.meta_service_url} {path}: {e}")
+    for m in pool.metas:
+        with open(m.log_path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f if any(w in ln for w in ("join", "leader", "dead", "WARN", "ERROR"))]
+        out.append(f"--- {m.meta_service_url}:\n" + "\n".join(lines[-40:]))
+    return "\n".join(out)
 
 
 def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
@@ -179,7 +198,7 @@ def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
     wait_for(lambda: all(t.resumed_since(t_kill) for t in traffic), 15, "both clients to put again")
     for t in traffic:
         t.stop()
-    verify_all([a, b], traffic)
+    verify_all([a, b], traffic, pool)
     assert new.http("/leader")["leader"]["control"] == new.meta_service_url
     metrics = new.http("/metrics")
     assert "memcache_meta_is_leader 1" in metrics
@@ -216,7 +235,7 @@ def test_paused_leader_never_serves_after_it_wakes(pool):
     assert len(pool.leaders()) == 1
     for t in traffic:
         t.stop()
-    verify_all([a, b], traffic)
+    verify_all([a, b], traffic, pool)
 
 
 def test_etcd_restart_degrades_with_clear_codes_and_recovers(pool):
@@ -230,7 +249,7 @@ def test_etcd_restart_degrades_with_clear_codes_and_recovers(pool):
     wait_for(lambda: all(t.resumed_since(t_back) for t in traffic), 20, "both clients to put again")
     for t in traffic:
         t.stop()
-    verify_all([a, b], traffic)
+    verify_all([a, b], traffic, pool)
 
 
 def test_config_store_survives_failover(pool):

@@ -90,7 +90,7 @@ def test_deleting_and_rewriting_the_leader_key_under_traffic_never_makes_two_lea
         watch.join(10)
     for t in traffic:
         t.stop()
-    verify_all([a, b], traffic)
+    verify_all([a, b], traffic, pool)
     assert watch.polls > 50
     assert not watch.overlaps(), f"two MetaServices answered as leader at once: {watch.overlaps()[:5]}"
 
