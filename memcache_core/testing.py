@@ -192,21 +192,32 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32_768, 60_999
 
 
+PORT_TAKEN = "the port is in use by another process"   # (errors.py: a listen that failed)
+
+
 class MetaServiceProcess:
     """A MetaService in its own process, restartable on the same ports."""
 
     def __init__(self, config_dir: str, **overrides: Any) -> None:
+        self._overrides = overrides
+        self.config_path = os.path.join(config_dir, f"meta-{os.getpid()}-{id(self)}.json")
+        self.log_path = self.config_path[:-5] + ".log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Free ports for the URLs the caller did not set, and the config file that names them."""
         self.meta_service_url = f"tcp://127.0.0.1:{free_port()}"
         self.config_store_url = f"tcp://127.0.0.1:{free_port()}"
         self.metrics_url = f"http://127.0.0.1:{free_port()}"
         self.config: dict[str, Any] = {"meta_service_url": self.meta_service_url,
                                        "config_store_url": self.config_store_url,
-                                       "metrics_url": self.metrics_url, "log_level": "info", **overrides}
-        self.config_path = os.path.join(config_dir, f"meta-{os.getpid()}-{id(self)}.json")
+                                       "metrics_url": self.metrics_url, "log_level": "info", **self._overrides}
+        self.meta_service_url, self.config_store_url, self.metrics_url = (
+            self.config["meta_service_url"], self.config["config_store_url"], self.config["metrics_url"])
         with open(self.config_path, "w", encoding="utf-8") as f:
             json.dump(self.config, f)
-        self.log_path = self.config_path[:-5] + ".log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -222,7 +233,7 @@ class MetaServiceProcess:
         cfg.validate()
         return cfg
 
-    def start(self, timeout_s: float = 30.0) -> MetaServiceProcess:
+    def start(self, timeout_s: float = 30.0, _ports_left: int = 3) -> MetaServiceProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen([sys.executable, "-m", "memcache_core.meta_service",
                                       "--config_path", self.config_path],
@@ -232,8 +243,14 @@ class MetaServiceProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if not self._started and PORT_TAKEN in self.log_tail(400) and _ports_left > 0:
+                    # another process (another test run on this host) bound a port between free_port()
+                    # and this first start: no client knows these ports yet, so take others
+                    self._pick_ports()
+                    return self.start(timeout_s, _ports_left - 1)
                 raise RuntimeError(f"MetaService exited with {self.proc.returncode}: {self.log_tail()}")
             if self.healthy():
+                self._started = True
                 return self
             time.sleep(0.05)
         self.stop()
