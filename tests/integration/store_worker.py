@@ -185,6 +185,8 @@ class Worker:
             return {"codes": self.store.batch_is_exist(cmd["keys"])}
         if op == "remove":
             return {"codes": self.store.remove_batch(cmd["keys"])}
+        if op == "connects":   # connections to the MetaService opened so far (a new one voids GVA grants)
+            return {"connects": self.store._service().rpc.connects}
         if op == "gva_save":
             return self.gva_save(cmd["keys"], cmd["layout"], cmd.get("results"), cmd.get("order"),
                                  cmd.get("garbage_first", False), cmd.get("whole", False))

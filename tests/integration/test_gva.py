@@ -49,6 +49,11 @@ def test_save_and_load_layer_by_layer_across_processes(pool):
     assert plain["codes"] == [0] * 6 and plain["mismatches"] == []
 
 
+def _connects(*stores) -> int:
+    """Connections the stores' clients opened to the MetaService so far."""
+    return sum(s("connects")["connects"] for s in stores)
+
+
 def _grants(meta) -> float:
     """Grant round trips the MetaService answered so far."""
     m = re.search(r'^memcache_request_seconds_count\{op="grant"\} (\S+)$', meta.http("/metrics"), re.M)
@@ -63,12 +68,16 @@ def test_grants_last_and_checksums_follow_the_copies(meta, pool):
     bytes first, still get a true checksum (read back once at finish): an ordinary get reads them
     byte-exact. A byte flipped in the segment afterwards is caught by the reader (-3110, a miss)."""
     p, a, b = pool
-    before = _grants(meta)
+    before, opened = _grants(meta), _connects(a, b)
     assert a("gva_save", keys=["g-0", "g-1"], layout=LAYOUT)["finish"] == [0, 0]
     got = b("gva_load", keys=["g-0", "g-1"], layout=LAYOUT)
     assert got["copies"] == [0] * len(LAYOUT) and got["mismatches"] == []
-    assert _grants(meta) == before
+    # No Grant round trip, but one per connection a client opened meanwhile: a new connection voids
+    # what was granted (it may be to a restarted MetaService), and under load a heartbeat holding the
+    # only one makes a call open another.
+    assert _grants(meta) - before <= _connects(a, b) - opened
     # negative control: a copy on no grant (the lease was removed) asks the MetaService, and is refused
+    before = _grants(meta)
     assert b("gva_copy", gvas=[got["gvas"][0]], size=64, direct=G2H)["code"] == STATE_MISMATCH
     assert _grants(meta) == before + 1
     order = list(range(len(LAYOUT)))[::-1]
