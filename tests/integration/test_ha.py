@@ -98,7 +98,7 @@ class Traffic(threading.Thread):
         self.stored: list[str] = []
         self.codes: collections.Counter[int] = collections.Counter()
         self.wrong: list[str] = []
-        self.last_put_ok = 0.0
+        self.last_put_ok = 0.0   # when the last put that succeeded was *sent* (not when it returned)
         self.halt = threading.Event()
         self.error: BaseException | None = None
 
@@ -108,11 +108,12 @@ class Traffic(threading.Thread):
             while not self.halt.is_set():
                 keys = [f"{self.name}-{i}-{j}" for j in range(4)]
                 i += 1
+                sent = time.monotonic()
                 codes = self.store("put", keys=keys, layout=LAYOUT)["codes"]
                 self.codes.update(codes)
                 if any(c == 0 for c in codes):
                     self.stored += [k for k, c in zip(keys, codes, strict=True) if c == 0]
-                    self.last_put_ok = time.monotonic()
+                    self.last_put_ok = sent
                 if self.stored:
                     got = self.store("get", keys=random.sample(self.stored, min(4, len(self.stored))), layout=LAYOUT)
                     self.codes.update(got["codes"])
@@ -122,6 +123,10 @@ class Traffic(threading.Thread):
             self.error = e
 
     def resumed_since(self, t: float) -> bool:
+        """A put sent after ``t`` succeeded: after a failover, this member re-joined the new leader
+        (and reported its objects). A put sent before the kill that returned after it says nothing:
+        it was committed by the old leader, and the member may not have re-joined yet (its objects
+        are misses until it does)."""
         return self.last_put_ok > t
 
     def stop(self) -> None:
@@ -186,6 +191,7 @@ def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
     a, b, traffic = start_traffic(pool)
     t_kill = time.monotonic()
     leader.kill()
+    t_dead = time.monotonic()   # (kill waits for the process to be gone)
     rest = [m for m in pool.metas if m is not leader]
     # operations.md: the dead leader's lease lapses at most the TTL after its last renewal, and a
     # standby wins within a fraction of a second of that. The margin (TTL_S more) is for this test's
@@ -195,7 +201,7 @@ def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
     took = time.monotonic() - t_kill
     print(f"a standby led {took:.2f} s after kill -9 of the leader (lease TTL {TTL_S} s)")
     assert took <= bound, f"a standby led only after {took:.2f}s"
-    wait_for(lambda: all(t.resumed_since(t_kill) for t in traffic), 15, "both clients to put again")
+    wait_for(lambda: all(t.resumed_since(t_dead) for t in traffic), 15, "both clients to put again")
     for t in traffic:
         t.stop()
     verify_all([a, b], traffic, pool)
