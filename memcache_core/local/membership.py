@@ -118,6 +118,10 @@ class Membership:
                 self._journal_ack = 0
                 self.session = Session(j.client_id, j.meta_epoch, j.lease_ttl_ms / 1000.0,
                                        j.pending_timeout_ms / 1000.0, seg, j.token)
+            if self.arenas is not None:
+                # the old session's arena is void: a put that read that session before we took the
+                # lock must find no arena to copy into (its space may go to another object now)
+                self.arenas.arena = None
             if self.engine is not None:
                 for seg_info in stale:
                     self.engine.forget(seg_info)

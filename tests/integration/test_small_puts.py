@@ -16,6 +16,7 @@ import pytest
 from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
 from memcache_core.layout import footprint, payload_offset
+from memcache_core.memory import view_at
 from memcache_core.meta.allocator import aligned
 from memcache_core.rpc import expect
 from memcache_core.testing import MetaServiceProcess, mapped_segment, running_meta_service, wait_for
@@ -281,3 +282,31 @@ def test_objects_larger_than_the_arena_and_arenas_turned_off():
                 assert [store.get(k) for k in ("small-1", "big", "small-2", "small-3")] == [small, big, small, small]
             finally:
                 store.close()
+
+
+def test_a_put_holding_the_session_from_before_a_rejoin_copies_nothing_into_its_arena(meta):
+    """Scenario: a small put reads the member's session; before it takes the arena lock, a re-join
+    (the heartbeat thread finding the session stale) takes it and replaces the session. The put still
+    holds the old session, and the arena was granted to that session: it must not place objects
+    there, because after a re-join the MetaService may hand that space to another object. Its objects
+    go the two-phase way, and the old arena's free space is left as it was."""
+    store = DistributedObjectStore()
+    assert store.setup(meta.local_config(heartbeat_interval_ms=600_000)) == 0 and store.init(0) == 0
+    try:
+        svc = store._service()
+        assert store.put("first", b"f" * 4096) == 0
+        assert svc.arenas is not None and svc.arenas.arena is not None and svc.segment is not None
+        stale, tail = svc.session, svc.arenas.arena.next
+        svc._rejoin(stale)   # what the heartbeat does; it holds the arena lock meanwhile
+        assert svc.session is not stale
+        space = view_at(svc.segment.addr + tail, footprint(4096))
+        before = bytes(space)
+        payload = np.full(4096, 0x6C, np.uint8)
+        done, left = svc.arenas.put(stale, ["late"], [[(payload.ctypes.data, payload.size)]], [4096])
+        assert done == {} and left == [0]   # for the two-phase put, with the current session
+        assert bytes(space) == before, "the put copied into the arena of the session a re-join replaced"
+        # (the re-joined segment takes new objects once its recovery grace is over)
+        wait_for(lambda: store.put("late", payload.tobytes()) == 0, 15, "the put after the grace")
+        assert store.get("late") == payload.tobytes() and store.get("first") == b"f" * 4096
+    finally:
+        store.close()
