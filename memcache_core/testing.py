@@ -208,14 +208,10 @@ class MetaServiceProcess:
 
     def _pick_ports(self) -> None:
         """Free ports for the URLs the caller did not set, and the config file that names them."""
-        self.meta_service_url = f"tcp://127.0.0.1:{free_port()}"
-        self.config_store_url = f"tcp://127.0.0.1:{free_port()}"
-        self.metrics_url = f"http://127.0.0.1:{free_port()}"
-        self.config: dict[str, Any] = {"meta_service_url": self.meta_service_url,
-                                       "config_store_url": self.config_store_url,
-                                       "metrics_url": self.metrics_url, "log_level": "info", **self._overrides}
-        self.meta_service_url, self.config_store_url, self.metrics_url = (
-            self.config["meta_service_url"], self.config["config_store_url"], self.config["metrics_url"])
+        urls = {key: self._overrides[key] if key in self._overrides else f"{scheme}://127.0.0.1:{free_port()}"
+                for key, scheme in (("meta_service_url", "tcp"), ("config_store_url", "tcp"), ("metrics_url", "http"))}
+        self.config: dict[str, Any] = {"log_level": "info", **self._overrides, **urls}
+        self.meta_service_url, self.config_store_url, self.metrics_url = urls.values()
         with open(self.config_path, "w", encoding="utf-8") as f:
             json.dump(self.config, f)
 
