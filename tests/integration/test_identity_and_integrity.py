@@ -193,9 +193,13 @@ def test_a_put_that_returned_success_survives_a_meta_service_kill(stores):
                 ms.start()
                 wait_for(lambda: shm_writer("exist", keys=written[-2:])["codes"] == [1, 1], 20,
                          f"round {r}'s objects after the restart")
+            # the TCP writer saw the MetaService down too, and its calls fail fast (-3017) until one of
+            # them gets through again: the check above was the other writer's
+            wait_for(lambda: tcp_writer("exist", keys=written[-2:])["codes"] == [1, 1], 20,
+                     "the TCP writer to reach the restarted MetaService")
             got = tcp_writer("get", keys=written, layout=LAYOUT)
-            lost = [k for k, c in zip(written, got["codes"], strict=True) if c != 0]
-            assert lost == [] and got["mismatches"] == []
+            lost = {k: c for k, c in zip(written, got["codes"], strict=True) if c != 0}
+            assert lost == {} and got["mismatches"] == []
             assert owner("exist", keys=written)["codes"] == [1] * len(written)
         finally:
             for proc in procs:
