@@ -69,6 +69,12 @@ class StoreProcess:
                 self.kill()
 
 
+def answers_again(store: StoreProcess, key: str) -> bool:
+    """``store``'s MetaService answers it again: ``key``, which the pool holds, exists for it. After a
+    MetaService restart a client's calls fail fast (-3017) until one of them gets through."""
+    return bool(store("exist", keys=[key])["codes"] == [1])
+
+
 # A member silent this long is declared dead by the ``meta`` fixture's MetaService: long enough that a
 # live member stalled by a loaded machine (several seconds at a load of 20 on 2 cores) stays a member.
 HEARTBEAT_TIMEOUT_MS = 10_000

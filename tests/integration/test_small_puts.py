@@ -8,7 +8,6 @@ import re
 import secrets
 import threading
 from functools import partial
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from memcache_core.memory import view_at
 from memcache_core.meta.allocator import aligned
 from memcache_core.rpc import expect
 from memcache_core.testing import MetaServiceProcess, mapped_segment, running_meta_service, wait_for
+from tests.integration.stores import answers_again
 
 pytestmark = pytest.mark.integration
 
@@ -236,11 +236,6 @@ def test_meta_service_restart_between_grant_and_commit(meta, stores):
         assert other("exist", keys=["across", "before"])["codes"] == [1, 1]
     finally:
         store.close()
-
-
-def answers_again(reader: Any, key: str) -> bool:
-    """The reader's MetaService answers it again (after a restart its calls fail fast for a while)."""
-    return bool(reader("exist", keys=[key])["codes"] == [1])
 
 
 def test_recovery_after_a_meta_service_restart_includes_arena_objects(meta, stores):
