@@ -9,7 +9,6 @@ admin token (bearer, or as an HTTP Basic password) when authentication is on; ``
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
@@ -29,7 +28,6 @@ logger = logging.getLogger(__name__)
 TRANSFER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                     0.5, 1.0, 2.5, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-CREATED = re.compile(rb"^[a-zA-Z_:][a-zA-Z0-9_:]*_created[{ ]")
 PROCESS = ProcessCollector(registry=None)   # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
 
@@ -90,10 +88,25 @@ class LocalMetrics:
         self.registry.register(_DiskCollector(counters))
 
     def render(self) -> bytes:
-        """The registry's text without ``*_created`` samples: the library adds one per counter and
-        histogram series, a timestamp nobody graphs that doubles the series count."""
-        text = generate_latest(self.registry)
-        return b"\n".join(line for line in text.split(b"\n") if not CREATED.match(line))
+        """The registry's text without ``*_created`` series: the library adds one per counter and
+        histogram series, a timestamp nobody graphs that doubles the series count. They are left out
+        of what is collected, not cut from the text: the text format prints them as gauge families of
+        their own, whose ``# HELP``/``# TYPE`` lines would stay behind without a sample."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated(Collector):
+    """A registry's metrics without their ``*_created`` samples (a copy of each family: the library's
+    own families are not changed)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self.registry.collect():
+            out = Metric(m.name, m.documentation, m.type, m.unit)
+            out.samples = [s for s in m.samples if s.name != m.name + "_created"]
+            yield out
 
 
 class _DiskCollector(Collector):

@@ -164,3 +164,23 @@ def test_metrics_port_is_validated():
     assert LocalConfig().for_rank(3).metrics_port == 0           # off stays off
     with pytest.raises(ConfigError, match="metrics_port: 65535 \\+ rank 1 is past 65535"):
         LocalConfig(metrics_port=65535).for_rank(1)
+
+
+def test_a_provider_prints_no_created_families(meta):
+    """Scenario: a provider that served reads and writes over host_tcp is scraped. Its text names no
+    ``*_created`` family at all: no sample, and no ``# HELP``/``# TYPE`` lines left without one (the
+    text format prints each counter's ``_created`` samples as a gauge family of its own)."""
+    port = free_port()
+    provider, reader = DistributedObjectStore(), DistributedObjectStore()
+    assert provider.setup(meta.local_config(metrics_port=port, dram_size="16MB")) == 0 and provider.init(0, True) == 0
+    assert reader.setup(meta.local_config(protocol="host_tcp", dram_size="0")) == 0 and reader.init(0, False) == 0
+    try:
+        assert reader.put("created-1", b"c" * 65536) == 0 and reader.get("created-1") == b"c" * 65536
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=meta.admin_headers())
+        with urllib.request.urlopen(req, timeout=5) as r:
+            text = r.read().decode()
+        assert "memcache_local_served_bytes_total" in text and "memcache_local_meta_restarts_total" in text
+        assert [line for line in text.splitlines() if "_created" in line] == []
+    finally:
+        reader.close()
+        provider.close()
