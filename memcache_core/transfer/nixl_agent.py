@@ -16,6 +16,22 @@ one send or receive buffer holds, 8 KiB by default) are raised to ``TCP_SEG``, w
 READ costs per GB by ~3x on the development machine (the owner answers an emulated READ in
 segment-sized messages; benchmarks/README.md, "NIXL alone"). Where the environment sets either
 segment size, neither default applies: UCX refuses a receive segment smaller than the send segment.
+
+UCX's process-wide options. Two settings are not a backend's: UCX reads them from the environment
+once, when its library loads (at the first backend), so they are put into the environment, each only
+where it is unset (``UCX_PROCESS_DEFAULTS``). ``LOG_FILE``: UCX logs to stdout otherwise, which belongs
+to the application. ``MODULES``: the UCX in NIXL's wheel carries its own copies of rdma-core
+(libibverbs, libmlx5) and libnl, and all its InfiniBand modules use them but one: ``efa`` (AWS's Elastic Fabric
+Adapter) links the host's ``libefa.so.1``, which brings the host's libibverbs and libnl into the
+process beside the wheel's copies. The host's libnl-route then binds its symbols to the wheel's copy
+(another version, other structure layouts), and its destructor crashes the process at exit
+(``rtnl_tc_unregister``, SIGSEGV), every process that made a backend, on any host with Debian's
+``ibverbs-providers`` (or another rdma-core with libefa) installed. ``^efa`` keeps that one module
+out; InfiniBand and RoCE (the ``ib`` and ``mlx5`` modules, on the wheel's own libraries) are unchanged.
+
+The probe exits like any process does (its agent torn down, the interpreter's exit, the libraries'
+destructors), so settings whose libraries crash a process at exit (an environment that lets ``efa``
+in on such a host) are refused here, with the signal named, instead of killing this process at exit.
 """
 
 from __future__ import annotations
@@ -36,6 +52,8 @@ logger = logging.getLogger(__name__)
 PROGRESS_POLL_US = 1000       # the progress thread's poll timeout: 1 ms, the least above 0 (a busy poll)
 TCP_SEG = "64k"
 UCX_DEFAULTS = {"TCP_TX_SEG_SIZE": TCP_SEG, "TCP_RX_SEG_SIZE": TCP_SEG}
+# UCX's global options, read from the environment when its library loads; set where unset (docstring)
+UCX_PROCESS_DEFAULTS = {"LOG_FILE": "stderr", "MODULES": "^efa"}
 
 PROBE_TIMEOUT_S = 60.0
 PROBE_REFUSED = 3             # the probe's exit status when UCX refused the settings (its message on stdout)
@@ -60,11 +78,18 @@ def engine_config() -> str:
     return ",".join(f"{k}={v}" for k, v in UCX_DEFAULTS.items())
 
 
+def ucx_environment() -> None:
+    """UCX's process-wide options (``UCX_PROCESS_DEFAULTS``), where the environment does not set them:
+    before UCX's library loads, which reads them then and only then (module docstring)."""
+    for key, value in UCX_PROCESS_DEFAULTS.items():
+        os.environ.setdefault(f"UCX_{key}", value)
+
+
 def own_nixl_logging() -> None:
     """nixl configures its logger on import to print INFO lines (agent names) on stdout, which belongs
     to the application: send its warnings and errors through the application's logging instead. UCX
-    too prints to stdout unless told otherwise (``UCX_LOG_FILE``, read when it loads)."""
-    os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    too prints to stdout unless told otherwise (``UCX_LOG_FILE``, in ``ucx_environment``)."""
+    ucx_environment()
     import nixl  # noqa: F401 - configures the "nixl" logger
 
     log = logging.getLogger("nixl")
@@ -84,6 +109,7 @@ def make_agent(name: str, progress: bool, params: dict[str, str] | None = None) 
 
 def probe(params: dict[str, str]) -> None:
     """Make the UCX backend in a child process first, once per process and settings (module docstring)."""
+    ucx_environment()
     key = json.dumps([sorted(ucx_settings().items()), sorted(params.items())])
     with _probe_lock:
         if key not in _probed:
@@ -104,17 +130,22 @@ def _run_probe(params: dict[str, str]) -> str | None:
     except subprocess.TimeoutExpired:
         return (f"transfer_engine: 'nixl': making NIXL's UCX backend ({ucx}) did not finish within "
                 f"{PROBE_TIMEOUT_S:g} s in a probe process")
-    if run.returncode == 0 and run.stdout.strip() == "ok":
+    made = run.stdout.strip() == "ok"
+    if run.returncode == 0 and made:
         return None
     if run.returncode == PROBE_REFUSED and run.stdout.strip():
         return run.stdout.strip()
     how = f"crashed with {_signal_name(-run.returncode)}" if run.returncode < 0 else \
         f"exited with status {run.returncode}"
+    what = "making NIXL's UCX backend"
+    if made:   # the backend was made, and the process died on its way out
+        what, how = "a process that made NIXL's UCX backend", f"{how} at exit"
     tail = " | ".join(run.stderr.strip().splitlines()[-3:])
     logger.error("NIXL probe process %s; its last lines: %s", how, tail)
-    return (f"transfer_engine: 'nixl': making NIXL's UCX backend with these settings ({ucx}) {how} in a "
-            f"probe process, so it is not made in this one; check the UCX_ variables, or use "
-            f"transfer_engine 'builtin'")
+    return (f"transfer_engine: 'nixl': {what} with these settings ({ucx}) {how} in a "
+            f"probe process, so it is not made in this one; check the UCX_ variables (UCX_MODULES: "
+            f"'{UCX_PROCESS_DEFAULTS['MODULES']}' keeps out the module that loads the host's RDMA "
+            f"libraries beside the wheel's; docs/nixl.md), or use transfer_engine 'builtin'")
 
 
 def _signal_name(n: int) -> str:
@@ -125,16 +156,18 @@ def _signal_name(n: int) -> str:
 
 
 def _probe_child() -> None:
-    """The probe process: make the backend, say ``ok`` (or why not) and leave without any teardown."""
+    """The probe process: make the backend and say ``ok``, then tear it down and end like any process
+    (the interpreter's exit, the libraries' destructors: a crash there is the parent's answer too).
+    A backend UCX refused is half made: say why and leave without any teardown (which can crash)."""
     params = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     own_nixl_logging()
     try:
-        _make(f"memcache-probe-{os.getpid()}", False, params)
+        agent = _make(f"memcache-probe-{os.getpid()}", False, params)
     except InvalidParameter as e:
         print(e, flush=True)
         os._exit(PROBE_REFUSED)
     print("ok", flush=True)
-    os._exit(0)
+    del agent
 
 
 def _make(name: str, progress: bool, params: dict[str, str] | None = None) -> Any:

@@ -51,6 +51,38 @@ def test_layered_batches_cross_hosts_through_nixl(stores):
     assert c("paths")["nixl/read"] >= 16 * sum(DSR1_LAYOUT)
 
 
+@pytest.mark.parametrize("ending", ["close", "stdin closed"])
+def test_processes_that_used_nixl_exit_with_status_0(meta, ending):
+    """Scenario: a writer and a reader (hosts w and r) move objects of 1 MiB through NIXL (the writer
+    puts 4 into the reader's segment and 4 into its own, the reader reads all 8), then end: closed (``close``), or with the store left open for the interpreter's exit. Every read is
+    byte-exact and every process exits with status 0; two rounds, four processes, per ending. On a
+    host with the RDMA userspace libraries (libibverbs1, ibverbs-providers, libnl), every one of them
+    was killed by SIGSEGV at exit: UCX's efa module loaded the host's libnl beside the wheel's."""
+    from .stores import StoreProcess
+
+    for rnd in range(2):
+        writer = StoreProcess(meta, transfer_engine="nixl", host_id="w", dram_size="16MB")
+        reader = StoreProcess(meta, transfer_engine="nixl", host_id="r", dram_size="16MB")
+        procs = (writer, reader)
+        try:
+            there, here = ([f"exit-{ending[0]}-{rnd}-{side}-{i}" for i in range(4)] for side in "rw")
+            for keys, seg in ((there, reader), (here, writer)):
+                assert writer("put", keys=keys, layout=[1 << 20], preferred=[seg("id")["id"]])["codes"] == [0] * 4
+            got = reader("get", keys=there + here, layout=[1 << 20])
+            assert got["codes"] == [0] * 8 and got["mismatches"] == []
+            assert writer("paths")["nixl/write"] >= 4 << 20 and reader("paths")["nixl/read"] >= 4 << 20
+            for p in procs:
+                assert p.proc.stdin is not None
+                if ending == "close":
+                    assert p("close")["rc"] == 0
+                p.proc.stdin.close()   # the worker's loop ends: the interpreter exits
+            codes = [p.proc.wait(60) for p in procs]
+            assert codes == [0, 0], f"round {rnd}: exit statuses {codes} (a negative one is a signal)"
+        finally:
+            for p in procs:
+                p.kill()
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -3,6 +3,7 @@ where it does (the backend's ``engine_config``; this process's environment is ne
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import re
 import subprocess
@@ -101,3 +102,60 @@ def test_a_process_that_used_nixl_exits_cleanly(ending):
     run = subprocess.run([sys.executable, "-c", EXIT_CODE, ending], capture_output=True, text=True, timeout=120,
                          env=clean | {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
     assert run.stdout.strip() == "done" and run.returncode == 0, (run.returncode, run.stderr[-2000:])
+
+
+# The host's rdma-core: libefa (Debian's ibverbs-providers) is what UCX's efa module links; it brings the
+# host's libibverbs and libnl beside the copies in NIXL's wheel (nixl_agent.py, "UCX's process-wide options").
+HOST_EFA = ctypes.util.find_library("efa")
+HOST_RDMA = re.compile(r"/lib(efa\.so\.1|ibverbs\.so\.1|nl-3\.so\.200|nl-route-3\.so\.200)\b")
+
+MAPS = """
+from memcache_core.transfer.nixl_agent import make_agent, own_nixl_logging
+own_nixl_logging()
+agent = make_agent('maps', True)
+print(sorted({line.split()[-1] for line in open('/proc/self/maps') if '.so' in line}))
+"""
+
+
+@pytest.mark.skipif(not available(), reason="nixl is not installed")
+@pytest.mark.skipif(HOST_EFA is None, reason="no host libefa (Debian: ibverbs-providers): UCX's efa module "
+                                             "cannot load here, so nothing can bring the host's rdma-core in")
+def test_no_host_rdma_library_is_loaded_beside_the_wheels():
+    """Scenario: a host with Debian's libibverbs1, ibverbs-providers, libnl-3-200 and libnl-route-3-200.
+    A process that made an agent maps none of the host's rdma-core or libnl: UCX's modules run on the
+    copies in NIXL's wheel (two copies of libnl-route in one process crashed it at exit)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    run = subprocess.run([sys.executable, "-c", MAPS], capture_output=True, text=True, timeout=120,
+                         env=clean | {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert "libucs" in run.stdout   # UCX was loaded (the check below means something)
+    assert not HOST_RDMA.search(run.stdout), run.stdout
+
+
+OPT_IN = """
+from memcache_core.errors import InvalidParameter
+from memcache_core.transfer.nixl_agent import make_agent, own_nixl_logging
+own_nixl_logging()
+try:
+    make_agent('all-modules', True)
+except InvalidParameter as e:
+    print(e)
+print("still here", flush=True)
+"""
+
+
+@pytest.mark.skipif(not available(), reason="nixl is not installed")
+@pytest.mark.skipif(HOST_EFA is None, reason="no host libefa (Debian: ibverbs-providers): UCX's efa module "
+                                             "cannot load here")
+@pytest.mark.parametrize("run_no", range(2))
+def test_settings_that_crash_a_process_at_exit_are_refused(run_no):
+    """Scenario: the environment lets every UCX module in (``UCX_MODULES=*``) on a host where the efa
+    module loads the host's libibverbs and libnl beside the wheel's: a process that makes the backend
+    dies with SIGSEGV at exit. The probe process dies so instead: this process gets a clear
+    InvalidParameter naming the signal and the settings, never makes the backend, and exits 0."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    run = subprocess.run([sys.executable, "-c", OPT_IN], capture_output=True, text=True, timeout=120,
+                         env=clean | {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "*"})
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert "SIGSEGV at exit" in run.stdout and "UCX_MODULES=*" in run.stdout, run.stdout
+    assert run.stdout.rstrip().endswith("still here")
