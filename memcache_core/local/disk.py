@@ -18,11 +18,14 @@
   the writer thread.
 * **One provider per directory**: an exclusive ``flock`` on ``disk_path/LOCK`` (``disk_files.py``, with
   the scan and the direct-I/O probe).
+* **Held directories**: ``disk_path`` is opened once, safely (``disk_files.open_tier_dirs``), and every
+  record is opened, renamed and deleted relative to that descriptor, never by path again.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import os
@@ -31,7 +34,7 @@ import time
 
 import xxhash
 
-from ..errors import ChecksumMismatch, ConfigError, DiskIOError, KeyNotFound
+from ..errors import ChecksumMismatch, DiskIOError, KeyNotFound
 from ..layout import footprint as segment_footprint
 from ..layout import payload_offset
 from ..memory import Mapping
@@ -43,7 +46,7 @@ from .disk_files import (
     NOFOLLOW,
     O_DIRECT,
     Record,
-    check_private_dir,
+    open_tier_dirs,
     scan_records,
     supports_direct,
     take_lock,
@@ -62,18 +65,18 @@ MAX_REMOVED = 1 << 14      # removed objects remembered against a copy being wri
 class DiskStore:
     def __init__(self, path: str, capacity: int, write_limit: int = 0, mac_key: bytes | None = None) -> None:
         self.root = os.path.abspath(path)
-        self.objects_dir = os.path.join(self.root, "objects")
+        self.objects_dir = os.path.join(self.root, "objects")   # for messages: files are reached by ``_dirs``
         self.mac_key = mac_key     # binds records to the pool (disk_record.py); None with auth off
+        self._dirs = open_tier_dirs(self.root)
+        self._fd = self._dirs.objects_fd
         try:
-            os.makedirs(self.objects_dir, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"disk_path: cannot create {self.objects_dir}: {e.strerror}") from e
-        check_private_dir(self.root)
-        check_private_dir(self.objects_dir)
-        self._lock_fd: int | None = take_lock(self.root)
+            self._lock_fd: int | None = take_lock(self._dirs)
+        except BaseException:
+            self._dirs.close()
+            raise
         self.capacity = capacity
         self.write_limit = write_limit
-        self.direct = supports_direct(self.objects_dir)
+        self.direct = supports_direct(self._fd, self.objects_dir)
         self.index: collections.OrderedDict[str, Record] = collections.OrderedDict()
         self.used = 0
         self.counters = DiskCounters()
@@ -107,7 +110,7 @@ class DiskStore:
             self.used -= sum(r.footprint for _, r in gone)
             out = [ObjectReport(k, 0, r.size, r.generation, r.checksum) for k, r in self.index.items()]
         for key, _r in gone:
-            unlink(os.path.join(self.objects_dir, rec.name_of(key)))
+            unlink(self._fd, rec.name_of(key))
         if gone:
             logger.warning("disk tier %s: %d records over the %d a provider reports were deleted", self.root,
                            len(gone), MAX_REPORTED)
@@ -204,7 +207,7 @@ class DiskStore:
             return
         with self._mu:   # renamed into place under the lock: a ``remove`` is either before (no record) or after
             if (r.key, r.generation) in self._removed:
-                unlink(tmp)
+                unlink(self._fd, tmp)
                 return
             if not self._rename(r.key, tmp):
                 return
@@ -217,12 +220,13 @@ class DiskStore:
 
     def _write_file(self, key: str, data: memoryview) -> str | None:
         """The record written under a temporary name (returned), or None after an error (counted)."""
-        final = os.path.join(self.objects_dir, rec.name_of(key))
+        final = rec.name_of(key)
         tmp = final + ".tmp"
         try:
-            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(final), 0o700, dir_fd=self._fd)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW | (O_DIRECT if self.direct else 0),
-                         0o600)
+                         0o600, dir_fd=self._fd)
             try:
                 done = 0
                 while done < len(data):
@@ -236,7 +240,7 @@ class DiskStore:
 
     def _rename(self, key: str, tmp: str) -> bool:
         try:
-            os.rename(tmp, tmp[:-len(".tmp")])
+            os.rename(tmp, tmp[:-len(".tmp")], src_dir_fd=self._fd, dst_dir_fd=self._fd)
         except OSError as e:
             self._write_failed(key, tmp, e)
             return False
@@ -244,9 +248,10 @@ class DiskStore:
 
     def _write_failed(self, key: str, tmp: str, e: OSError) -> None:
         self.counters.write_errors += 1
-        self._log("write", f"disk tier: cannot write {key!r} to {tmp}: {e.strerror or e} "
-                           f"({self.counters.write_errors} write errors so far); it stays in DRAM only")
-        unlink(tmp)
+        self._log("write", f"disk tier: cannot write {key!r} to {os.path.join(self.objects_dir, tmp)}: "
+                           f"{e.strerror or e} ({self.counters.write_errors} write errors so far); it stays in "
+                           f"DRAM only")
+        unlink(self._fd, tmp)
 
     def _make_room(self, fp: int) -> None:
         """Drop least-recently-used records for good until ``fp`` more bytes fit."""
@@ -254,7 +259,7 @@ class DiskStore:
             while self.index and self.used + fp > self.capacity:
                 key, r = self.index.popitem(last=False)
                 self.used -= r.footprint
-                unlink(os.path.join(self.objects_dir, rec.name_of(key)))
+                unlink(self._fd, rec.name_of(key))
                 self._dropped.append(ObjectReport(key, 0, r.size, r.generation, r.checksum))
                 self.counters.lru_drops += 1
 
@@ -282,7 +287,7 @@ class DiskStore:
                     continue
                 del self.index[r.key]
                 self.used -= cur.footprint
-            unlink(os.path.join(self.objects_dir, rec.name_of(r.key)))
+            unlink(self._fd, rec.name_of(r.key))
 
     # ---- reads -----------------------------------------------------------------------------------
 
@@ -296,11 +301,12 @@ class DiskStore:
             if r is None or r.size != size or (checksum and r.checksum != checksum):
                 raise KeyNotFound(f"{key!r} ({size} bytes) is not on the disk tier {self.root}")
             self.index.move_to_end(key)
-        path = os.path.join(self.objects_dir, rec.name_of(key))
+        rel = rec.name_of(key)
+        path = os.path.join(self.objects_dir, rel)
         buf = self._buffers.take(r.footprint)
         try:
             with self._reads:
-                self._read_file(key, path, buf.view())
+                self._read_file(key, rel, path, buf.view())
             self._verify(key, path, r, buf.view())
         except BaseException:
             buf.close()
@@ -309,9 +315,9 @@ class DiskStore:
         self.counters.read_bytes += size
         return buf, buf.view()[rec.BLOCK:rec.BLOCK + size]
 
-    def _read_file(self, key: str, path: str, mv: memoryview) -> None:
+    def _read_file(self, key: str, rel: str, path: str, mv: memoryview) -> None:
         try:
-            fd = os.open(path, os.O_RDONLY | NOFOLLOW | (O_DIRECT if self.direct else 0))
+            fd = os.open(rel, os.O_RDONLY | NOFOLLOW | (O_DIRECT if self.direct else 0), dir_fd=self._fd)
         except FileNotFoundError as e:
             self._forget(key)
             raise KeyNotFound(f"{key!r}: its record {path} is gone") from e
@@ -354,14 +360,14 @@ class DiskStore:
             del self.index[key]
             self.used -= cur.footprint
             self._dropped.append(ObjectReport(key, 0, cur.size, cur.generation, cur.checksum))
-        unlink(os.path.join(self.objects_dir, rec.name_of(key)))
+        unlink(self._fd, rec.name_of(key))
 
     # ---- start / stop ------------------------------------------------------------------------------
 
     def _scan(self) -> None:
         """Rebuild the index from the record headers (oldest file first = least recently used)."""
         t0 = time.monotonic()
-        found, bad = scan_records(self.objects_dir, self.mac_key)
+        found, bad = scan_records(self._fd, self.objects_dir, self.mac_key)
         for _mtime, key, r in sorted(found, key=lambda x: x[0]):
             self.index[key] = r
             self.used += r.footprint
@@ -380,6 +386,7 @@ class DiskStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+            self._dirs.close()
 
     def _log(self, what: str, msg: str) -> None:
         now = time.monotonic()
