@@ -31,7 +31,7 @@ from memcache_core.testing_etcd import EtcdProcess  # noqa: E402
 def leader(metas: list[MetaServiceProcess]) -> MetaServiceProcess | None:
     for m in metas:
         try:
-            if m.proc is not None and m.http("/role")["role"] == "leader":
+            if m.proc is not None and m.http("/leader")["role"] == "leader":
                 return m
         except OSError:
             pass

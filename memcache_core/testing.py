@@ -281,7 +281,8 @@ class MetaServiceProcess:
         req = urllib.request.Request(url, headers=self.admin_headers() if authorized else {})
         with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
             body = r.read()
-        return body.decode() if path.startswith("/metrics") and "summary" not in path else json.loads(body)
+        text = path.split("?", 1)[0] in ("/metrics", "/metrics/summary", "/role", "/ha_status", "/livez")
+        return body.decode() if text else json.loads(body)
 
     def metric(self, name: str) -> float:
         """The value of one unlabelled series of ``/metrics`` (``memcache_`` + ``name``)."""

@@ -131,7 +131,7 @@ class Pool:
     def leader(self) -> str:
         for u in self.all:
             try:
-                if admin(u["metrics_url"], "/role")["role"] == "leader":
+                if admin(u["metrics_url"], "/leader")["role"] == "leader":
                     return u["metrics_url"]
             except OSError:
                 continue

@@ -12,6 +12,7 @@ exported at zero (docs/operations.md lists them and why).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -70,7 +71,7 @@ def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"memcache_{name}", help_, value=value)
 
 
-def _space(s: Snapshot) -> Iterator[Metric]:
+def _space(s: Snapshot, v: dict[str, Any]) -> Iterator[Metric]:
     labels = ["segment", "host", "tier"]
     alloc = GaugeMetricFamily("memcache_segment_allocated_bytes", "Bytes allocated in a segment "
                               "(memcache_hybrid's name; the same as memcache_segment_used_bytes).", labels=labels)
@@ -83,12 +84,27 @@ def _space(s: Snapshot) -> Iterator[Metric]:
     yield from (alloc, frag)
     yield _gauge("total_capacity_bytes", "Bytes of the whole pool (memcache_pool_capacity_bytes).", s.capacity_bytes)
     yield _gauge("allocated_bytes", "Bytes allocated in the whole pool (memcache_pool_used_bytes).", s.used_bytes)
-    yield _gauge("stored_keys", "Committed objects (memcache_objects).", s.objects)
+    yield _gauge("stored_keys", "Committed objects (memcache_objects).", v["stored_keys"])
 
 
-def _ops(s: Snapshot) -> Iterator[Metric]:
-    for op, source, what in OPS:
-        total, ok, failed, absent = _op_counts(s, source)
+def values(s: Snapshot) -> dict[str, Any]:
+    """Every value of these families but the per-segment and KV-event ones, computed once: the families
+    below and ``/metrics/summary`` (ascend_http.py) both read them. ``op:<op>`` is the (requests,
+    successes, failures, not found) of one of ``OPS``."""
+    c = s.counters
+    disk = {k: sum(d.counters.get(k, 0) for d in s.disk_tiers)
+            for k in ("writes", "write_bytes", "promotion_failures")}
+    out: dict[str, Any] = {f"op:{op}": _op_counts(s, source) for op, source, _ in OPS}
+    out.update(stored_keys=s.objects, evict_operations=c["evictions"], evict_running=0, flush_blobs=disk["writes"],
+               flush_bytes=disk["write_bytes"], get_hits_dram=c["hits"] - c["disk_hits"], get_hits_ssd=c["disk_hits"],
+               query_hit_keys=s.outcomes.get("query", {}).get("found", 0), rewarm=c["promotions"],
+               rewarm_failed=disk["promotion_failures"], rewarm_bytes=0, rewarm_bytes_current=0)
+    return out
+
+
+def _ops(v: dict[str, Any]) -> Iterator[Metric]:
+    for op, _source, what in OPS:
+        total, ok, failed, absent = v[f"op:{op}"]
         yield _counter(f"{op}_requests", f"memcache_hybrid's {op}: {what}.", total)
         yield _counter(f"{op}_successes", f"memcache_hybrid's {op}: {what}, that succeeded.", ok)
         yield _counter(f"{op}_failures", f"memcache_hybrid's {op}: {what}, that failed.", failed)
@@ -96,23 +112,20 @@ def _ops(s: Snapshot) -> Iterator[Metric]:
                        "(0 for requests and for calls no key can be absent from).", absent)
 
 
-def _tiers(s: Snapshot) -> Iterator[Metric]:
-    c = s.counters
-    disk = {k: sum(d.counters.get(k, 0) for d in s.disk_tiers)
-            for k in ("writes", "write_bytes", "promotion_failures")}
-    yield _counter("evict_operations", "Objects evicted by LRU (memcache_evictions_total).", c["evictions"])
+def _tiers(v: dict[str, Any]) -> Iterator[Metric]:
+    yield _counter("evict_operations", "Objects evicted by LRU (memcache_evictions_total).", v["evict_operations"])
     yield _gauge("evict_running", "1 while an eviction pass runs: always 0 here (passes run inside housekeeping, "
-                 "under the lock that scrapes take too).", 0)
-    yield _counter("flush_blobs", "Records written to providers' disk tiers (Ascend's SSD flushes).", disk["writes"])
-    yield _counter("flush_bytes", "Bytes written to providers' disk tiers.", disk["write_bytes"])
-    yield _counter("get_hits_dram", "Lookups that found the object in DRAM.", c["hits"] - c["disk_hits"])
-    yield _counter("get_hits_ssd", "Lookups that found the object on a disk tier only.", c["disk_hits"])
-    yield _counter("query_hit_keys", "Keys batch_get_key_info found.", s.outcomes.get("query", {}).get("found", 0))
-    yield _counter("rewarm", "Disk-only objects brought back into DRAM (memcache_promotions_total).", c["promotions"])
-    yield _counter("rewarm_failed", "Promotions from a disk tier that failed (providers' reports).",
-                   disk["promotion_failures"])
-    yield _counter("rewarm_bytes", "Bytes brought back into DRAM: not counted here, always 0.", 0)
-    yield _gauge("rewarm_bytes_current", "Bytes being brought back into DRAM now: not tracked here, always 0.", 0)
+                 "under the lock that scrapes take too).", v["evict_running"])
+    yield _counter("flush_blobs", "Records written to providers' disk tiers (Ascend's SSD flushes).", v["flush_blobs"])
+    yield _counter("flush_bytes", "Bytes written to providers' disk tiers.", v["flush_bytes"])
+    yield _counter("get_hits_dram", "Lookups that found the object in DRAM.", v["get_hits_dram"])
+    yield _counter("get_hits_ssd", "Lookups that found the object on a disk tier only.", v["get_hits_ssd"])
+    yield _counter("query_hit_keys", "Keys batch_get_key_info found.", v["query_hit_keys"])
+    yield _counter("rewarm", "Disk-only objects brought back into DRAM (memcache_promotions_total).", v["rewarm"])
+    yield _counter("rewarm_failed", "Promotions from a disk tier that failed (providers' reports).", v["rewarm_failed"])
+    yield _counter("rewarm_bytes", "Bytes brought back into DRAM: not counted here, always 0.", v["rewarm_bytes"])
+    yield _gauge("rewarm_bytes_current", "Bytes being brought back into DRAM now: not tracked here, always 0.",
+                 v["rewarm_bytes_current"])
 
 
 def _kv_events(s: Snapshot) -> Iterator[Metric]:
@@ -133,7 +146,8 @@ def _kv_events(s: Snapshot) -> Iterator[Metric]:
 
 def families(s: Snapshot) -> Iterator[Metric]:
     """memcache_hybrid's families (83 here; the other 3 of its 86 are ours already, in ``metrics.py``)."""
-    yield from _space(s)
-    yield from _ops(s)
-    yield from _tiers(s)
+    v = values(s)
+    yield from _space(s, v)
+    yield from _ops(v)
+    yield from _tiers(v)
     yield from _kv_events(s)

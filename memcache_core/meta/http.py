@@ -1,6 +1,6 @@
 """HTTP admin server of the MetaService, at ``metrics_url``.
 
-Every route but /health needs ``Authorization: Bearer <token>`` with the pool's admin token
+Every route but /health and /livez needs ``Authorization: Bearer <token>`` with the pool's admin token
 (``auth.admin_token``) when authentication is on. At most ``http_guard.MAX_CONNECTIONS`` connections are served
 at once, each with a socket timeout (over HTTPS, the TLS handshake runs in the connection's thread
 within ``TLS_HANDSHAKE_TIMEOUT_S``, never in the accept loop); scans of the whole table copy it under the lock and do the work
@@ -8,16 +8,20 @@ outside it, so a client polling /get_all_keys does not stall the control plane.
 
 A browser may instead send the token as the password of HTTP Basic authentication (any user name):
 /status answers 401 with ``WWW-Authenticate: Basic`` so that the browser asks for it. Basic opens the
-GET routes only: every POST (a change) needs the Bearer header, which another site's page cannot make
-the browser send, so a form it submits is refused (CSRF).
+GET routes only: every POST, PUT and DELETE (a change) needs the Bearer header, which another site's
+page cannot make the browser send, so a form it submits is refused (CSRF).
 
-GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
-/keys?prefix=P, POST /remove_prefix?prefix=P, POST /drain/<segment_id>[?timeout_ms=], GET /drain/<segment_id>,
-/drains, /role, /leader (HA), /kv_events/status, POST /memory/evict[?keys=a,b], POST /memory/prefetch?keys=a,b,
-GET /health and /livez (both without the token), /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
-/get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
-/api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
-as memcache_hybrid answers.
+memcache_hybrid's routes answer in its shapes (``ascend_http.py``): GET /health, /livez, /role and
+/ha_status (text), /leader, /kv_events/status, /metrics (Prometheus), /metrics/summary (text),
+/query_key?key=, /batch_query_keys?keys=a,b, /get_all_keys, /get_all_segments, /query_segment?segment=,
+/api/v1/segments/status?segment=, /api/v1/capacity/usage, /api/v1/capacity/segment_remaining,
+GET/PUT/DELETE /metadata?key=, POST /memory/evict and /memory/prefetch (a JSON body
+``{"chunk_hashes": [...]}``), POST /api/v1/drain_jobs?segment=, GET /api/v1/drain_jobs/query?job_id=.
+Ours: GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
+/api/v1/segments (every segment as JSON), /keys?prefix=P, POST /remove_prefix?prefix=P,
+POST /drain/<segment_id>[?timeout_ms=], GET /drain/<segment_id>, /drains. Errors are HTTP 200 with
+``{"success": false, "error_message": ..., "timestamp": <seconds>}``, as memcache_hybrid answers; an
+unknown path is 404 with an empty body, a GET of a POST-only route 405.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import msgspec
 from .. import protocol as p
 from ..auth import admin_authorized, admin_token
 from ..config import parse_url
-from ..errors import InvalidParameter, cannot_listen
+from ..errors import cannot_listen
 from ..http_guard import GuardedHTTPServer
-from . import disk, metrics, stats, status_page, validate
+from . import ascend_http, disk, metrics, stats, status_page
+from .ascend_http import error as _error
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore
@@ -114,6 +119,16 @@ class _Handler(BaseHTTPRequestHandler):
         extra = {"WWW-Authenticate": 'Basic realm="memcache admin token"'} if path == "/status" else {}
         self._send(401, body, "application/json", extra)
 
+    def _body(self) -> bytes | None:
+        """The request's body (``ascend_http.MAX_BODY_BYTES`` at most: None for a larger or a missing one)."""
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            return None
+        if not 0 < n <= ascend_http.MAX_BODY_BYTES:
+            return None
+        return self.rfile.read(n)
+
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
         url = urlparse(self.path)
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -122,6 +137,12 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path.startswith("/drain/"):
             with self.core.lock:
                 return self._json(_start_drain(self.core, url.path.removeprefix("/drain/"), q.get("timeout_ms", "0")))
+        if url.path == "/api/v1/drain_jobs":
+            with self.core.lock:
+                return self._json(_drain_job(self.core, q))
+        if url.path == "/api/v1/drain_jobs/cancel":
+            return self._json(_error("cancel: a drain runs until its objects are moved or its timeout_ms ends; "
+                                     "start it with a shorter timeout_ms"))
         if url.path == "/remove_prefix":
             prefix = q.get("prefix", "")
             if not prefix:
@@ -132,11 +153,34 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(_error(getattr(reply, "message", "remove_prefix failed")))
             return self._json({"success": True, "removed": reply.codes[0]})
         if url.path in ("/memory/evict", "/memory/prefetch"):
-            keys = [k for k in q.get("keys", "").split(",") if k]
+            keys = ascend_http.chunk_hashes(self._body())
+            if isinstance(keys, dict):
+                return self._json(keys)
             with self.core.lock:
                 return self._json(_memory(self.core, url.path, keys))
-        self._send(404, json.dumps({"success": False, "error_message": f"no route POST {url.path}"}).encode(),
-                   "application/json")
+        if url.path == "/metadata":
+            return self._metadata("PUT", q)
+        self._send(404, b"", "text/plain")
+
+    def do_PUT(self) -> None:  # noqa: N802 - stdlib name
+        self._change("PUT")
+
+    def do_DELETE(self) -> None:  # noqa: N802 - stdlib name
+        self._change("DELETE")
+
+    def _change(self, method: str) -> None:
+        url = urlparse(self.path)
+        if not self._authorized(basic=False):
+            return self._refuse(url.path, change=True)
+        if url.path != "/metadata":
+            return self._send(405 if url.path in POST_ONLY else 404, b"", "text/plain")
+        self._metadata(method, {k: v[-1] for k, v in parse_qs(url.query).items()})
+
+    def _metadata(self, method: str, q: dict[str, str]) -> None:
+        body = self._body() if method == "PUT" else None
+        with self.core.lock:
+            result = self.core.metadata.handle(method, q, body)
+        self._json(result)
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
         url = urlparse(self.path)
@@ -148,6 +192,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, b"ok", "text/plain")
         if url.path != "/health" and not self._authorized():
             return self._refuse(url.path)
+        if url.path in POST_ONLY:
+            return self._send(405, b"", "text/plain")
         if url.path == "/get_all_keys":
             with core.lock:
                 core.http_calls["get_all_keys"] += 1
@@ -156,60 +202,49 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, _all_keys_body(core, q.get("prefix", "")), "application/json")
         if url.path in ("/metrics", "/status", "/api/v1/stats"):
             return self._view(url.path, core.stats())
+        if url.path in ("/role", "/ha_status"):
+            return self._send(200, ascend_http.role_word(core).encode(), "text/plain")
+        if url.path == "/metrics/summary":
+            return self._send(200, ascend_http.summary_line(core.stats()).encode(), "text/plain")
+        if url.path == "/metadata":
+            return self._metadata("GET", q)
         if url.path in SNAPSHOT_ROUTES:
-            result = _from_snapshot(url.path, q, core.stats())
+            result = _from_snapshot(core, url.path, q, core.stats())
         else:
             with core.lock:
                 result = self._route(url.path, q)
         if result is None:
-            return self._send(404, json.dumps({"success": False, "error_message": f"no route {url.path}"})
-                              .encode(), "application/json")
+            return self._send(404, b"", "text/plain")
         self._json(result)
 
     def _route(self, path: str, q: dict[str, str]) -> dict[str, Any] | None:
         core, now = self.core, time.monotonic()
         match path:
-            case "/role" | "/ha_status":
-                if core.ha is None:
-                    return {"success": True, "role": "leader", "ha_enable": False, "term": 0}
-                return {"success": True, "ha_enable": True, **core.ha.status()}
             case "/leader":
-                if core.ha is None:
-                    cfg = core.config
-                    return {"success": True, "ha_enable": False, "leader": {
-                        "control": cfg.meta_service_url, "config_store": cfg.config_store_url,
-                        "admin": cfg.metrics_url, "term": 0}}
-                return {"success": True, "ha_enable": True, "leader": core.ha.leader}
+                return ascend_http.leader(core)
             case "/query_key":
-                return self._keys([q.get("key", "")], now)
+                return ascend_http.query_key(core, q, now)
             case "/batch_query_keys":
-                return self._keys([k for k in q.get("keys", "").split(",") if k], now)
+                return ascend_http.batch_query_keys(core, q, now)
             case "/drains":
                 return {"success": True, "drains": core.drains.all(now)}
+            case "/api/v1/drain_jobs/query":
+                if "job_id" not in q:
+                    return ascend_http.missing("job_id")
+                job = _segment_id(q["job_id"])
+                found = core.drains.find(job, now) if job is not None else None
+                if found is None:
+                    return _error("Drain job not found")
+                return {"success": True, "job_id": str(found["segment_id"]), "status": found["state"], **found}
             case "/kv_events/status":
-                return core.publisher.status() if core.publisher is not None else KV_EVENTS_OFF
+                status = core.publisher.status() if core.publisher is not None else KV_EVENTS_OFF
+                return {**KV_EVENTS_ASCEND, **status}
 
         if path.startswith("/drain/"):
             drained = _segment_id(path.removeprefix("/drain/"))
             found = core.drains.find(drained, now) if drained is not None else None
             return {"success": True, **found} if found else _error(f"no drain of segment {path[7:]!r}")
         return None
-
-    def _keys(self, keys: list[str], now: float) -> dict[str, Any]:
-        out = []
-        for k in keys:
-            o = self.core.table.objects.get(k)
-            if o is None or not o.committed:
-                out.append({"key": k, "exists": False})
-            else:
-                out.append({"key": k, "exists": True, "size": o.size, "generation": o.generation,
-                            "leased": o.lease_until > now, "replicas_wanted": o.replicas,
-                            "locations": [{"segment": loc.segment_id, "offset": loc.offset} for loc in o.locations],
-                            "disk": o.disk[0] if o.disk is not None else None})
-        if len(out) == 1:
-            return {"success": out[0]["exists"], **out[0],
-                    **({} if out[0]["exists"] else {"error_message": "key not found"})}
-        return {"success": True, "keys": out}
 
     def _view(self, path: str, snap: Any) -> None:
         """Views rendered from the stats snapshot, outside the lock."""
@@ -232,39 +267,25 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-SNAPSHOT_ROUTES = ("/health", "/get_all_segments", "/api/v1/segments/status", "/query_segment",
-                   "/api/v1/capacity/usage", "/api/v1/capacity/segment_remaining", "/metrics/summary")
+SNAPSHOT_ROUTES = ("/health", "/get_all_segments", "/api/v1/segments", "/api/v1/segments/status", "/query_segment",
+                   "/api/v1/capacity/usage", "/api/v1/capacity/segment_remaining")
+POST_ONLY = ("/memory/evict", "/memory/prefetch", "/api/v1/drain_jobs", "/api/v1/drain_jobs/cancel", "/remove_prefix")
 
 
-def _from_snapshot(path: str, q: dict[str, str], snap: stats.Snapshot) -> dict[str, Any] | None:
-    segs = {g.segment_id: _segment(g) for g in snap.segments}
+def _from_snapshot(core: MetaServiceCore, path: str, q: dict[str, str], snap: stats.Snapshot,
+                   ) -> dict[str, Any] | None:
     match path:
         case "/health":
-            return {"success": True, "status": "ok", "epoch": snap.epoch, "uptime_s": snap.uptime_s,
-                    "members": len(snap.members)}
-        case "/get_all_segments" | "/api/v1/segments/status":
-            return {"success": True, "segments": list(segs.values())}
-        case "/query_segment":
-            try:
-                sid = int(q.get("segment", ""))
-            except ValueError:
-                return _error("segment: expected an integer id")
-            return {"success": True, **segs[sid]} if sid in segs else _error(f"segment {sid} not found")
-        case "/api/v1/capacity/usage" | "/api/v1/capacity/segment_remaining":
-            total, used = snap.capacity_bytes, snap.used_bytes
-            return {"success": True, "total_bytes": total, "used_bytes": used,
-                    "free_bytes": total - used, "usage_percent": round(100.0 * used / total, 3) if total else 0.0,
-                    "segments": list(segs.values())}
-        case "/metrics/summary":
-            return {"success": True, **snap.counters}
+            return ascend_http.health(core, snap)
+        case "/get_all_segments" | "/api/v1/segments":
+            return {"success": True, "segments": [ascend_http.segment(g) for g in snap.segments]}
+        case "/query_segment" | "/api/v1/segments/status":
+            return ascend_http.find_segment(snap, q)
+        case "/api/v1/capacity/usage":
+            return ascend_http.capacity_usage(snap)
+        case "/api/v1/capacity/segment_remaining":
+            return ascend_http.segment_remaining(snap)
     return None
-
-
-def _segment(g: stats.SegmentStats) -> dict[str, Any]:
-    return {"segment_id": g.segment_id, "host_id": g.host_id, "tag": g.tag, "data_addr": g.data_addr,
-            "metrics_addr": g.metrics_addr, "pid": g.pid, "capacity_bytes": g.capacity_bytes, "used_bytes": g.used_bytes, "objects": g.objects,
-            "largest_free_bytes": g.largest_free_bytes, "accepts_new_objects": g.accepts_new_objects_in_s == 0.0,
-            "accepts_new_objects_in_s": g.accepts_new_objects_in_s, "draining": g.draining}
 
 
 def _segment_id(text: str) -> int | None:
@@ -292,10 +313,18 @@ def _start_drain(core: MetaServiceCore, sid_text: str, timeout_text: str) -> dic
     return {"success": True, **drain.snapshot(now)}
 
 
-def _error(msg: str) -> dict[str, Any]:
-    return {"success": False, "error_message": msg, "timestamp": time.time()}
+def _drain_job(core: MetaServiceCore, q: dict[str, str]) -> dict[str, Any]:
+    """``POST /api/v1/drain_jobs?segment=<id>[&timeout_ms=]``: a drain (``/drain/<id>``) whose job id is
+    the segment's id."""
+    if "segment" not in q:
+        return ascend_http.missing("segment")
+    got = _start_drain(core, q["segment"], q.get("timeout_ms", "0"))
+    if got.get("success"):
+        got = {"job_id": str(got["segment_id"]), "status": got["state"], **got}
+    return got
 
 
+KV_EVENTS_ASCEND: dict[str, Any] = {"dropped_high_priority_events": 0, "skipped_unparsed_keys": 0}
 KV_EVENTS_OFF: dict[str, Any] = {
     "enabled": False, "publisher_active": False, "queue_size": 0, "queue_capacity": 0, "published_events": 0,
     "published_batches": 0, "published_by_type": {"stored": 0, "removed": 0, "cleared": 0},
@@ -304,23 +333,19 @@ KV_EVENTS_OFF: dict[str, Any] = {
 
 
 def _memory(core: MetaServiceCore, path: str, keys: list[str]) -> dict[str, Any]:
-    """``/memory/evict`` and ``/memory/prefetch`` (memcache_hybrid's admin routes; the caller holds the lock).
+    """``/memory/evict`` and ``/memory/prefetch`` (memcache_hybrid's admin routes; the caller holds the lock),
+    their keys the body's ``chunk_hashes``.
 
-    evict with ``keys``: the tier call ``evict`` (keep them on their disk tier only; a code per key);
-    evict without: an LRU pass now over every segment above its high-water mark (as housekeeping
-    runs it). prefetch: ``disk.prefetch`` (disk-only objects are promoted by their provider)."""
+    evict with keys: the tier call ``evict`` (keep them on their disk tier only; ``num_evicted`` those
+    that now are); evict with none: an LRU pass now over every segment above its high-water mark (as
+    housekeeping runs it). prefetch: ``disk.prefetch`` (disk-only objects are promoted by their provider)."""
     now = time.monotonic()
-    try:
-        validate.batch(keys)
-    except InvalidParameter as e:
-        return _error(f"keys: {e}")
     if path == "/memory/evict":
         if not keys:
-            return {"success": True, "evicted": core.table.evict_all(now)}
+            return {"num_evicted": core.table.evict_all(now), "status": "success", "success": True}
         codes = disk.demote(core.table, keys, now)
-        return {"success": True, "results": [{"key": k, "code": c, "result": stats.code_name(c)}
-                                             for k, c in zip(keys, codes, strict=True)]}
-    if not keys:
-        return _error("keys: expected a comma-separated list of keys")
-    return {"success": True, "results": [{"key": k, "result": r}
-                                         for k, r in zip(keys, disk.prefetch(core.table, keys), strict=True)]}
+        return {"num_evicted": sum(c == 0 for c in codes), "status": "success", "success": True,
+                "results": [{"key": k, "code": c, "result": stats.code_name(c)}
+                            for k, c in zip(keys, codes, strict=True)]}
+    return {"lookup_id": "", "num_chunks": len(keys), "status": "prefetch_started", "success": True,
+            "results": [{"key": k, "result": r} for k, r in zip(keys, disk.prefetch(core.table, keys), strict=True)]}

@@ -22,6 +22,7 @@ from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig
 from . import arena, disk, generations, gva, placement, stats, validate
+from .ascend_http import Metadata
 from .drain import Drains
 from .events import EventPublisher, load_curve
 from .members import Member, Membership, new_epoch
@@ -61,6 +62,7 @@ class MetaServiceCore(Membership):
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()   # (op, outcome)
         self.member_events: collections.Counter[str] = collections.Counter()
         self.http_calls: collections.Counter[str] = collections.Counter()   # admin routes counted (get_all_keys)
+        self.metadata = Metadata()   # the admin route /metadata (an operator's tools' own values)
         # segment -> [read, written] not yet told its owner, [read, written] since it joined (shm copies)
         self.served: dict[int, list[int]] = {}
         self.history = stats.History(config.stats_sample_interval_seconds)

@@ -84,7 +84,7 @@ def test_eviction_under_pressure_never_returns_wrong_bytes(protocol):
             for t in rt:
                 t.join(timeout=60)
             assert failures == []
-            summary = ms.http("/metrics/summary")
+            summary = ms.http("/api/v1/stats")["counters"]
             assert summary["evictions"] > 0
             assert reads["hits"] > 100 and reads["misses"] > 0
             # leased objects may hold a segment above its high-water mark for a moment; once the

@@ -155,7 +155,7 @@ def test_pending_deadline_and_commit_after_abort():
         try:
             r = expect(svc.rpc.call(p.Alloc(svc.client_id, svc.session.token, ["slow"], [4096])), p.AllocReply)
             gen = r.results[0].generation
-            wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 5, "pending reclaim")
+            wait_for(lambda: ms.http("/api/v1/stats")["counters"]["pending_reclaimed"] == 1, 5, "pending reclaim")
             codes = expect(svc.rpc.call(p.Commit(svc.client_id, svc.session.token, ["slow"], [gen])),
                            p.Codes).codes
             assert codes == [-3101]

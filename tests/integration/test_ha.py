@@ -63,7 +63,7 @@ class Pool:
         out = []
         for m in metas or self.metas:
             try:
-                if m.proc is not None and m.http("/role")["role"] == "leader":
+                if m.proc is not None and m.http("/leader")["role"] == "leader":
                     out.append(m)
             except OSError:
                 pass
@@ -208,7 +208,7 @@ def test_kill9_of_the_leader_fails_over_and_loses_nothing(pool):
     assert new.http("/leader")["leader"]["control"] == new.meta_service_url
     metrics = new.http("/metrics")
     assert "memcache_meta_is_leader 1" in metrics
-    assert f"memcache_meta_term {new.http('/role')['term']}" in metrics
+    assert f"memcache_meta_term {new.http('/leader')['term']}" in metrics
 
 
 def test_paused_leader_never_serves_after_it_wakes(pool):
@@ -236,7 +236,7 @@ def test_paused_leader_never_serves_after_it_wakes(pool):
         rpc.close()
     got = pinned("get", keys=["pinned-0"], layout=LAYOUT)
     assert got["mismatches"] == [] and got["codes"][0] in {0} | FAILOVER_CODES
-    wait_for(lambda: leader.http("/role")["role"] == "standby", 5, "the woken leader to stand by")
+    wait_for(lambda: leader.http("/leader")["role"] == "standby", 5, "the woken leader to stand by")
     assert "memcache_meta_is_leader 0" in leader.http("/metrics")
     assert len(pool.leaders()) == 1
     for t in traffic:

@@ -78,7 +78,7 @@ def test_put_remove_and_eviction_are_published(decode: Decode) -> None:
             assert s.remove("ns@block-1") == 0
             for i in range(40):                  # 40 x 400 KB into 8 MB: LRU eviction
                 assert s.put(f"ns@fill-{i}", b"f" * 400_000) == 0
-            evictions = meta.http("/metrics/summary")["evictions"]
+            evictions = meta.http("/api/v1/stats")["counters"]["evictions"]
             assert evictions > 0
 
             def all_removed() -> bool:

@@ -166,7 +166,7 @@ def test_nixl_descriptors_stay_off_the_open_and_admin_views(stores, meta):
     d = descriptor_decoder.decode(seg.nixl)
     assert d.size == seg.size and len(d.metadata) > 64
     views = [_admin_page(meta, path) for path in ("/status", "/api/v1/stats", "/metrics", "/get_all_segments",
-                                                  "/api/v1/segments/status")] + [meta.log_tail(100_000)]
+                                                  "/api/v1/segments")] + [meta.log_tail(100_000)]
     for text in views:
         assert d.agent not in text and d.metadata.hex()[:32] not in text and str(d.base) not in text
 

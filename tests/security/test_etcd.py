@@ -39,7 +39,7 @@ class RoleWatch(threading.Thread):
         while not self.halt.is_set():
             for i, m in enumerate(self.metas):
                 try:
-                    role = m.http("/role")
+                    role = m.http("/leader")
                 except OSError:
                     continue
                 self.polls += 1
@@ -71,12 +71,12 @@ def test_deleting_and_rewriting_the_leader_key_under_traffic_never_makes_two_lea
     etcd = Etcd((("127.0.0.1", pool.etcd.port),), 2.0)
     key = leader_key(pool.cluster)
     try:
-        old_term = old.http("/role")["term"]
+        old_term = old.http("/leader")["term"]
         etcd.call(lambda c: c.delete(key))
         t_deleted = time.monotonic()
-        wait_for(lambda: any(m.http("/role")["term"] > old_term for m in pool.leaders()), 5 * TTL_S,
+        wait_for(lambda: any(m.http("/leader")["term"] > old_term for m in pool.leaders()), 5 * TTL_S,
                  "a leader of a new term after the delete")
-        assert old.http("/role")["role"] == "standby" or old.http("/role")["term"] > old_term
+        assert old.http("/leader")["role"] == "standby" or old.http("/leader")["term"] > old_term
         wait_for(lambda: all(t.resumed_since(t_deleted) for t in traffic), 20, "both clients to put again")
         etcd.call(lambda c: c.put(key, json.dumps({"control": "tcp://127.0.0.1:1", "config_store": "tcp://127.0.0.1:1",
                                                    "admin": "http://127.0.0.1:1"})))
@@ -133,7 +133,7 @@ def test_ha_works_against_an_etcd_with_auth_and_nothing_gets_in_without_credenti
     try:
         meta.start()
         bare.start()
-        wait_for(lambda: meta.http("/role")["role"] == "leader", 10, "the MetaService with credentials to lead")
+        wait_for(lambda: meta.http("/leader")["role"] == "leader", 10, "the MetaService with credentials to lead")
         store = StoreProcess(meta, meta_service_url=f"etcd://127.0.0.1:{etcd.port}/secure", dram_size="64MB",
                              client_timeout_seconds=2, **creds)
         assert store("put", keys=["secure-0"], layout=LAYOUT)["codes"] == [0]
@@ -144,8 +144,8 @@ def test_ha_works_against_an_etcd_with_auth_and_nothing_gets_in_without_credenti
                         lambda c: c.put(leader_key("secure"), "{}")):
             with pytest.raises(EtcdRefused):
                 anonymous.call(attempt)
-        assert meta.http("/role")["role"] == "leader"
-        role = bare.http("/role")
+        assert meta.http("/leader")["role"] == "leader"
+        role = bare.http("/leader")
         assert role["role"] == "standby" and role["etcd_reachable"] is False
         assert "refused" in bare.log_tail()
         wrong = tmp_path / "wrong.password"
@@ -175,7 +175,7 @@ def test_ha_works_against_an_etcd_that_requires_tls_client_certificates(tmp_path
     store = None
     try:
         meta.start()
-        wait_for(lambda: meta.http("/role")["role"] == "leader", 10,
+        wait_for(lambda: meta.http("/leader")["role"] == "leader", 10,
                  lambda: f"the MetaService to lead over https: {meta.log_tail()}")
         store = StoreProcess(meta, meta_service_url=f"etcd://127.0.0.1:{etcd.port}/tls", dram_size="64MB",
                              client_timeout_seconds=2, **creds)

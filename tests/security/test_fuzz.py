@@ -28,7 +28,7 @@ from memcache_core import protocol as p
 from memcache_core.auth import admin_token, client_handshake
 from memcache_core.config import MetaConfig
 from memcache_core.memory import Mapping
-from memcache_core.meta.http import AdminServer
+from memcache_core.meta.http import POST_ONLY, AdminServer
 from memcache_core.meta.server import answer
 from memcache_core.meta.service import MetaServiceCore
 from memcache_core.rpc import expect
@@ -262,7 +262,8 @@ def admin(core):
 
 PATHS = st.one_of(st.sampled_from(["/health", "/metrics", "/metrics/summary", "/get_all_keys", "/get_all_segments",
                                    "/query_key", "/batch_query_keys", "/query_segment", "/api/v1/capacity/usage",
-                                   "/api/v1/segments/status", "/role", "/drains", "/drain/1", "/drain/x", "//", "//health", "///health?x=1", "/..",
+                                   "/api/v1/segments/status", "/role", "/ha_status", "/leader", "/metadata",
+                                   "/memory/evict", "/api/v1/drain_jobs/query", "/drains", "/drain/1", "/drain/x", "//", "//health", "///health?x=1", "/..",
                                    "/%00"]),
                   st.text(max_size=64).map(lambda t: "/" + t))
 QUERIES = st.dictionaries(st.sampled_from(["key", "keys", "segment", "x", ""]),
@@ -273,9 +274,9 @@ QUERIES = st.dictionaries(st.sampled_from(["key", "keys", "segment", "x", ""]),
 @settings(max_examples=examples(600), deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(path=PATHS, query=QUERIES, with_token=st.booleans())
-def test_admin_routes_answer_200_401_or_404(admin, path, query, with_token):
-    """Property: any path and query gets 200, 404 (with the token) or 401 (without it, but /health and
-    the redirect of /),
+def test_admin_routes_answer_200_401_404_or_405(admin, path, query, with_token):
+    """Property: any path and query gets 200, 404 (405 for a POST-only route) with the token, or 401
+    (without it, but /health and the redirect of /),
     never a server error or a hang, and /health keeps answering."""
     target = urllib.parse.quote(path, safe="/%") + ("?" + urllib.parse.urlencode(query) if query else "")
     headers = {"Authorization": f"Bearer {admin_token(SECRET)}"} if with_token else {}
@@ -290,6 +291,8 @@ def test_admin_routes_answer_200_401_or_404(admin, path, query, with_token):
             assert r.status == 200
         elif served == "/":   # a fixed redirect to /status (which asks for the token), it tells nothing
             assert r.status == 302 and r.getheader("Location") == "/status"
+        elif with_token and served in POST_ONLY:   # memcache_hybrid's answer to a GET of a POST route
+            assert r.status == 405, (target, r.status)
         elif with_token:
             assert r.status in (200, 404), (target, r.status)
         else:

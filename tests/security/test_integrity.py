@@ -83,7 +83,7 @@ def test_late_writer_bytes_in_reclaimed_and_reused_space_are_a_miss():
                        p.AllocReply).results[0]
             assert a.code == 0
             late_off = a.locations[0].offset
-            wait_for(lambda: ms.http("/metrics/summary")["pending_reclaimed"] == 1, 10, "the reclaim")
+            wait_for(lambda: ms.http("/api/v1/stats")["counters"]["pending_reclaimed"] == 1, 10, "the reclaim")
             assert owner.put("early", b"e" * SIZE) == 0      # while quarantined, the space is not given out
             assert ms.http("/query_key?key=early")["locations"][0]["offset"] != late_off
             assert owner.remove("early") == 0
