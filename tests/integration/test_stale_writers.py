@@ -11,13 +11,15 @@ exactly, or miss: never the old writer's.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
 import numpy as np
 import pytest
 
-from memcache_core import H2G, DistributedObjectStore, LocalConfig
+from memcache_core import H2G, DistributedObjectStore, LocalConfig, ReplicateConfig
+from memcache_core.layout import payload_offset
 from memcache_core.testing import running_meta_service, started, wait_for
 from tests.integration.stores import StoreProcess, answers_again
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.integration
 LAYER = 512 << 10
 LAYOUT = [LAYER] * 8                 # 4 MiB in 8 layers
 SIZE = sum(LAYOUT)
+OFFSET_MASK = (1 << 42) - 1          # a GVA's offset bits (local/gva.py)
 OLD_FILL = 0xA5                      # every byte the old writer copies
 ROUNDS = int(os.environ.get("MEMCACHE_STALE_WRITER_ROUNDS", "10"))    # per protocol
 # the old writer's heartbeat: the default (1 s); a slower one (3 s) leaves it unaware of the restart longer
@@ -34,7 +37,9 @@ WRITER_HEARTBEAT_MS = int(os.environ.get("MEMCACHE_STALE_WRITER_HEARTBEAT_MS", "
 
 @pytest.fixture
 def meta():
-    with running_meta_service(heartbeat_timeout_ms=10_000, lease_ttl_ms=2000) as ms:
+    # (no eviction: the segment of the GVA test is full with two objects)
+    with running_meta_service(heartbeat_timeout_ms=10_000, lease_ttl_ms=2000, evict_threshold_high=100,
+                              evict_threshold_low=99) as ms:
         yield ms
 
 
@@ -44,15 +49,26 @@ def stores(meta):
         yield start
 
 
-def restart_and_put_anew(meta, p_id: int, newer: StoreProcess, key: str) -> None:
-    """Kill and restart the MetaService; wait until P re-joined (with no object) and ``newer``'s put of
-    ``key`` (4 MiB, into P: the only segment) is acknowledged."""
+def restart_and_put_anew(meta, p_id: int, newer: StoreProcess, keys: list[str], preferred: list[int] | None = None,
+                         segments: int = 1) -> list[int]:
+    """Kill and restart the MetaService; wait until P re-joined (with no object: ``segments`` segments
+    in all) and ``newer``'s put of ``keys`` (4 MiB each, into P) is acknowledged; where their headers
+    lie in P."""
     meta.kill()
     meta.start()
-    wait_for(lambda: newer("put", keys=[key], layout=LAYOUT)["codes"] == [0], 20,
-             f"the put of {key} after the restart")
-    segs = meta.http("/get_all_segments")["segments"]
-    assert [s["segment_id"] for s in segs] == [p_id]
+    wait_for(lambda: len(meta.http("/get_all_segments")["segments"]) == segments, 20, "the segments to re-join")
+    wait_for(lambda: newer("put", keys=keys, layout=LAYOUT, preferred=preferred)["codes"] == [0] * len(keys), 20,
+             f"the put of {keys} after the restart")
+    offsets = []
+    for k in keys:
+        at = [(loc["segment"], loc["offset"]) for loc in meta.http(f"/query_key?key={k}")["locations"]]
+        assert [sid for sid, _ in at] == [p_id]
+        offsets.append(int(at[0][1]))
+    return offsets
+
+
+def allocated(writer: StoreProcess, key: str) -> bool:
+    return bool(writer("call", method="batch_alloc", args=[[key], [SIZE]])["result"] == [0])
 
 
 def assert_new_bytes_or_miss(reader: StoreProcess, key: str, what: str) -> bool:
@@ -68,27 +84,29 @@ def test_gva_writer_of_an_earlier_meta_service_life_never_overwrites_a_new_objec
     """Scenario, ROUNDS times (``MEMCACHE_STALE_WRITER_ROUNDS``, default 10 per protocol): writer W
     (heartbeat ``MEMCACHE_STALE_WRITER_HEARTBEAT_MS``, default 1 s) ``batch_alloc``s a 4 MiB object in
     P and copies layer 0 of 8; the MetaService is killed and restarted; P re-joins reporting 0
-    objects; N's 4 MiB put succeeds into P (offset 0 again); W copies layers 1-7 through its old GVAs.
-    W's copies are refused (never 0), and reader R (``checksum_verify_ratio: 0``) gets N's bytes
-    exactly, or a miss."""
-    p = stores(protocol=protocol, dram_size="32MB")
+    objects; N's put of two 4 MiB objects succeeds into P (room for two: one lands where W's object
+    was); W copies layers 1-7 through its old GVAs. W's copies are refused (never 0), and reader R
+    (``checksum_verify_ratio: 0``) gets N's bytes of the object W's space went to exactly, or a miss."""
+    p = stores(protocol=protocol, dram_size="9MB")   # room for two 4 MiB objects, A and B
     p_id = p("id")["id"]
     w = stores(protocol=protocol, init_bm=False, heartbeat_interval_ms=WRITER_HEARTBEAT_MS)
     n = stores(protocol=protocol, init_bm=False)
     r = stores(protocol=protocol, init_bm=False, checksum_verify_ratio=0)
     hits = 0
     for i in range(ROUNDS):
-        old, new = f"old-{i}", f"new-{i}"
-        assert w("call", method="batch_alloc", args=[[old], [SIZE]])["result"] == [0]
+        old, new = f"old-{i}", [f"new-{i}-a", f"new-{i}-b"]
+        # W's object lands where no read lease holds the space: A or B, the one R did not read last round
+        wait_for(functools.partial(allocated, w, old), 15, f"room for {old}")
         gva = w("gva_info", keys=[old])["gvas"][0][0]
         assert w("gva_copy", gvas=[gva], size=LAYER, direct=H2G, fill=OLD_FILL)["code"] == 0
-        restart_and_put_anew(meta, p_id, n, new)
+        offsets = [payload_offset(at) for at in restart_and_put_anew(meta, p_id, n, new)]   # in A and B
+        assert gva & OFFSET_MASK in offsets   # one of them where W's object was
         late = [w("gva_copy", gvas=[gva + j * LAYER], size=LAYER, direct=H2G, fill=OLD_FILL)["code"]
                 for j in range(1, len(LAYOUT))]
-        hits += assert_new_bytes_or_miss(r, new, f"round {i}")
+        hits += assert_new_bytes_or_miss(r, new[offsets.index(gva & OFFSET_MASK)], f"round {i}")
         assert 0 not in late, f"round {i}: a copy granted before the restart landed after P re-joined: {late}"
         w("call", method="batch_write_finish", args=[[old], [1]])   # (refused: that life is gone)
-        assert n("remove", keys=[new])["codes"] == [0]   # (P holds no object at the next restart)
+        assert n("remove", keys=new)["codes"] == [0, 0]   # (P holds no object at the next restart)
     assert hits == ROUNDS   # the new objects were read, not merely missed
 
 
@@ -115,7 +133,7 @@ def test_two_phase_put_across_a_restart_never_overwrites_a_new_object(meta, stor
         def late_write(ops):
             if not once.is_set():
                 once.set()
-                restart_and_put_anew(meta, p_id, n, "new")
+                assert restart_and_put_anew(meta, p_id, n, ["new"]) == [ops[0].offset]   # the same place
             return real_write(ops)
 
         engine.write = late_write   # type: ignore[method-assign]
@@ -128,3 +146,52 @@ def test_two_phase_put_across_a_restart_never_overwrites_a_new_object(meta, stor
     finally:
         w.close()
 
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_repair_copy_across_a_restart_never_overwrites_a_new_object(meta, stores, protocol):
+    """Scenario: holder H (in this process) holds the one replica of a 2-replica object; target T
+    joins empty and H is asked to copy the object there (a repair); before H's copy starts, the
+    MetaService is killed and restarted, T re-joins with 0 objects and N's 4 MiB put lands in T at
+    the same offset and is acknowledged; then H's copy runs. It is refused, and reader R
+    (``checksum_verify_ratio: 0``) reads N's bytes exactly. (A drain's move is the same copy.)"""
+    h = DistributedObjectStore()
+    assert h.setup(LocalConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
+                               protocol=protocol, dram_size="32MB", client_timeout_seconds=5,
+                               heartbeat_interval_ms=200)) == 0
+    assert h.init(0, init_bm=True) == 0
+    try:
+        buf = np.full(SIZE, OLD_FILL, np.uint8)
+        assert h.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        assert h.put_from("old", buf.ctypes.data, SIZE, replicateConfig=ReplicateConfig(2, [])) == 0
+        stalled = threading.Event()
+        places: list[tuple[int, int]] = []   # (the new object's offset in T, the repair copy's)
+        drainer = h._service().drainer   # fault injection: the repair's copy starts only after the restart
+        make_engine = drainer._engine
+
+        def late_engine(timeout_s):
+            engine = make_engine(timeout_s)
+            real_write = engine.write
+
+            def late_write(ops):
+                if ops and not stalled.is_set():
+                    stalled.set()
+                    places.append((restart_and_put_anew(meta, t_id, n, ["new"], preferred=[t_id], segments=2)[0],
+                                   ops[0].offset))
+                return real_write(ops)
+
+            engine.write = late_write   # type: ignore[method-assign]
+            return engine
+
+        drainer._engine = late_engine   # type: ignore[method-assign]
+        t = stores(protocol=protocol, dram_size="32MB")
+        t_id = t("id")["id"]
+        n = stores(protocol=protocol, init_bm=False)
+        r = stores(protocol=protocol, init_bm=False, checksum_verify_ratio=0)
+        wait_for(stalled.is_set, 30, "H's repair copy to T")
+        wait_for(lambda: not [th for th in threading.enumerate() if th.name == "memcache-repair"], 30,
+                 "H's repair copy to end")
+        assert len(places) == 1 and places[0][0] == places[0][1]   # the same place
+        assert assert_new_bytes_or_miss(r, "new", "after the stale repair copy")
+    finally:
+        h.close()
