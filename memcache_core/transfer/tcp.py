@@ -9,9 +9,10 @@ oldest (as on the control plane). Bounded: at most
 ``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
-Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write, 5 fenced write; 3, 4: ``disk_wire.py``), range count,
-the segment id the request is for (0: whatever the server serves, for tools), for a fenced write the
-MetaService epoch that granted its space (u64), then ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
+Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write, 5 fenced write; 3 and 4 are
+``disk_wire.py``'s), range count, the segment id the request is for (0: whatever the server serves,
+for tools), for a fenced write the MetaService epoch that granted its space (u64), then
+``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
 forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
 back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. A server
 that serves another segment (a provider restarted on the address of a dead one a reader still
