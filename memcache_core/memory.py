@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .fence import FENCE_BYTES, Fence
+
 logger = logging.getLogger(__name__)
 
 _LIVE: set[Mapping] = set()   # segments this process owns: their files are removed at exit
@@ -34,7 +36,9 @@ def _remove_owned_segments() -> None:
 
 
 class Mapping:
-    """A mapped segment file: ``addr`` is the address of its first byte in this process."""
+    """A mapped segment file: ``addr`` is the address of its first byte in this process. The file is
+    ``FENCE_BYTES`` longer than ``size``: the page after the segment's space holds its write fence
+    (``fence.py``)."""
 
     def __init__(self, path: str, size: int, create: bool) -> None:
         """``create``: make the file (its space reserved with fallocate, so a full /dev/shm fails here
@@ -53,7 +57,7 @@ class Mapping:
             if create:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 try:
-                    os.posix_fallocate(fd, 0, size)
+                    os.posix_fallocate(fd, 0, size + FENCE_BYTES)
                 except OSError as e:
                     os.unlink(path)
                     raise OSError(e.errno, f"dram_size: cannot reserve {size} bytes in {os.path.dirname(path)} "
@@ -61,9 +65,11 @@ class Mapping:
                                            f"lower dram_size") from e
             else:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < size:
-                    raise OSError(f"{path} is not a segment file of this user of at least {size} bytes")
-            self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < size + FENCE_BYTES:
+                    raise OSError(f"{path} is not a segment file of this user of at least {size} bytes "
+                                  f"(and its fence page)")
+            self._mm: mmap.mmap | None = mmap.mmap(fd, size + FENCE_BYTES, mmap.MAP_SHARED,
+                                                   mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
@@ -72,8 +78,9 @@ class Mapping:
             _LIVE.add(self)
         else:
             os.close(fd)
-        self._anchor: ctypes.Array | None = (ctypes.c_char * size).from_buffer(self._mm)
+        self._anchor: ctypes.Array | None = (ctypes.c_char * (size + FENCE_BYTES)).from_buffer(self._mm)
         self.addr = ctypes.addressof(self._anchor)
+        self.fence = Fence(path, self.addr + size, size)
 
     def view(self, offset: int, length: int) -> memoryview:
         assert self._mm is not None
@@ -82,6 +89,7 @@ class Mapping:
     def close(self) -> None:
         if self._mm is None:
             return
+        self.fence.close()
         self._anchor = None
         try:
             self._mm.close()

@@ -82,14 +82,14 @@ class Drainer:
         try:
             while not cancel.is_set():
                 try:
-                    batch = expect(self.svc.member_call(lambda s: p.RepairNext(s.client_id, s.token)),
-                                   p.DrainBatch)
+                    answer, granted_in = self.svc.member_call_in(lambda s: p.RepairNext(s.client_id, s.token))
+                    batch = expect(answer, p.DrainBatch)
                 except MemCacheError as e:   # the MetaService is down or restarting: the next heartbeat asks again
                     logger.debug("repair: %s", e)
                     return
                 if not batch.moves:
                     return
-                self._copy(engine, batch.moves, time.monotonic(), p.RepairDone)
+                self._copy(engine, batch.moves, time.monotonic(), p.RepairDone, granted_in.epoch)
         finally:
             engine.close()
 
@@ -118,8 +118,9 @@ class Drainer:
             while not (cancel is not None and cancel.is_set()) and time.monotonic() < deadline:
                 ask_ms = max(1, int((deadline - time.monotonic()) * 1000)) if learnt else 0
                 try:
-                    batch = expect(self.svc.member_call(lambda s, t=ask_ms: p.DrainNext(  # type: ignore[misc]
-                        s.client_id, s.token, t)), p.DrainBatch)
+                    answer, granted_in = self.svc.member_call_in(lambda s, t=ask_ms: p.DrainNext(  # type: ignore[misc]
+                        s.client_id, s.token, t))
+                    batch = expect(answer, p.DrainBatch)
                 except MemCacheError as e:   # the MetaService is down or restarting: try again
                     logger.debug("drain: %s", e)
                     time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
@@ -130,7 +131,7 @@ class Drainer:
                 deadline = min(deadline, theirs) if own_bound else theirs
                 learnt = True
                 if batch.moves:
-                    self._copy(engine, batch.moves, time.monotonic(), p.DrainDone)
+                    self._copy(engine, batch.moves, time.monotonic(), p.DrainDone, granted_in.epoch)
                 else:
                     time.sleep(IDLE_WAIT_S)
         finally:
@@ -147,9 +148,11 @@ class Drainer:
                               svc.tls_client)
 
     def _copy(self, engine: TransferEngine, moves: list[p.DrainMove], planned: float,
-              report: type[p.DrainDone] | type[p.RepairDone]) -> None:
+              report: type[p.DrainDone] | type[p.RepairDone], epoch: int) -> None:
+        """Copy the moves planned by MetaService ``epoch`` (a target whose owner re-joined since refuses
+        them: ``fence.py``) and report them."""
         what = "drain" if report is p.DrainDone else "repair"
-        ops = [self._op(m) for m in moves]
+        ops = [self._op(m, epoch) for m in moves]
         if time.monotonic() - planned >= self.svc.session.pending_timeout_s / 2:
             for op in ops:   # as a put: too late to start, the MetaService may give the space away
                 op.error = op.error or TransferFailed(f"{what} copy started later than half the pending timeout")
@@ -171,7 +174,7 @@ class Drainer:
             self.moved += sum(c == 0 for c in codes)
             self.failed += sum(c != 0 for c in codes)
 
-    def _op(self, m: p.DrainMove) -> CopyOp:
+    def _op(self, m: p.DrainMove, epoch: int) -> CopyOp:
         """The write of one move: from our segment's payload to the target's reserved space."""
         own = self.svc.segment
         assert own is not None
@@ -182,7 +185,7 @@ class Drainer:
         except MemCacheError as e:
             return CopyOp(_NOWHERE, 0, [], m.size, m.key, m.new_generation, error=e)
         return CopyOp(seg, m.target.offset, [(own.addr + payload_offset(m.source_offset), m.size)], m.size,
-                      m.key, m.new_generation, hash=True)
+                      m.key, m.new_generation, hash=True, epoch=epoch)
 
 
 _NOWHERE = p.SegmentInfo(0, 0, "", "", "")

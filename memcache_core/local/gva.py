@@ -25,8 +25,9 @@ inside it proceed without asking again. A write is granted at ``batch_alloc`` (o
 round trip) until half the pending timeout after the request left: the MetaService reclaims a pending
 object only at its deadline, and quarantines its space after that. A read is granted at
 ``batch_add_lease`` until the lease's end. Both are capped at ``lease_ttl_ms`` after the request left
-(a restarted MetaService, which knows no pending object and no lease, allocates nothing in a re-joined
-segment for that long, and a reclaimed object's space is quarantined at least that long), and void
+(a reclaimed object's space is quarantined at least that long; a restarted MetaService knows no pending
+object and no lease, and a write granted before it is refused by the target segment's write fence,
+``fence.py``, once its owner re-joined: each copy carries the epoch of the session it was granted in), and void
 once the client opened a new MetaService connection (the sign of a restart) or the session changed.
 Past that, one ``Grant`` round trip renews them. Removing a lease, finishing or aborting an object, or
 describing a key again drops what was granted for it.
@@ -73,9 +74,8 @@ class Gva(Membership):
         return book
 
     def _grant_cap(self, t0: float) -> float:
-        """No grant outlives this: a restarted MetaService (which knows no pending object or lease)
-        allocates in a re-joined segment only ``lease_ttl_ms`` after it re-joined, and reclaimed space
-        is quarantined at least that long."""
+        """No grant outlives this: reclaimed space is quarantined at least that long (a write granted by
+        a MetaService that restarted since is refused by the target segment's fence: ``fence.py``)."""
         return t0 + self.session.lease_ttl_s
 
     @in_batches(aligned=1)
@@ -89,10 +89,13 @@ class Gva(Membership):
             if not isinstance(s, int) or s <= 0:
                 raise InvalidParameter(f"batch_alloc: size {s!r} must be a positive int")
         t0 = time.monotonic()
-        reply = expect(self.member_call(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes))),
-                       p.AllocReply)
+        answer, granted_in = self.member_call_in(lambda s: p.Alloc(s.client_id, s.token, list(keys), list(sizes)))
+        reply = expect(answer, p.AllocReply)
         connects = self.rpc.connects   # read after the call: the connection the reply came on counts
         book = self._book()
+        if book.session is not granted_in:   # re-joined again meanwhile: these objects are of no session held
+            return [errors.StateMismatch(f"batch_alloc of {k!r}: the MetaService restarted during the call")
+                    for k in keys]
         pending_s = book.session.pending_timeout_s
         until = min(t0 + pending_s / 2, self._grant_cap(t0))   # as a Grant: half the timeout must be left
         out: list[MemCacheError | None] = []
@@ -172,8 +175,10 @@ class Gva(Membership):
         if left_s is None:
             left_s = self._grant(book, spans, sizes, writing)
         hashing = writing and self.config.checksum
+        epoch = book.session.epoch   # every grant of this book came from that MetaService life
         ops = [CopyOp(self.segment_info(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
-                      hash=hashing and start == 0 and n == o.size, start=start, with_header=False)
+                      hash=hashing and start == 0 and n == o.size, start=start, with_header=False,
+                      epoch=epoch if writing else 0)
                for (o, start), ps, n in zip(spans, pieces, sizes, strict=True)]
         t0 = time.monotonic()
         (self.engine.write if writing else self.engine.read)(ops)
@@ -278,7 +283,8 @@ class Gva(Membership):
         headers = [np.frombuffer(pack_header(o.key, o.generation, o.size, checksum[o.key]), np.uint8)
                    for o in reps if o.key not in errs]
         ops = [CopyOp(self.segment_info(o.segment_id), o.offset, [(h.ctypes.data, HEADER_BYTES)], HEADER_BYTES, o.key,
-                      o.generation, start=-HEADER_BYTES, with_header=False)   # the header's place, after the payload
+                      o.generation, start=-HEADER_BYTES, with_header=False,   # the header's place, after the payload
+                      epoch=book.session.epoch)
                for o, h in zip([o for o in reps if o.key not in errs], headers, strict=True)]
         self.engine.write(ops)
         for op in ops:

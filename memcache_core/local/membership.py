@@ -101,6 +101,10 @@ class Membership:
         # under the arena lock: no small put copies into an arena of the old session once the new
         # MetaService may hand that space out, and the scan sees every header of a put that succeeds
         with self.arenas.lock if self.arenas is not None else contextlib.nullcontext():
+            if self.segment is not None:
+                # close our segment's fence and wait out every write in flight into it: none granted by
+                # a MetaService before this Join lands once the new one may give its space away (fence.py)
+                self.segment.fence.move(0)
             objects = recovery.scan(self.segment) if recover and self.segment is not None else []
             old = self.session
             on_disk = self.disk.store.reports() if self.disk is not None else []
@@ -111,6 +115,8 @@ class Membership:
             seg = None
             if self._segment_template is not None:
                 seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
+            if self.segment is not None:
+                self.segment.fence.move(j.meta_epoch)   # writes granted by this MetaService land from now on
             if self.data_server is not None:
                 self.data_server.serve_segment(j.client_id)   # requests for any other segment are refused
             with self._lock:
@@ -187,12 +193,18 @@ class Membership:
 
     def member_call(self, make: Callable[[Session], p.Request]) -> p.Reply:
         """A call that acts as this member; after a MetaService restart re-join first, then retry once."""
+        return self.member_call_in(make)[0]
+
+    def member_call_in(self, make: Callable[[Session], p.Request]) -> tuple[p.Reply, Session]:
+        """``member_call``, and the session it was answered in: a write into space that reply granted
+        carries that session's epoch (``CopyOp.epoch``), never a later one's."""
         s = self.session
         try:
-            return self.rpc.call(make(s))
+            return self.rpc.call(make(s)), s
         except errors.NotAMember:
             self._rejoin(s)
-            return self.rpc.call(make(self.session))
+            s = self.session
+            return self.rpc.call(make(s)), s
 
     def _apply_journal(self, journal: list[p.JournalEntry]) -> bool:
         """Objects of our segment that left the pool: clear their headers, so a scan skips them, and

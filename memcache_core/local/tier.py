@@ -189,8 +189,9 @@ class DiskTier:
             return [errors.OBJECT_NOT_EXISTS] * len(items)
         t0 = time.monotonic()
         try:
-            res = expect(self.svc.member_call(lambda s: p.Promote(s.client_id, s.token, [k for k, _, _ in items])),
-                         p.AllocReply).results
+            answer, granted_in = self.svc.member_call_in(
+                lambda s: p.Promote(s.client_id, s.token, [k for k, _, _ in items]))
+            res = expect(answer, p.AllocReply).results
         except MemCacheError as e:
             return [e.code] * len(items)
         codes, done = [], []
@@ -201,12 +202,14 @@ class DiskTier:
             off = r.locations[0].offset
             # as a put: once half the pending timeout has passed, the space may be given back; do not write
             late = time.monotonic() - t0 >= self.svc.session.pending_timeout_s / 2
-            ok = not late and self._copy_in(key, size, checksum, r.generation, off)
+            ok = not late and self._copy_in(key, size, checksum, r.generation, off, granted_in.epoch)
             done.append((key, off, ok))
             codes.append(errors.SUCCESS if ok else errors.DISK_IO_ERROR)
         return self._report_promoted(done, codes, items)
 
-    def _copy_in(self, key: str, size: int, checksum: int, generation: int, off: int) -> bool:
+    def _copy_in(self, key: str, size: int, checksum: int, generation: int, off: int, epoch: int) -> bool:
+        """Copy a record into the space MetaService ``epoch`` granted in our segment (refused by the
+        segment's fence if we re-joined since: ``fence.py``)."""
         seg = self.svc.segment
         assert seg is not None
         try:
@@ -216,11 +219,20 @@ class DiskTier:
             self.promotion_failures += 1
             return False
         try:
+            seg.fence.enter(epoch, f"promotion of {key!r}")
+        except MemCacheError as e:
+            logger.info("%s", e)
+            view.release()
+            buf.close()
+            self.promotion_failures += 1
+            return False
+        try:
             ctypes.memmove(seg.addr + payload_offset(off), buf.addr + disk_record.BLOCK, size)
             got = checksum or xxhash.xxh3_64_intdigest(view)
             header = pack_header(key, generation, size, got)
             seg.view(off, len(header))[:] = header   # last: a valid header means a whole payload
         finally:
+            seg.fence.leave()
             view.release()
             buf.close()
         return True

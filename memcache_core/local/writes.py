@@ -45,10 +45,11 @@ class Writes(Membership):
             sizes = {k: sizes[k] for k in todo}   # what is left for the two-phase put
         else:
             stored = False
-        allocated = self._alloc(sizes, replicas, preferred, results, todo) if todo else {}
+        epochs: dict[str, int] = {}   # key -> the MetaService epoch its space was granted in
+        allocated = self._alloc(sizes, replicas, preferred, results, todo, epochs) if todo else {}
         self._note_partial(allocated, replicas)
         s = self.session   # the session the allocation was made in (a re-join may have replaced it)
-        ops = self._copy(s, allocated, pieces, results, todo)
+        ops = self._copy(s, allocated, pieces, results, todo, epochs)
         self._finish_put(s, allocated, ops, results, todo)
         if self.disk is not None and (allocated or stored):
             self.disk.poke()   # our segment may have grown: the disk tier asks for copies now
@@ -68,16 +69,19 @@ class Writes(Membership):
         return {k: i for k, i in todo.items() if k not in done}
 
     def _alloc(self, sizes: dict[str, int], replicas: int, preferred: Sequence[int],
-               results: list[MemCacheError | None], todo: dict[str, int]) -> dict[str, p.AllocResult]:
-        """Allocate space; wait out other writers' pending puts of the same keys (bounded)."""
+               results: list[MemCacheError | None], todo: dict[str, int],
+               epochs: dict[str, int]) -> dict[str, p.AllocResult]:
+        """Allocate space; wait out other writers' pending puts of the same keys (bounded). ``epochs``:
+        filled with the MetaService epoch each key's space was granted in."""
         allocated: dict[str, p.AllocResult] = {}
         want = list(sizes)
         deadline = time.monotonic() + min(self.session.pending_timeout_s / 2, self.config.client_timeout_seconds)
         backoff = Backoff(0.002, 0.05)
         while want:
             try:
-                reply = expect(self.member_call(lambda s, w=want: p.Alloc(  # type: ignore[misc]
-                    s.client_id, s.token, w, [sizes[k] for k in w], replicas, list(preferred))), p.AllocReply)
+                answer, granted_in = self.member_call_in(lambda s, w=want: p.Alloc(  # type: ignore[misc]
+                    s.client_id, s.token, w, [sizes[k] for k in w], replicas, list(preferred)))
+                reply = expect(answer, p.AllocReply)
             except MemCacheError as e:
                 for k in want:
                     results[todo[k]] = e
@@ -86,6 +90,7 @@ class Writes(Membership):
             for k, res in zip(want, reply.results, strict=True):
                 if res.code == errors.SUCCESS:
                     allocated[k] = res
+                    epochs[k] = granted_in.epoch
                 elif res.code == errors.WRITE_IN_PROGRESS:
                     busy.append(k)
                 elif res.code != errors.OBJECT_ALREADY_EXISTS:   # existing: these bytes are stored
@@ -110,10 +115,11 @@ class Writes(Membership):
                            len(short), short[0], len(allocated[short[0]].locations), replicas)
 
     def _copy(self, s: Session, allocated: dict[str, p.AllocResult], pieces: Sequence[Pieces],
-              results: list[MemCacheError | None], todo: dict[str, int]) -> list[CopyOp]:
-        """Write every allocated replica; a copy that cannot start in time fails instead."""
+              results: list[MemCacheError | None], todo: dict[str, int], epochs: dict[str, int]) -> list[CopyOp]:
+        """Write every allocated replica; a copy that cannot start in time fails instead, and one whose
+        segment's owner re-joined since its space was granted is refused by the segment's fence."""
         t_alloc = time.monotonic()
-        ops = self._write_ops(allocated, pieces, results, todo)
+        ops = self._write_ops(allocated, pieces, results, todo, epochs)
         if ops and time.monotonic() - t_alloc >= s.pending_timeout_s / 2:
             for op in ops:   # too late to start: the MetaService may reclaim the space while we copy
                 op.error = errors.TransferFailed("put took longer than half the pending timeout")
@@ -127,7 +133,7 @@ class Writes(Membership):
         return ops
 
     def _write_ops(self, allocated: dict[str, p.AllocResult], pieces: Sequence[Pieces],
-                   results: list[MemCacheError | None], todo: dict[str, int]) -> list[CopyOp]:
+                   results: list[MemCacheError | None], todo: dict[str, int], epochs: dict[str, int]) -> list[CopyOp]:
         ops: list[CopyOp] = []
         for key, res in allocated.items():
             i = todo[key]
@@ -139,7 +145,7 @@ class Writes(Membership):
                     results[i] = e
                     break
                 ops.append(CopyOp(seg, loc.offset, list(pieces[i]), size, key, res.generation,
-                                  hash=self.config.checksum))
+                                  hash=self.config.checksum, epoch=epochs[key]))
         return ops
 
     def _finish_put(self, s: Session, allocated: dict[str, p.AllocResult], ops: list[CopyOp],

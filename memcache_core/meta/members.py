@@ -96,7 +96,8 @@ class Membership:
             info = msgspec.structs.replace(req.segment, segment_id=cid)
             # Reads leased by a previous MetaService (or before this member was declared dead) may
             # still be copying out of the reported objects' neighbourhood: no new object goes into a
-            # re-joined segment until such a lease would have ended.
+            # re-joined segment until such a lease would have ended. (Writers granted by a previous
+            # MetaService need no grace: the owner's write fence refuses them from its re-join on, fence.py.)
             grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects else 0.0
             refused = self.table.add_segment(info, req.objects, alloc_after=grace,
                                              recovering=self.repairs.settling(now), now=now)

@@ -174,6 +174,11 @@ class TransferEngine:
     # ---- TCP: hash the sources before sending, the destinations after receiving ------------------------
 
     def _tcp_write(self, addr: str, sid: int, ops: list[CopyOp]) -> None:
+        epochs = {op.epoch for op in ops}
+        if len(epochs) > 1:   # one request per MetaService life that granted the space (``fence.py``)
+            for e in sorted(epochs):
+                self._tcp_write(addr, sid, [op for op in ops if op.epoch == e])
+            return
         wire: list[tuple[int, list[tuple[int, int]]]] = []
         keep = []
         for op in ops:
@@ -184,7 +189,7 @@ class TransferEngine:
                 ptr, n, anchor = buffer_address(op.header())
                 keep.append(anchor)
                 wire.append((op.offset, [(ptr, n)]))      # the server writes ranges in order: header last
-        self.tcp.write(addr, wire, sid)
+        self.tcp.write(addr, wire, sid, ops[0].epoch)
 
     def _tcp_read(self, addr: str, sid: int, ops: list[CopyOp]) -> None:
         self.tcp.read(addr, [(op.payload_offset, op.pieces) for op in ops],

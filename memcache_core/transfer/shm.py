@@ -68,8 +68,8 @@ class ShmTransport:
         return self._own is not None and seg.shm_path == self._own.path
 
     @contextlib.contextmanager
-    def pinned(self, seg: SegmentInfo) -> Iterator[int]:
-        """The address of the segment's first byte, valid (mapped) until the block ends."""
+    def pinned(self, seg: SegmentInfo) -> Iterator[Mapping]:
+        """The segment's mapping (``addr``: its first byte; ``fence``), valid until the block ends."""
         with self._lock:
             m = self._maps.get(seg.shm_path)
             if m is None:
@@ -77,7 +77,7 @@ class ShmTransport:
                 self._maps[seg.shm_path] = m
             m.refs += 1
         try:
-            yield m.addr
+            yield m
         finally:
             with self._lock:
                 m.refs -= 1

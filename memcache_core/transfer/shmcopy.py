@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from ..errors import MemCacheError, TransferFailed
-from ..memory import view_at
+from ..memory import Mapping, view_at
 from .native import NativeLoop
 from .plan import Run, coalesce, ops_per_part, split_runs
 from .shm import ShmTransport, memmove
@@ -195,17 +195,34 @@ def copy_batch(ops: list[CopyOp], reading: bool, shm: ShmTransport, pool: Thread
     with the native ``loop`` whole objects per thread (``shmloop.py``), else in twice as many parts
     as threads; failures are recorded per op in ``op.error``."""
     with contextlib.ExitStack() as stack:
-        bases: dict[str, int] = {}
+        maps: dict[str, Mapping] = {}
+        unmapped: set[str] = set()
+        held: set[tuple[str, int]] = set()
         for op in ops:
             path = op.segment.shm_path
-            if path in bases:
+            if path in unmapped:
                 continue
             try:
-                bases[path] = stack.enter_context(shm.pinned(op.segment))
+                m = maps.get(path)
+                if m is None:
+                    m = maps[path] = stack.enter_context(shm.pinned(op.segment))
             except MemCacheError as e:
+                unmapped.add(path)
                 for other in ops:
                     if other.segment.shm_path == path:
                         other.error = e
+                continue
+            if reading or not op.epoch or (path, op.epoch) in held:
+                continue
+            held.add((path, op.epoch))
+            try:   # held until every copy of the batch ended: the owner's re-join waits for them
+                m.fence.enter(op.epoch, f"write of {op.key!r}")
+                stack.callback(m.fence.leave)
+            except MemCacheError as e:
+                for other in ops:
+                    if other.segment.shm_path == path and other.epoch == op.epoch:
+                        other.error = e
+        bases = {path: m.addr for path, m in maps.items()}
         if loop is not None:
             copy_native(loop, ops, bases, reading, pool, threads)
             return

@@ -9,12 +9,16 @@ oldest (as on the control plane). Bounded: at most
 ``MAX_CONNECTIONS`` connections (one thread each), ``MAX_RANGES`` ranges per request (validated
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
-Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write), range count, the segment id
-the request is for (0: whatever the server serves, for tools), then ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
+Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write, 5 fenced write; 3 and 4 are
+``disk_wire.py``'s), range count, the segment id the request is for (0: whatever the server serves,
+for tools), for a fenced write the MetaService epoch that granted its space (u64), then
+``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
 forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
 back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. A server
 that serves another segment (a provider restarted on the address of a dead one a reader still
-lists) answers ``WRONG_SEGMENT`` and moves nothing: the reader gets ``PeerUnavailable``. The
+lists) answers ``WRONG_SEGMENT`` and moves nothing: the reader gets ``PeerUnavailable``. A fenced
+write lands only while the owner is joined to that epoch (``fence.py``); otherwise the answer is
+``STALE_GRANT`` and nothing is written (the writer gets ``StaleGrant``). The
 payload bytes carry no MAC (it would cost more than the copy: docs/security.md): every object's
 checksum, verified by its readers, makes altered bytes a miss. The server sends from and receives
 into the segment memory itself, and the client receives straight into the destination buffers:
@@ -36,7 +40,8 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from ..auth import AuthFailed, Session, client_handshake
-from ..errors import LOCAL_NOT_CONNECTED, MemCacheError, PeerUnavailable, TransferFailed
+from ..errors import LOCAL_NOT_CONNECTED, STATE_MISMATCH, MemCacheError, PeerUnavailable, TransferFailed
+from ..fence import StaleGrant
 from ..memory import view_at
 from . import disk_wire
 from .sealed import recv_exact, recv_sealed
@@ -46,9 +51,11 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MCD2"
-OP_READ, OP_WRITE = 1, 2
+OP_READ, OP_WRITE, OP_WRITE_FENCED = 1, 2, 5   # (3 and 4: disk_wire.py)
 HEAD = struct.Struct("<4sBIQ")     # magic, op, count, segment id
+EPOCH = struct.Struct("<Q")        # a fenced write's: the MetaService epoch that granted its space
 WRONG_SEGMENT = LOCAL_NOT_CONNECTED   # the answer's status: this server serves another segment
+STALE_GRANT = STATE_MISMATCH          # the answer's status: the write's epoch is not the owner's
 RANGE = struct.Struct("<QQ")
 ANSWER = struct.Struct("<iQ")
 
@@ -245,19 +252,22 @@ class TcpClient:
             logger.debug("%s; sending it again on a fresh connection", e)
             return attempt(True)
 
-    def _request(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None = None) -> None:
-        self._once_more_if_stale(lambda fresh: self._attempt(peer, op, ops, deadline, fresh))
+    def _request(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None = None, epoch: int = 0) -> None:
+        self._once_more_if_stale(lambda fresh: self._attempt(peer, op, ops, deadline, fresh, epoch))
 
-    def _attempt(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None, fresh: bool) -> None:
+    def _attempt(self, peer: Peer, op: int, ops: list[Op], deadline: Deadline | None, fresh: bool,
+                 epoch: int = 0) -> None:
         addr = peer[0]
         with self._socket(peer, "transfer with", deadline, fresh) as link:
             s = link.sock
-            head = HEAD.pack(MAGIC, op, len(ops), peer[1])
-            ranges = b"".join(RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
+            head = HEAD.pack(MAGIC, OP_WRITE_FENCED if op == OP_WRITE and epoch else op, len(ops), peer[1])
+            ranges = (EPOCH.pack(epoch) if op == OP_WRITE and epoch else b"") + b"".join(
+                RANGE.pack(off, sum(size for _, size in pieces)) for off, pieces in ops)
             if deadline is not None:
                 deadline.arm(s)
             s.sendall(head + ranges + link.session.seal(head, ranges))
             if op == OP_WRITE:
+                # (sent whole even when the server refuses: it reads the answer's status after)
                 for _, pieces in ops:
                     for ptr, size in pieces:
                         s.sendall(view_at(ptr, size))
@@ -268,6 +278,9 @@ class TcpClient:
             if status == WRONG_SEGMENT:
                 raise PeerUnavailable(f"data server {addr} does not serve segment {peer[1]} (it left; another "
                                       f"process listens there now): nothing moved")
+            if status == STALE_GRANT:
+                raise StaleGrant(f"data server {addr} refused a write granted by MetaService epoch {epoch}: its "
+                                 f"owner re-joined since (the space may hold another object now); nothing written")
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
             if op == OP_READ:
@@ -300,8 +313,10 @@ class TcpClient:
 
         return self._once_more_if_stale(attempt)
 
-    def write(self, addr: str, ops: list[Op], segment_id: int = 0) -> None:
-        self._request((addr, segment_id), OP_WRITE, ops)
+    def write(self, addr: str, ops: list[Op], segment_id: int = 0, epoch: int = 0) -> None:
+        """Write ``ops`` into segment ``segment_id``; ``epoch``: the MetaService epoch that granted the
+        space (the server refuses the write if its owner is joined to another; 0: not fenced)."""
+        self._request((addr, segment_id), OP_WRITE, ops, epoch=epoch)
 
     def forget(self, addr: str, segment_id: int = 0) -> None:
         """The peer left the pool (or was declared dead): close its idle connections, and end the

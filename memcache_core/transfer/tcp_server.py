@@ -14,13 +14,26 @@ import time
 from collections.abc import Callable
 
 from ..auth import HANDSHAKE_TIMEOUT_S, Session, server_handshake
+from ..fence import StaleGrant
 from ..memory import Mapping
 from ..rpc.framing import is_out_of_descriptors
 from ..rpc.server import MAX_PREAUTH_PER_SOURCE, PREAUTH_SHARE
 from ..tls import tls_handshake
 from . import disk_wire
 from .sealed import recv_exact, sealed
-from .tcp import ANSWER, HEAD, MAGIC, OP_READ, OP_WRITE, RANGE, WRONG_SEGMENT, tune
+from .tcp import (
+    ANSWER,
+    EPOCH,
+    HEAD,
+    MAGIC,
+    OP_READ,
+    OP_WRITE,
+    OP_WRITE_FENCED,
+    RANGE,
+    STALE_GRANT,
+    WRONG_SEGMENT,
+    tune,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +186,7 @@ class DataServer:
             while True:
                 recv_exact(conn, memoryview(head))
                 magic, op, n, sid = HEAD.unpack(head)
-                if magic != MAGIC or op not in (OP_READ, OP_WRITE, *DISK_OPS) or not 0 < n <= MAX_RANGES:
+                if magic != MAGIC or op not in (OP_READ, OP_WRITE, OP_WRITE_FENCED, *DISK_OPS) or not 0 < n <= MAX_RANGES:
                     if magic != MAGIC and magic[:3] == MAGIC[:3]:
                         self._other_version(bytes(magic))
                     return
@@ -182,14 +195,17 @@ class DataServer:
                                            WRONG_SEGMENT if self._refuses(sid) else 0):
                         return
                     continue
-                raw = bytearray(n * RANGE.size)
+                fenced = op == OP_WRITE_FENCED
+                raw = bytearray(n * RANGE.size + (EPOCH.size if fenced else 0))
                 recv_exact(conn, memoryview(raw))
                 recv_exact(conn, memoryview(tag))
                 if not session.check(tag, head, raw):
                     logger.warning("data server %s: a request failed the connection's MAC (injected or altered); "
                                    "closing the connection", self.addr)
                     return
-                ranges = [RANGE.unpack_from(raw, i * RANGE.size) for i in range(n)]
+                epoch = EPOCH.unpack_from(raw)[0] if fenced else 0
+                at = EPOCH.size if fenced else 0
+                ranges = [RANGE.unpack_from(raw, at + i * RANGE.size) for i in range(n)]
                 total = sum(length for _, length in ranges)
                 if self._refuses(sid):
                     conn.sendall(sealed(session, ANSWER.pack(WRONG_SEGMENT, 0)))
@@ -201,10 +217,8 @@ class DataServer:
                     conn.sendall(sealed(session, ANSWER.pack(0, total)))
                     for off, length in ranges:
                         conn.sendall(self.mapping.view(off, length))
-                else:
-                    for off, length in ranges:
-                        recv_exact(conn, self.mapping.view(off, length))
-                    conn.sendall(sealed(session, ANSWER.pack(0, total)))
+                elif not self._write(conn, session, ranges, total, epoch):
+                    continue   # refused (nothing written, the payload read and dropped)
                 if self.served is not None:
                     self.served("host_tcp", op == OP_READ, total)
         except (OSError, ConnectionError):
@@ -213,6 +227,28 @@ class DataServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _write(self, conn: socket.socket, session: Session, ranges: list[tuple[int, int]], total: int,
+               epoch: int) -> bool:
+        """Receive a write into the segment, holding its fence open for ``epoch`` (0: not fenced) until
+        the last byte landed: the owner's re-join waits for it. A write of another MetaService life is
+        read into a scratch buffer and dropped, and answered ``STALE_GRANT``; False then."""
+        try:
+            with self.mapping.fence.writing(epoch, f"write from a peer into segment {sorted(self.segment_ids)}"):
+                for off, length in ranges:
+                    recv_exact(conn, self.mapping.view(off, length))
+        except StaleGrant as e:
+            logger.info("data server %s: %s", self.addr, e)
+            scratch = memoryview(bytearray(min(total, 1 << 20)))
+            left = total
+            while left:
+                k = min(left, len(scratch))
+                recv_exact(conn, scratch[:k])
+                left -= k
+            conn.sendall(sealed(session, ANSWER.pack(STALE_GRANT, 0)))
+            return False
+        conn.sendall(sealed(session, ANSWER.pack(0, total)))
+        return True
 
     def close(self) -> None:
         self._stop = True

@@ -1,0 +1,105 @@
+"""The write fence of a segment (``memcache_core/fence.py``): the owner's side (``move``) and a writer's
+(``writing``), each through its own mapping of one real segment file, as two processes hold it (each
+mapping takes its locks through its own open file description, so they conflict as across processes)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from memcache_core.fence import StaleGrant
+from memcache_core.local.segment import create_segment
+from memcache_core.memory import Mapping
+from memcache_core.testing import wait_for
+
+
+@pytest.fixture
+def pair():
+    owner = create_segment(1 << 20)
+    peer = Mapping(owner.path, owner.size, create=False)
+    try:
+        yield owner, peer
+    finally:
+        peer.close()
+        owner.close()
+
+
+def close_and_say(owner: Mapping, moved: threading.Event) -> None:
+    owner.fence.move(0)
+    moved.set()
+
+
+def test_a_write_lands_only_under_the_owners_epoch(pair):
+    """Scenario: the owner is joined to epoch 5. A write granted in 5 proceeds, one granted in 6 (or in
+    4) is refused before it starts; an unfenced write (epoch 0: reads, tools) is never refused."""
+    owner, peer = pair
+    owner.fence.move(5)
+    with peer.fence.writing(5):
+        pass
+    for stale in (4, 6):
+        with pytest.raises(StaleGrant, match=f"granted by MetaService epoch {stale}"):
+            with peer.fence.writing(stale):
+                pytest.fail("a write of another epoch started")
+    with peer.fence.writing(0):
+        pass
+
+
+def test_the_owners_rejoin_waits_for_the_writes_in_flight(pair):
+    """Scenario: a writer of epoch 5 is in the middle of its copy when the owner starts re-joining
+    (``move(0)``). The owner's move returns only once that copy ended; a write of epoch 5 starting
+    after it is refused (the owner is joined to 9 by then)."""
+    owner, peer = pair
+    owner.fence.move(5)
+    peer.fence.enter(5)
+    moved = threading.Event()
+    t = threading.Thread(target=close_and_say, args=(owner, moved))
+    t.start()
+    try:
+        wait_for(lambda: owner.fence.epoch == 0, 5, "the owner to close the fence")
+        assert not moved.wait(0.3)   # the copy is still in flight: the owner waits for it
+    finally:
+        peer.fence.leave()
+    wait_for(moved.is_set, 5, "the owner's move to return once the copy ended")
+    t.join()
+    owner.fence.move(9)
+    with pytest.raises(StaleGrant):
+        peer.fence.enter(5)
+
+
+def test_a_writer_waits_for_a_rejoin_in_progress(pair):
+    """Scenario: the owner closed its fence to re-join (0); a write granted by the new MetaService
+    (its Joined reply raced ahead of the owner's) waits until the owner opens the fence to that epoch."""
+    owner, peer = pair
+    owner.fence.move(0)
+    entered = threading.Event()
+
+    def write() -> None:
+        with peer.fence.writing(7):
+            entered.set()
+
+    t = threading.Thread(target=write)
+    t.start()
+    owner.fence.move(7)
+    wait_for(entered.is_set, 5, "the write to proceed once the fence opened to its epoch")
+    t.join()
+
+
+def test_threads_of_one_process_share_its_holding(pair):
+    """Scenario: two threads of one writer process copy under epoch 3; the first to end must not
+    release the other's holding (one open file description holds one lock): the owner's move waits
+    for the second as well."""
+    owner, peer = pair
+    owner.fence.move(3)
+    peer.fence.enter(3)
+    peer.fence.enter(3)
+    peer.fence.leave()
+    moved = threading.Event()
+    t = threading.Thread(target=close_and_say, args=(owner, moved))
+    t.start()
+    try:
+        assert not moved.wait(0.3)
+    finally:
+        peer.fence.leave()
+    wait_for(moved.is_set, 5, "the owner's move once the second copy ended")
+    t.join()
