@@ -16,31 +16,16 @@ machine-readable): docs/operations.md, "Ascend's admin API".
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameter
 from . import ascend_metrics, stats, validate
+from .metadata import error, missing, timestamp
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore
 
 MAX_BODY_BYTES = 1 << 20        # a POST/PUT body read at most (a larger one is refused unread)
-MAX_METADATA_KEYS = 1024        # /metadata entries kept
-MAX_METADATA_VALUE = 64 << 10   # bytes of one /metadata value
-MAX_METADATA_KEY = 256
-
-
-def timestamp() -> int:
-    return int(time.time())
-
-
-def error(msg: str) -> dict[str, Any]:
-    return {"error_message": msg, "success": False, "timestamp": timestamp()}
-
-
-def missing(name: str) -> dict[str, Any]:
-    return error(f"Missing '{name}' parameter")
 
 
 # ---- role, leader, health ---------------------------------------------------------------------------
@@ -201,35 +186,3 @@ def chunk_hashes(body: bytes | None) -> list[str] | dict[str, Any]:
     except InvalidParameter as e:
         return error(f"chunk_hashes: {e}")
     return hashes
-
-
-class Metadata:
-    """``/metadata?key=``: a small store of text values an operator's tools keep beside the pool (GET,
-    PUT with the value as the body, DELETE), bounded: ``MAX_METADATA_KEYS`` entries of at most
-    ``MAX_METADATA_VALUE`` bytes, keys of at most ``MAX_METADATA_KEY``. Held in memory, like the rest
-    of the MetaService's state (it does not survive a restart)."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, str] = {}
-
-    def handle(self, method: str, q: dict[str, str], body: bytes | None) -> dict[str, Any]:
-        if "key" not in q:
-            return missing("key")
-        key = q["key"]
-        if not key or len(key.encode()) > MAX_METADATA_KEY:
-            return error(f"key: expected 1 to {MAX_METADATA_KEY} bytes")
-        if method == "GET":
-            if key not in self.values:
-                return error("Metadata key not found")
-            return {"key": key, "success": True, "timestamp": timestamp(), "value": self.values[key]}
-        if method == "DELETE":
-            if self.values.pop(key, None) is None:
-                return error("Metadata key not found")
-            return {"key": key, "success": True, "timestamp": timestamp()}
-        value = (body or b"").decode("utf-8", errors="replace")
-        if len(body or b"") > MAX_METADATA_VALUE:
-            return error(f"value: at most {MAX_METADATA_VALUE} bytes")
-        if key not in self.values and len(self.values) >= MAX_METADATA_KEYS:
-            return error(f"metadata: at most {MAX_METADATA_KEYS} keys; delete one first")
-        self.values[key] = value
-        return {"key": key, "success": True, "timestamp": timestamp()}

@@ -43,7 +43,7 @@ from ..config import parse_url
 from ..errors import cannot_listen
 from ..http_guard import GuardedHTTPServer
 from . import ascend_http, disk, metrics, stats, status_page
-from .ascend_http import error as _error
+from .metadata import error as _error
 
 if TYPE_CHECKING:
     from .service import MetaServiceCore

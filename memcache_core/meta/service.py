@@ -22,10 +22,10 @@ from .. import errors
 from .. import protocol as p
 from ..config import MetaConfig
 from . import arena, disk, generations, gva, placement, stats, validate
-from .ascend_http import Metadata
 from .drain import Drains
 from .events import EventPublisher, load_curve
 from .members import Member, Membership, new_epoch
+from .metadata import Metadata
 from .metrics import Metrics
 from .objects import PENDING_LEASE
 from .repair import Repairs
