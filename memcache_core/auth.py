@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"MCA1"
 NONCE = 32
+BUSY = b"MCA0"   # what a server out of connection slots sends for its challenge, then it closes
 HANDSHAKE_TIMEOUT_S = 5.0
 SECRET_ENV = "MEMCACHE_SECRET_PATH"
 MIN_SECRET_BITS = 256    # 32 random bytes' worth
@@ -52,6 +53,31 @@ MIN_SECRET_BITS = 256    # 32 random bytes' worth
 
 class AuthFailed(MemCacheError):
     """The peer did not prove it holds the pool secret (or we could not)."""
+
+
+class AuthMismatch(AuthFailed):
+    """This side and the server do not share the pool's authentication: a different pool secret, or
+    ``auth_enable`` set differently. Permanent: trying again cannot mend it (``is_auth_mismatch``)."""
+
+
+def is_auth_mismatch(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or a cause of it is an ``AuthMismatch`` (the control-plane client reports a
+    failed connection as ``MetaServiceUnavailable`` from its cause)."""
+    while exc is not None and not isinstance(exc, AuthMismatch) and exc.__cause__ is not exc:
+        exc = exc.__cause__
+    return isinstance(exc, AuthMismatch)
+
+
+def refuse_busy(conn: socket.socket, tls: bool) -> None:
+    """Close a connection refused for want of slots, first saying so (``BUSY`` for the challenge; not
+    over TLS, whose handshake comes first): a client tells it from a server stopping or restarting."""
+    try:
+        if not tls:
+            conn.setblocking(False)
+            conn.send(BUSY)   # 4 bytes into an empty send buffer: never blocks
+    except OSError:
+        pass
+    conn.close()
 
 
 def default_secret_path(pool_name: str = "") -> str:
@@ -65,10 +91,10 @@ def load_secret(path: str, create: bool = False, pool_name: str = "") -> bytes:
     """Read the pool secret (``path``, else ``default_secret_path(pool_name)``); with ``create`` make
     it (0600, random) when the file does not exist.
 
-    Refused (ConfigError naming the file and the remedy): a symlink another user could have made,
-    not a regular file, owned by
-    another user (root's is fine: a Kubernetes Secret mount), readable or writable by others, readable
-    by a group this process is not in, writable by its group, or under 32 random bytes' worth."""
+    Refused (ConfigError naming the file and the remedy): a symlink another user could have made, not a
+    regular file, owned by another user (root's is fine: a Kubernetes Secret mount), readable or
+    writable by others, readable by a group this process is not in, writable by its group, or under 32
+    random bytes' worth."""
     path = path or default_secret_path(pool_name)
     if create and not os.path.exists(path):
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
@@ -260,43 +286,55 @@ def admin_authorized(authorization: str, token: str | None, basic: bool = True) 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
+        if not (chunk := sock.recv(n - len(buf))):
             raise ConnectionError("peer closed the connection during authentication")
         buf += chunk
     return bytes(buf)
 
 
 def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
-    """Authenticate to a server on a blocking socket: the connection's ``Session`` (``NO_SESSION``
-    with auth off); raises AuthFailed or OSError."""
+    """Authenticate to a server on a blocking socket: its ``Session`` (``NO_SESSION`` with auth off). Raises
+    AuthFailed (AuthMismatch: the secrets or auth_enable differ) or OSError (closed: it is restarting)."""
     if secret is None:
         return NO_SESSION
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        try:
-            hello = recv_exact(sock, len(MAGIC) + NONCE)
-        except TimeoutError as e:
-            raise AuthFailed(f"no authentication challenge from the server within {timeout_s:g}s: it runs with "
-                             f"auth_enable: false? Set auth_enable (and auth_secret_path) alike on the MetaService "
-                             f"and every member (docs/security.md)") from e
-        except ConnectionError as e:
-            raise AuthFailed("the server closed the connection before authenticating: it is out of connection "
-                             "slots, or too many connections from this address are in their handshake (its "
-                             "log says which); not a secret mismatch") from e
+        hello = _recv_hello(sock, timeout_s)
         if hello[:len(MAGIC)] != MAGIC:
-            raise AuthFailed("the server does not speak the authenticated protocol (auth_enable differs?)")
+            raise AuthMismatch("the server does not speak the authenticated protocol (auth_enable differs?)")
         nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(NONCE)
         sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
-        proof = recv_exact(sock, 32)
+        try:
+            proof = recv_exact(sock, 32)
+        except ConnectionError as e:
+            raise AuthMismatch("the server closed the connection on our proof of the pool secret: the secret "
+                               "here is not the pool's (wrong pool secret)") from e
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c)):
-            raise AuthFailed("the server did not prove it holds the pool secret")
+            raise AuthMismatch("the server did not prove it holds the pool secret (wrong pool secret)")
         return Session(secret, nonce_s, nonce_c, client=True)
-    except ConnectionError as e:
-        raise AuthFailed(f"authentication refused (wrong pool secret?): {e}") from e
     finally:
         sock.settimeout(old)
+
+
+def _recv_hello(sock: socket.socket, timeout_s: float) -> bytes:
+    """The server's challenge; a refusal (``BUSY``), a close before it or silence, each named."""
+    buf, gone = bytearray(), "the server closed the connection before its authentication challenge"
+    try:
+        while len(buf) < len(MAGIC) + NONCE and (chunk := sock.recv(len(MAGIC) + NONCE - len(buf))):
+            buf += chunk
+    except TimeoutError as e:
+        raise AuthFailed(f"no authentication challenge from the server within {timeout_s:g}s: it runs with "
+                         f"auth_enable: false? Set auth_enable (and auth_secret_path) alike on the MetaService "
+                         f"and every member (docs/security.md)") from e
+    except ConnectionError as e:
+        raise ConnectionResetError(f"{gone}: it is stopping or restarting ({e})") from e
+    if bytes(buf) == BUSY:
+        raise AuthFailed("the server refused the connection: it is out of connection slots, or this address "
+                         "has too many connections open (its log says which); not a secret mismatch")
+    if len(buf) < len(MAGIC) + NONCE:
+        raise ConnectionResetError(f"{gone}: it is stopping or restarting")
+    return bytes(buf)
 
 
 class ServerHandshake:

@@ -11,7 +11,7 @@ import ssl
 import time
 from collections.abc import Callable
 
-from ..auth import NO_SESSION, ServerHandshake, Session
+from ..auth import NO_SESSION, ServerHandshake, Session, refuse_busy
 from ..errors import cannot_listen
 from .framing import FRAME_HEAD, is_addr_in_use, is_out_of_descriptors, take_frame
 
@@ -200,7 +200,7 @@ class FrameServer:
     def _refuse(self, conn: socket.socket, why: str) -> None:
         """Close a new connection at once, saying why in the log (at most once a second)."""
         self.refused += 1
-        conn.close()
+        refuse_busy(conn, self.tls is not None)
         now = time.monotonic()
         if now - self._warned_at >= 1.0:
             self._warned_at = now
