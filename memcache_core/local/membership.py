@@ -1,5 +1,5 @@
-"""The LocalService as a pool member: its ``Session`` (what one Join established), joining and
-re-joining, the heartbeat with its journal of objects that left our segment, calls that act as this
+"""The LocalService as a pool member: its ``Session`` (what one Join established), joining (or, for a
+standalone provider, waiting for the MetaService and joining when it answers) and re-joining, the heartbeat with its journal of objects that left our segment, calls that act as this
 member, and the table of the pool's segments (refreshed so that peers that left are unmapped).
 
 Identity: the MetaService issues this member's id at ``Join`` (ids are never drawn from ``random``,
@@ -17,18 +17,21 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from .. import errors
 from .. import protocol as p
+from ..auth import default_secret_path, is_auth_mismatch
 from ..config import LocalConfig
-from ..errors import MemCacheError, MetaServiceUnavailable
+from ..errors import ConfigError, InvalidParameter, MemCacheError, MetaServiceUnavailable
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..transfer import TransferEngine
 from ..transfer.tcp_server import DataServer
 from . import recovery, tier
 from .arena import ArenaWriter
+from .background_join import BackgroundJoin
 from .drain import Drainer
 from .metrics import LocalMetrics
 from .session import Pieces as Pieces
@@ -37,6 +40,7 @@ from .session import Session
 logger = logging.getLogger(__name__)
 
 SEGMENT_REFRESH_S = 10.0    # how often the segment table is re-read (peers that left are unmapped)
+MAX_WAIT_BACKOFF_S = 10.0   # a provider waiting for its MetaService tries again at least this often
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,10 +95,79 @@ class Membership:
     _join_lock: threading.Lock
     _stop: threading.Event
     _beat_now: threading.Event      # heartbeat at once (a remove of our own objects waits for it)
+    _heartbeat: threading.Thread | None
+    _waiting: BackgroundJoin | None  # the first join, retried until the pool answers (wait_for_pool)
+    join_error: MemCacheError | None  # why the wait for the pool ended without a join
 
     @property
     def client_id(self) -> int:
         return self.session.client_id
+
+    def _first_join_or_wait(self, wait: bool, on_failed: Callable[[MemCacheError], None] | None) -> bool:
+        """The first join; True once in. With ``wait`` a MetaService that does not answer yet is waited
+        for: False, and the join is retried in the background with backoff (``background_join.py``);
+        a refusal for good (``refused_for_good``) raises here, or later ends the wait with
+        ``on_failed(error)``."""
+        try:
+            self._first_join()
+            return True
+        except MemCacheError as e:
+            if not wait or refused_for_good(e):
+                named = self._join_refused(e)
+                if named is e:
+                    raise
+                raise named from e
+            logger.warning("cannot join the pool yet (%s); waiting for the MetaService at %s and joining as "
+                           "soon as it answers (retried with backoff, at most every %gs)", e, self.rpc.url,
+                           MAX_WAIT_BACKOFF_S)
+        self._waiting = BackgroundJoin(self._first_join, self._joined, max_s=MAX_WAIT_BACKOFF_S, name="LocalService",
+                                       joined_note=lambda: f"serving its segment as member {self.client_id}",
+                                       permanent=refused_for_good,
+                                       on_failed=partial(self._wait_failed, on_failed)).start()
+        return False
+
+    def _first_join(self) -> None:
+        """One attempt at the first join, counted in the metrics."""
+        self.metrics.join_attempts.inc()
+        try:
+            self._join(recover=False)
+        except BaseException:
+            self.metrics.join_failures.inc()
+            raise
+
+    def _joined(self, _: object) -> None:
+        """In the pool: heartbeats, the disk tier's writer, ``joined`` in the metrics."""
+        with self._join_lock:
+            if self._stop.is_set():
+                return   # closed while the last attempt was on the way; the MetaService declares us dead
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
+            self._heartbeat.start()
+            if self.disk is not None:
+                self.disk.start()
+            self.metrics.joined = True
+
+    def _join_refused(self, e: MemCacheError) -> MemCacheError:
+        """A join refused for good, as an error that names the setting to fix (of the same class for a
+        secret that is not the pool's: an engine's ``init`` still returns -3017)."""
+        if is_auth_mismatch(e) and self.secret is not None:
+            path = self.config.auth_secret_path or default_secret_path(self.config.pool_name)
+            return type(e)(f"auth_secret_path: the MetaService at {self.rpc.url or self.config.meta_service_url} "
+                               f"refused the pool secret in {path} ({e}): use the pool's secret file (the "
+                               f"MetaService's auth_secret_path; a pool with a pool_name has its own, "
+                               f"pool-<pool_name>.secret: set pool_name alike)")
+        return e
+
+    def _wait_failed(self, notify: Callable[[MemCacheError], None] | None, exc: BaseException) -> None:
+        err = self._join_refused(exc) if isinstance(exc, MemCacheError) else MemCacheError(str(exc))
+        self.join_error = err
+        logger.error("LocalService stops waiting for the pool: %s", err)
+        if notify is not None:
+            notify(err)
+
+    @property
+    def joined(self) -> bool:
+        """In the pool (the first join done); False while it waits for the MetaService."""
+        return self.metrics.joined
 
     def _join(self, recover: bool) -> None:
         """Join (or re-join) and install the new session in one step."""
@@ -238,3 +311,10 @@ class Membership:
 
 def _fields(info: p.SegmentInfo) -> tuple:
     return (info.segment_id, info.size, info.host_id, info.shm_path, info.data_addr, info.tag, info.nixl)
+
+
+def refused_for_good(e: BaseException) -> bool:
+    """A join error that waiting cannot mend: the pool's authentication differs (wrong secret,
+    ``auth_enable``), or the MetaService refused the Join as invalid (a config error). Anything else
+    (unreachable, restarting, out of connection slots, ``max_members``, not the leader) is waited out."""
+    return is_auth_mismatch(e) or isinstance(e, (ConfigError, InvalidParameter))
