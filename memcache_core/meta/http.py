@@ -1,6 +1,6 @@
 """HTTP admin server of the MetaService, at ``metrics_url``.
 
-Every route but /health needs ``Authorization: Bearer <token>`` with the pool's admin token
+Every route but /health, /livez and /ready needs ``Authorization: Bearer <token>`` with the pool's admin token
 (``auth.admin_token``) when authentication is on. At most ``http_guard.MAX_CONNECTIONS`` connections are served
 at once, each with a socket timeout (over HTTPS, the TLS handshake runs in the connection's thread
 within ``TLS_HANDSHAKE_TIMEOUT_S``, never in the accept loop); scans of the whole table copy it under the lock and do the work
@@ -14,7 +14,7 @@ the browser send, so a form it submits is refused (CSRF).
 GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
 /keys?prefix=P, POST /remove_prefix?prefix=P, POST /drain/<segment_id>[?timeout_ms=], GET /drain/<segment_id>,
 /drains, /role, /leader (HA), /kv_events/status, POST /memory/evict[?keys=a,b], POST /memory/prefetch?keys=a,b,
-GET /health and /livez (both without the token), /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
+GET /health, /livez and /ready (without the token; /ready answers 503 until the pool can take puts), /metrics (Prometheus), /metrics/summary, /query_key?key=, /batch_query_keys?keys=a,b,
 /get_all_keys, /get_all_segments, /query_segment?segment=, /api/v1/capacity/usage,
 /api/v1/segments/status. Errors are HTTP 200 with ``{"success": false, "error_message": ...}``,
 as memcache_hybrid answers.
@@ -146,6 +146,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(302, b"", "text/plain", {"Location": "/status"})
         if url.path == "/livez":   # liveness, as memcache_hybrid answers it: the process serves HTTP
             return self._send(200, b"ok", "text/plain")
+        if url.path == "/ready":   # readiness of the pool, open: 200 once it can take puts, else 503
+            ready = service_ready(core.stats())
+            return self._send(200 if ready else 503, json.dumps({"success": ready, "service_ready": ready}).encode(),
+                              "application/json")
         if url.path != "/health" and not self._authorized():
             return self._refuse(url.path)
         if url.path == "/get_all_keys":
@@ -241,7 +245,7 @@ def _from_snapshot(path: str, q: dict[str, str], snap: stats.Snapshot) -> dict[s
     match path:
         case "/health":
             return {"success": True, "status": "ok", "epoch": snap.epoch, "uptime_s": snap.uptime_s,
-                    "members": len(snap.members)}
+                    "members": len(snap.members), "service_ready": service_ready(snap)}
         case "/get_all_segments" | "/api/v1/segments/status":
             return {"success": True, "segments": list(segs.values())}
         case "/query_segment":
@@ -258,6 +262,13 @@ def _from_snapshot(path: str, q: dict[str, str], snap: stats.Snapshot) -> dict[s
         case "/metrics/summary":
             return {"success": True, **snap.counters}
     return None
+
+
+def service_ready(snap: stats.Snapshot) -> bool:
+    """The pool can take puts: this MetaService serves (not an HA standby) and at least one segment
+    joined that takes new objects (not draining, past a re-join's grace; a full one evicts)."""
+    return snap.role != "standby" and any(g.capacity_bytes > 0 and g.accepts_new_objects_in_s == 0.0
+                                          for g in snap.segments)
 
 
 def _segment(g: stats.SegmentStats) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The MetaService's HTTP as Ascend's MetaService answers it (memcache_hybrid 1.3.0): ``/livez``,
-``/kv_events/status``, ``/memory/evict``, ``/memory/prefetch``, and its 86 ``memcache_*`` metric
+``service_ready`` in ``/health`` (and ``/ready``, its probe), ``/kv_events/status``, ``/memory/evict``, ``/memory/prefetch``, and its 86 ``memcache_*`` metric
 families next to ours, with values that follow the pool (docs/operations.md)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from memcache_core import DistributedObjectStore
 from memcache_core.testing import MetaServiceProcess, free_port, running_meta_service, wait_for
 from tests.integration.stores import StoreProcess
 from tests.integration.test_disk_tier import LAYOUT, MS_CONFIG, provider
@@ -136,3 +137,29 @@ def test_memory_routes_evict_to_disk_and_prefetch_back(tmp_path):
             assert got["codes"] == [0, 0] and not got["mismatches"]
         finally:
             prov.stop()
+
+
+def test_health_says_when_the_pool_is_ready_and_ready_answers_503_until_then(tmp_path):
+    """Scenario: a readiness check without the admin token. A MetaService without members is alive
+    (/health 200) but not ready: ``service_ready`` false (Ascend's field) and /ready 503; a pure
+    client joining changes nothing; once a LocalService with a segment joins, both say ready. /ready
+    says nothing else, and /health keeps its fields."""
+    ms = MetaServiceProcess(str(tmp_path))
+    client, provider = DistributedObjectStore(), DistributedObjectStore()
+    try:
+        ms.start()
+        health = ms.http("/health", authorized=False)
+        assert health["status"] == "ok" and health["members"] == 0 and health["service_ready"] is False, health
+        assert call(ms, "/ready", authorized=False) == (503, b'{"success": false, "service_ready": false}')
+        assert client.setup(ms.local_config(dram_size="0")) == 0 and client.init(0, False) == 0
+        assert ms.http("/health", authorized=False)["service_ready"] is False
+        assert call(ms, "/ready", authorized=False)[0] == 503
+        assert provider.setup(ms.local_config()) == 0 and provider.init(0, True) == 0
+        health = ms.http("/health", authorized=False)
+        assert health["service_ready"] is True and set(health) == {"success", "status", "epoch", "uptime_s",
+                                                                   "members", "service_ready"}, health
+        assert call(ms, "/ready", authorized=False) == (200, b'{"success": true, "service_ready": true}')
+    finally:
+        client.close()
+        provider.close()
+        ms.stop()
