@@ -16,13 +16,13 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, TypeVar
 
 from .. import errors
 from .. import protocol as p
-from ..auth import default_secret_path, is_auth_mismatch
+from ..auth import AuthMismatch, default_secret_path, is_auth_mismatch
 from ..config import LocalConfig
 from ..errors import ConfigError, InvalidParameter, MemCacheError, MetaServiceUnavailable
 from ..memory import Mapping
@@ -147,14 +147,19 @@ class Membership:
             self.metrics.joined = True
 
     def _join_refused(self, e: MemCacheError) -> MemCacheError:
-        """A join refused for good, as an error that names the setting to fix (of the same class for a
-        secret that is not the pool's: an engine's ``init`` still returns -3017)."""
+        """A join refused for good, as an error that names the setting to fix (of the same class: an
+        engine's ``init`` still returns -3017 for a secret that is not the pool's)."""
+        url = self.rpc.url or self.config.meta_service_url
         if is_auth_mismatch(e) and self.secret is not None:
             path = self.config.auth_secret_path or default_secret_path(self.config.pool_name)
-            return type(e)(f"auth_secret_path: the MetaService at {self.rpc.url or self.config.meta_service_url} "
-                               f"refused the pool secret in {path} ({e}): use the pool's secret file (the "
-                               f"MetaService's auth_secret_path; a pool with a pool_name has its own, "
-                               f"pool-<pool_name>.secret: set pool_name alike)")
+            return type(e)(f"auth_secret_path: the MetaService at {url} refused the pool secret in {path} ({e}): "
+                           f"use the pool's secret file (the MetaService's auth_secret_path; a pool with a "
+                           f"pool_name has its own, pool-<pool_name>.secret: set pool_name alike)")
+        cert = next((c for c in _causes(e) if isinstance(c, ssl.SSLCertVerificationError)), None)
+        if cert is not None:
+            return type(e)(f"tls_ca_path: the certificate of the MetaService at {url} does not verify against "
+                           f"{self.config.tls_ca_path} ({cert.verify_message}): give the MetaService and every "
+                           f"member certificates signed by one CA, and that CA in tls_ca_path")
         return e
 
     def _wait_failed(self, notify: Callable[[MemCacheError], None] | None, exc: BaseException) -> None:
@@ -315,6 +320,17 @@ def _fields(info: p.SegmentInfo) -> tuple:
 
 def refused_for_good(e: BaseException) -> bool:
     """A join error that waiting cannot mend: the pool's authentication differs (wrong secret,
-    ``auth_enable``), or the MetaService refused the Join as invalid (a config error). Anything else
-    (unreachable, restarting, out of connection slots, ``max_members``, not the leader) is waited out."""
-    return is_auth_mismatch(e) or isinstance(e, (ConfigError, InvalidParameter))
+    ``auth_enable``), the MetaService's TLS certificate does not verify (another CA), or the
+    MetaService refused the Join as invalid (a config error). Anything else (unreachable, restarting,
+    out of connection slots, ``max_members``, not the leader) is waited out."""
+    return any(isinstance(c, (AuthMismatch, ConfigError, InvalidParameter, ssl.SSLCertVerificationError))
+               for c in _causes(e))
+
+
+def _causes(e: BaseException | None) -> Iterator[BaseException]:
+    """``e`` and its causes (the control-plane client raises ``MetaServiceUnavailable`` from what failed)."""
+    for _ in range(16):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__

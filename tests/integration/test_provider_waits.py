@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -23,6 +24,7 @@ from memcache_core.testing import (
     MetaServiceProcess,
     die_with_parent,
     free_port,
+    make_tls_files,
     scrape_metrics,
     terminate,
     wait_for,
@@ -131,3 +133,22 @@ def test_a_provider_with_a_wrong_secret_exits_naming_it(tmp_path, meta_first):
         terminate(proc)
         ms.stop()
 
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_a_provider_whose_ca_does_not_verify_the_metaservice_exits_naming_tls_ca_path(tmp_path):
+    """Scenario: TLS on, but the provider's certificates come from another CA than the MetaService's:
+    its certificate can never verify, so the provider exits 1 naming tls_ca_path rather than wait."""
+    (tmp_path / "pool").mkdir()
+    (tmp_path / "other").mkdir()
+    pool_tls, other_tls = make_tls_files(str(tmp_path / "pool")), make_tls_files(str(tmp_path / "other"))
+    ms = MetaServiceProcess(str(tmp_path), **pool_tls)
+    ms.start()
+    proc, log, _ = _provider(ms, tmp_path, **other_tls)
+    try:
+        wait_for(lambda: proc.poll() is not None, 60, lambda: f"the provider to exit: {log.read_text()[-2000:]}")
+        text = log.read_text()
+        assert proc.returncode == 1 and "tls_ca_path" in text and other_tls["tls_ca_path"] in text, text
+    finally:
+        terminate(proc)
+        ms.stop()
