@@ -39,7 +39,8 @@ from .secret_file import load_secret as load_secret
 
 MAGIC = b"MCA1"
 NONCE = 32
-BUSY = b"MCA0"   # what a server out of connection slots sends for its challenge, then it closes
+BUSY = b"MCA0"     # sent for the challenge (or the proof) by a server that must close for want of slots
+DENIED = b"MCA!"   # sent for the server's proof when the client's proof is wrong, then the server closes
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -60,15 +61,22 @@ def is_auth_mismatch(exc: BaseException | None) -> bool:
     return isinstance(exc, AuthMismatch)
 
 
-def refuse_busy(conn: socket.socket, tls: bool) -> None:
-    """Close a connection refused for want of slots, first saying so (``BUSY`` for the challenge; not
-    over TLS, whose handshake comes first): a client tells it from a server stopping or restarting."""
+def tell(conn: socket.socket, word: bytes) -> None:
+    """Send ``word`` (``BUSY``, ``DENIED``) before closing ``conn``, best effort (4 bytes into a send
+    buffer holding at most the challenge: never blocks): the client can tell why it was closed from
+    a server that closed saying nothing because it was stopping or restarting."""
     try:
-        if not tls:
-            conn.setblocking(False)
-            conn.send(BUSY)   # 4 bytes into an empty send buffer: never blocks
-    except OSError:
+        conn.send(word)
+    except (OSError, ValueError):   # (a TLS socket not ready to send: the client sees a plain close)
         pass
+
+
+def refuse_busy(conn: socket.socket, tls: bool) -> None:
+    """Close a connection refused for want of slots, saying so (``BUSY``; not over TLS, whose
+    handshake comes first)."""
+    if not tls:
+        conn.setblocking(False)
+        tell(conn, BUSY)
     conn.close()
 
 
@@ -181,16 +189,20 @@ def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        hello = _recv_hello(sock, timeout_s)
+        try:
+            hello = _recv_upto(sock, len(MAGIC) + NONCE, "its authentication challenge")
+        except TimeoutError as e:
+            raise AuthFailed(f"no authentication challenge from the server within {timeout_s:g}s: it runs with "
+                             f"auth_enable: false? Set auth_enable (and auth_secret_path) alike on the MetaService "
+                             f"and every member (docs/security.md)") from e
         if hello[:len(MAGIC)] != MAGIC:
             raise AuthMismatch("the server does not speak the authenticated protocol (auth_enable differs?)")
         nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(NONCE)
         sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
-        try:
-            proof = recv_exact(sock, 32)
-        except ConnectionError as e:
-            raise AuthMismatch("the server closed the connection on our proof of the pool secret: the secret "
-                               "here is not the pool's (wrong pool secret)") from e
+        proof = _recv_upto(sock, 32, "its proof of the pool secret")
+        if proof == DENIED:
+            raise AuthMismatch("the server refused our proof of the pool secret: the secret here is not the "
+                               "pool's (wrong pool secret)")
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c)):
             raise AuthMismatch("the server did not prove it holds the pool secret (wrong pool secret)")
         return Session(secret, nonce_s, nonce_c, client=True)
@@ -198,24 +210,24 @@ def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
         sock.settimeout(old)
 
 
-def _recv_hello(sock: socket.socket, timeout_s: float) -> bytes:
-    """The server's challenge; a refusal (``BUSY``), a close before it or silence, each named."""
-    buf, gone = bytearray(), "the server closed the connection before its authentication challenge"
+def _recv_upto(sock: socket.socket, n: int, what: str) -> bytes:
+    """``n`` bytes of the server's handshake: a close before them is named, ``BUSY`` (out of slots)
+    from a close without a word (stopping or restarting, which a caller waits out); ``DENIED`` is
+    returned for the caller to read."""
+    buf = bytearray()
     try:
-        while len(buf) < len(MAGIC) + NONCE and (chunk := sock.recv(len(MAGIC) + NONCE - len(buf))):
+        while len(buf) < n and (chunk := sock.recv(n - len(buf))):
             buf += chunk
-    except TimeoutError as e:
-        raise AuthFailed(f"no authentication challenge from the server within {timeout_s:g}s: it runs with "
-                         f"auth_enable: false? Set auth_enable (and auth_secret_path) alike on the MetaService "
-                         f"and every member (docs/security.md)") from e
     except ConnectionError as e:
-        raise ConnectionResetError(f"{gone}: it is stopping or restarting ({e})") from e
+        raise ConnectionResetError(f"the server reset the connection before {what}: it is stopping or "
+                                   f"restarting ({e})") from e
+    if len(buf) == n or bytes(buf) == DENIED:
+        return bytes(buf)
     if bytes(buf) == BUSY:
-        raise AuthFailed("the server refused the connection: it is out of connection slots, or this address "
-                         "has too many connections open (its log says which); not a secret mismatch")
-    if len(buf) < len(MAGIC) + NONCE:
-        raise ConnectionResetError(f"{gone}: it is stopping or restarting")
-    return bytes(buf)
+        raise AuthFailed(f"the server closed the connection before {what}, for want of slots: it is out of "
+                         f"connection slots, or this address has too many connections open or in their "
+                         f"handshake (its log says which); not a secret mismatch")
+    raise ConnectionResetError(f"the server closed the connection before {what}: it is stopping or restarting")
 
 
 class ServerHandshake:
@@ -271,6 +283,7 @@ def server_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
             buf += chunk
         reply, _ = hs.feed(bytes(buf))
         if hs.failed:
+            tell(sock, DENIED)
             return None
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(reply)

@@ -1,18 +1,20 @@
 """What a member says when a server closes a connection before its handshake ends, over real
 sockets: a server out of connection slots says so before it closes (``BUSY``); one that closes
-without a word is stopping or restarting (a MetaService restart), not out of slots; a server that
-refuses our proof holds another pool secret."""
+without a word, before its challenge or after our proof, is stopping or restarting (a MetaService
+restart), neither out of slots nor holding another secret; a server that refuses our proof says so
+(``DENIED``): another pool secret."""
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 
 import pytest
 
 from memcache_core import protocol as p
-from memcache_core.auth import AuthFailed, AuthMismatch, client_handshake, is_auth_mismatch
+from memcache_core.auth import MAGIC, NONCE, AuthFailed, AuthMismatch, client_handshake, is_auth_mismatch
 from memcache_core.errors import MetaServiceUnavailable
 from memcache_core.rpc import FrameServer, RpcClient
 from memcache_core.testing import polling
@@ -86,3 +88,28 @@ def test_a_server_with_another_secret_is_a_mismatch():
         finally:
             client.close()
     assert is_auth_mismatch(e.value) and "wrong pool secret" in str(e.value)
+
+
+def test_a_server_that_closes_after_our_proof_without_a_word_is_restarting():
+    """Scenario: the MetaService goes away between its challenge and its proof (it read ours, then
+    its process ended). That is a restart to wait out, not a wrong secret: a provider must not stop
+    on it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def challenge_then_close() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(MAGIC + os.urandom(NONCE))
+            got = b""
+            while len(got) < NONCE + 32 and (chunk := conn.recv(NONCE + 32 - len(got))):
+                got += chunk
+
+    thread = threading.Thread(target=challenge_then_close, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(listener.getsockname()) as s, pytest.raises(ConnectionError) as e:
+            client_handshake(s, SECRET)
+        assert "stopping or restarting" in str(e.value) and not is_auth_mismatch(e.value), e.value
+    finally:
+        thread.join(5)
+        listener.close()
