@@ -57,10 +57,7 @@ def _local_service(path: str) -> int:
                     config.dram_bytes, config.protocol)
     stop.wait()
     svc.close()
-    if refused:
-        logger.error("LocalService cannot join the pool: %s", refused[0])
-        return 1
-    return 0
+    return 1 if refused else 0   # (the LocalService logged why it stopped waiting)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""The LocalService as a pool member: its ``Session`` (what one Join established), joining (or, for a
-standalone provider, waiting for the MetaService and joining when it answers) and re-joining, the heartbeat with its journal of objects that left our segment, calls that act as this
+"""The LocalService as a pool member: its ``Session`` (what one Join established), joining (a
+standalone provider waits for its MetaService: the first join retried until it answers) and
+re-joining, the heartbeat with its journal of objects that left our segment, calls that act as this
 member, and the table of the pool's segments (refreshed so that peers that left are unmapped).
 
 Identity: the MetaService issues this member's id at ``Join`` (ids are never drawn from ``random``,
