@@ -18,12 +18,9 @@ The secret never crosses the wire; a peer without it learns nothing but a random
 also proves the server knows the secret (no fake MetaService or data server). The admin HTTP server
 takes ``Authorization: Bearer <admin_token(secret)>`` on every route but ``/health``.
 
-The secret is a file (``auth_secret_path``, or ``MEMCACHE_SECRET_PATH``, or
+The secret is a file (``secret_file.py``: ``auth_secret_path``, or ``MEMCACHE_SECRET_PATH``, or
 ``~/.config/memcache/pool-<pool_name>.secret``, or ``~/.config/memcache/pool.secret`` for a pool
-without a ``pool_name``). A MetaService creates the default file (0600, 32 random bytes)
-when it is missing, so a single-host pool is authenticated with no configuration at all; for a pool
-across hosts, copy the file to each host (docs/security.md). ``auth_enable: false`` turns all of this
-off, for a single trusted host only.
+without a ``pool_name``). ``auth_enable: false`` turns all of this off, for a single trusted host only.
 """
 
 from __future__ import annotations
@@ -31,138 +28,56 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import logging
-import math
-import os
 import secrets
 import socket
-import stat
 import time
 
-from .errors import ConfigError, MemCacheError
-
-logger = logging.getLogger(__name__)
+from .errors import MemCacheError
+from .secret_file import SECRET_ENV as SECRET_ENV
+from .secret_file import default_secret_path as default_secret_path
+from .secret_file import load_secret as load_secret
 
 MAGIC = b"MCA1"
 NONCE = 32
+BUSY = b"MCA0"     # sent for the challenge (or the proof) by a server that must close for want of slots
+DENIED = b"MCA!"   # sent for the server's proof when the client's proof is wrong, then the server closes
 HANDSHAKE_TIMEOUT_S = 5.0
-SECRET_ENV = "MEMCACHE_SECRET_PATH"
-MIN_SECRET_BITS = 256    # 32 random bytes' worth
 
 
 class AuthFailed(MemCacheError):
     """The peer did not prove it holds the pool secret (or we could not)."""
 
 
-def default_secret_path(pool_name: str = "") -> str:
-    """$MEMCACHE_SECRET_PATH, else the user's file of the pool named ``pool_name`` (``pool_name``
-    setting), else the user's one file for unnamed pools (shared by every unnamed pool of the user)."""
-    name = f"pool-{pool_name}.secret" if pool_name else "pool.secret"
-    return os.environ.get(SECRET_ENV) or os.path.join(os.path.expanduser("~"), ".config", "memcache", name)
+class AuthMismatch(AuthFailed):
+    """This side and the server do not share the pool's authentication: a different pool secret, or
+    ``auth_enable`` set differently. Permanent: trying again cannot mend it (``is_auth_mismatch``)."""
 
 
-def load_secret(path: str, create: bool = False, pool_name: str = "") -> bytes:
-    """Read the pool secret (``path``, else ``default_secret_path(pool_name)``); with ``create`` make
-    it (0600, random) when the file does not exist.
+def is_auth_mismatch(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or a cause of it is an ``AuthMismatch`` (the control-plane client reports a
+    failed connection as ``MetaServiceUnavailable`` from its cause)."""
+    while exc is not None and not isinstance(exc, AuthMismatch) and exc.__cause__ is not exc:
+        exc = exc.__cause__
+    return isinstance(exc, AuthMismatch)
 
-    Refused (ConfigError naming the file and the remedy): a symlink another user could have made,
-    not a regular file, owned by
-    another user (root's is fine: a Kubernetes Secret mount), readable or writable by others, readable
-    by a group this process is not in, writable by its group, or under 32 random bytes' worth."""
-    path = path or default_secret_path(pool_name)
-    if create and not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            pass   # another MetaService made it first
-        else:
-            with os.fdopen(fd, "w", encoding="ascii") as f:
-                f.write(secrets.token_hex(32) + "\n")
-            logger.info("created the pool secret %s (copy it to every host of the pool)", path)
+
+def tell(conn: socket.socket, word: bytes) -> None:
+    """Send ``word`` (``BUSY``, ``DENIED``) before closing ``conn``, best effort (4 bytes into a send
+    buffer holding at most the challenge: never blocks): the client can tell why it was closed from
+    a server that closed saying nothing because it was stopping or restarting."""
     try:
-        fd = os.open(_trusted_link_target(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise ConfigError(f"auth_secret_path: cannot read the pool secret {path}: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"auth_secret_path: {path} is not a regular file")
-        raw = f.read(4096).strip()
-    _check_secret_file(path, st)
-    bits = secret_bits(raw)
-    if bits < MIN_SECRET_BITS:
-        raise ConfigError(f"auth_secret_path: {path} holds about {bits // 8} random bytes' worth (a short or "
-                          f"repeated secret); a pool secret needs at least {MIN_SECRET_BITS // 8}. Make one with "
-                          f"`head -c 32 /dev/urandom | base64 > {path}` or "
-                          f"`python -c 'import secrets; print(secrets.token_hex(32))' > {path}`, "
-                          f"then chmod 600 it and copy it to every host of the pool")
-    return raw
+        conn.send(word)
+    except (OSError, ValueError):   # (a TLS socket not ready to send: the client sees a plain close)
+        pass
 
 
-def _trusted_link_target(path: str, hops: int = 8) -> str:
-    """``path``, or where the symbolic links it names lead when each link is this user's or root's in a
-    directory only they can change (a sticky one counts: a Kubernetes Secret volume is root's links,
-    ``pool.secret -> ..data/pool.secret``). A link another user could have made is refused."""
-    for _ in range(hops):
-        st = os.lstat(path)
-        if not stat.S_ISLNK(st.st_mode):
-            return path
-        parent = os.stat(os.path.dirname(os.path.abspath(path)))
-        if st.st_uid not in (os.geteuid(), 0) or (parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX):
-            raise ConfigError(f"auth_secret_path: {path} is a symbolic link another user could have made "
-                              f"(owned by uid {st.st_uid}, or in a directory others can change); point "
-                              f"auth_secret_path at the file itself")
-        path = os.path.join(os.path.dirname(path), os.readlink(path))
-    raise ConfigError(f"auth_secret_path: {path}: more than {hops} symbolic links")
-
-
-def _check_secret_file(path: str, st: os.stat_result) -> None:
-    """Owned by this user (or root), read by nobody else but a group of this process (Kubernetes mounts a
-    Secret root-owned, mode 0440, with the pod's fsGroup: examples/k8s/), written by nobody else."""
-    mode = st.st_mode & 0o777
-    if st.st_uid not in (os.geteuid(), 0):
-        raise ConfigError(f"auth_secret_path: {path} is owned by uid {st.st_uid}, not by this user "
-                          f"({os.geteuid()}) or root: another user could have planted it. Use a file of your own")
-    if mode & 0o007 or mode & 0o020 or (mode & 0o040 and st.st_gid not in (os.getegid(), *os.getgroups())):
-        raise ConfigError(f"auth_secret_path: {path} can be read or changed by other users (mode {mode:o}); "
-                          f"chmod 600 it (0440 with a group of this process is allowed)")
-
-
-def secret_bits(raw: bytes) -> int:
-    """A conservative estimate of a secret's random bits: the characters of its shortest repeating
-    unit (``abcabc...`` counts as ``abc``) times the bits a character of its alphabet can carry (hex 4,
-    base64 6, printable text 6.5, anything else 8; less for fewer than 8 distinct characters)."""
-    body = raw.rstrip(b"=")
-    if not body:
-        return 0
-    prefix = [0] * len(body)   # KMP: the shortest period of the string
-    k = 0
-    for i in range(1, len(body)):
-        while k and body[i] != body[k]:
-            k = prefix[k - 1]
-        if body[i] == body[k]:
-            k += 1
-        prefix[i] = k
-    period = len(body) - prefix[-1]
-    if period > len(body) // 2:   # no unit repeated twice (random text ends like it starts by chance)
-        period = len(body)
-    chars = set(body)
-    if chars <= _HEX:
-        per_char = 4.0
-    elif chars <= _BASE64:
-        per_char = 6.0
-    elif all(32 < c < 127 for c in chars):
-        per_char = 6.5
-    else:
-        per_char = 8.0
-    if len(chars) < 8:   # a few symbols however written ('0101...', 'abab...'): what they can carry
-        per_char = min(per_char, math.log2(len(chars)) if len(chars) > 1 else 0.0)
-    return int(period * per_char)
-
-
-_HEX = frozenset(b"0123456789abcdefABCDEF")
-_BASE64 = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
+def refuse_busy(conn: socket.socket, tls: bool) -> None:
+    """Close a connection refused for want of slots, saying so (``BUSY``; not over TLS, whose
+    handshake comes first)."""
+    if not tls:
+        conn.setblocking(False)
+        tell(conn, BUSY)
+    conn.close()
 
 
 def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
@@ -260,43 +175,59 @@ def admin_authorized(authorization: str, token: str | None, basic: bool = True) 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
+        if not (chunk := sock.recv(n - len(buf))):
             raise ConnectionError("peer closed the connection during authentication")
         buf += chunk
     return bytes(buf)
 
 
 def client_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
-    """Authenticate to a server on a blocking socket: the connection's ``Session`` (``NO_SESSION``
-    with auth off); raises AuthFailed or OSError."""
+    """Authenticate to a server on a blocking socket: its ``Session`` (``NO_SESSION`` with auth off). Raises
+    AuthFailed (AuthMismatch: the secrets or auth_enable differ) or OSError (closed: it is restarting)."""
     if secret is None:
         return NO_SESSION
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
         try:
-            hello = recv_exact(sock, len(MAGIC) + NONCE)
+            hello = _recv_upto(sock, len(MAGIC) + NONCE, "its authentication challenge")
         except TimeoutError as e:
             raise AuthFailed(f"no authentication challenge from the server within {timeout_s:g}s: it runs with "
                              f"auth_enable: false? Set auth_enable (and auth_secret_path) alike on the MetaService "
                              f"and every member (docs/security.md)") from e
-        except ConnectionError as e:
-            raise AuthFailed("the server closed the connection before authenticating: it is out of connection "
-                             "slots, or too many connections from this address are in their handshake (its "
-                             "log says which); not a secret mismatch") from e
         if hello[:len(MAGIC)] != MAGIC:
-            raise AuthFailed("the server does not speak the authenticated protocol (auth_enable differs?)")
+            raise AuthMismatch("the server does not speak the authenticated protocol (auth_enable differs?)")
         nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(NONCE)
         sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
-        proof = recv_exact(sock, 32)
+        proof = _recv_upto(sock, 32, "its proof of the pool secret")
+        if proof == DENIED:
+            raise AuthMismatch("the server refused our proof of the pool secret: the secret here is not the "
+                               "pool's (wrong pool secret)")
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c)):
-            raise AuthFailed("the server did not prove it holds the pool secret")
+            raise AuthMismatch("the server did not prove it holds the pool secret (wrong pool secret)")
         return Session(secret, nonce_s, nonce_c, client=True)
-    except ConnectionError as e:
-        raise AuthFailed(f"authentication refused (wrong pool secret?): {e}") from e
     finally:
         sock.settimeout(old)
+
+
+def _recv_upto(sock: socket.socket, n: int, what: str) -> bytes:
+    """``n`` bytes of the server's handshake: a close before them is named, ``BUSY`` (out of slots)
+    from a close without a word (stopping or restarting, which a caller waits out); ``DENIED`` is
+    returned for the caller to read."""
+    buf = bytearray()
+    try:
+        while len(buf) < n and (chunk := sock.recv(n - len(buf))):
+            buf += chunk
+    except ConnectionError as e:
+        raise ConnectionResetError(f"the server reset the connection before {what}: it is stopping or "
+                                   f"restarting ({e})") from e
+    if len(buf) == n or bytes(buf) == DENIED:
+        return bytes(buf)
+    if bytes(buf) == BUSY:
+        raise AuthFailed(f"the server closed the connection before {what}, for want of slots: it is out of "
+                         f"connection slots, or this address has too many connections open or in their "
+                         f"handshake (its log says which); not a secret mismatch")
+    raise ConnectionResetError(f"the server closed the connection before {what}: it is stopping or restarting")
 
 
 class ServerHandshake:
@@ -352,6 +283,7 @@ def server_handshake(sock: socket.socket, secret: bytes | None, timeout_s: float
             buf += chunk
         reply, _ = hs.feed(bytes(buf))
         if hs.failed:
+            tell(sock, DENIED)
             return None
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(reply)

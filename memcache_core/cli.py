@@ -23,11 +23,16 @@ def _local_service(path: str) -> int:
     # joined) stops the start where it is, closes what was made and exits 0; one that comes after
     # closes it as usual. Never the default action, which killed a provider that had just joined.
     stop, starting = threading.Event(), [True]
+    refused: list[MemCacheError] = []   # the wait for the pool ended for good (a wrong secret)
 
     def on_signal(*_: object) -> None:
         stop.set()
         if starting[0]:
             raise SystemExit(0)   # in the main thread, out of ``start``, whose failure path closes
+
+    def on_refused(e: MemCacheError) -> None:
+        refused.append(e)
+        stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -37,16 +42,22 @@ def _local_service(path: str) -> int:
         if config.segment_prefault == "auto":
             config.segment_prefault = "on"   # a provider's segment is the pool: fault it in at start
         svc = LocalService(config)
-        svc.start(0, with_segment=True, metrics_required=True)   # its metrics are a provider's only view
+        # its metrics are a provider's only view; a MetaService not up yet is waited for (applied at once
+        # with it, a provider must not crash-loop until it is ready), a refusal for good is not
+        svc.start(0, with_segment=True, metrics_required=True, wait_for_pool=True, on_join_failed=on_refused)
         starting[0] = False
     except (MemCacheError, OSError) as e:   # one line naming the setting, never a traceback
         configure_logging("info")
         logger.error("LocalService cannot start: %s", e)
         return 1
-    logger.info("LocalService %d serving %d bytes (%s)", svc.client_id, config.dram_bytes, config.protocol)
+    if svc.joined:
+        logger.info("LocalService %d serving %d bytes (%s)", svc.client_id, config.dram_bytes, config.protocol)
+    else:
+        logger.info("LocalService holds %d bytes (%s) and joins the pool when the MetaService answers",
+                    config.dram_bytes, config.protocol)
     stop.wait()
     svc.close()
-    return 0
+    return 1 if refused else 0   # (the LocalService logged why it stopped waiting)
 
 
 def main(argv: list[str] | None = None) -> int:

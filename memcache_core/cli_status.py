@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import ssl
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from .auth import SECRET_ENV, default_secret_path
 from .meta.stats import Snapshot, rates
 from .meta.status_page import human
 
@@ -59,14 +61,31 @@ def add_parsers(sub: Any) -> None:
 
 
 def token(args: argparse.Namespace) -> int:
+    if not args.secret_path and not args.pool_name and not os.environ.get(SECRET_ENV):
+        others = _named_pools()
+        if others:   # the unnamed pool's token, where the operator may have meant a named pool's
+            print(f"memcache: warning: no --pool-name: this is the token of the pool without a pool_name "
+                  f"(secret {default_secret_path()}); this host also holds the secrets of the pools named "
+                  f"{', '.join(others)}: pass --pool-name NAME for one of them", file=sys.stderr)
     print(_admin_token(args.secret_path, args.pool_name))
     return 0
+
+
+def _named_pools() -> list[str]:
+    """The pool names whose default secret files (``pool-<name>.secret``) this user has."""
+    folder = os.path.dirname(default_secret_path())
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(n[len("pool-"):-len(".secret")] for n in names
+                  if n.startswith("pool-") and n.endswith(".secret") and len(n) > len("pool-.secret"))
 
 
 def _admin_token(secret_path: str, pool_name: str = "") -> str:
     """The admin token of the pool whose secret is at ``secret_path`` (empty: the default file); a
     secret that cannot be read is a one-line error naming the file and what to do."""
-    from .auth import admin_token, default_secret_path, load_secret
+    from .auth import admin_token, load_secret
     from .errors import ConfigError
     try:
         return admin_token(load_secret(secret_path, pool_name=pool_name))
@@ -80,9 +99,11 @@ class AdminClient:
     def __init__(self, args: argparse.Namespace) -> None:
         self.url = args.url.rstrip("/")
         self.headers: dict[str, str] = {}
+        self.credential = ""   # where the token came from, for a 401
         if not args.no_auth:
             token = args.token or _admin_token(args.secret_path, args.pool_name)
             self.headers["Authorization"] = f"Bearer {token}"
+            self.credential = _credential(args)
         self.ctx = ssl.create_default_context(cafile=args.cacert or None) if self.url.startswith("https") else None
 
     def call(self, path: str, method: str = "GET") -> bytes:
@@ -91,9 +112,34 @@ class AdminClient:
             with urllib.request.urlopen(req, timeout=10, context=self.ctx) as r:
                 return r.read()
         except urllib.error.HTTPError as e:
-            raise SystemExit(f"memcache: {self.url}{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
+            body = e.read().decode(errors="replace")
+            if e.code == 401:
+                raise SystemExit(f"memcache: {self.url}{path}: HTTP 401: the MetaService refused {self.credential}"
+                                 if self.credential else f"memcache: {self.url}{path}: HTTP 401: the MetaService "
+                                 f"asks for the admin token (it runs with authentication): drop --no-auth") from e
+            raise SystemExit(f"memcache: {self.url}{path}: HTTP {e.code}: {body}") from e
         except OSError as e:
             raise SystemExit(f"memcache: cannot reach the MetaService admin port at {self.url}: {e}") from e
+
+
+def _credential(args: argparse.Namespace) -> str:
+    """What a 401 answers: the token we sent, where it came from, and how to send the right one."""
+    if args.token:
+        source = "--token" if args.token != os.environ.get("MEMCACHE_ADMIN_TOKEN") else "$MEMCACHE_ADMIN_TOKEN"
+        return (f"the admin token given with {source}: it is not this pool's (`memcache token` prints it from "
+                f"the pool's secret)")
+    path = args.secret_path or default_secret_path(args.pool_name)
+    if not args.secret_path and os.environ.get(SECRET_ENV):
+        path += " (from $MEMCACHE_SECRET_PATH)"
+    elif not args.secret_path and args.pool_name:
+        path += f" (of --pool-name {args.pool_name})"
+    hint = ""
+    if not args.secret_path and not args.pool_name and not os.environ.get(SECRET_ENV):
+        named = _named_pools()
+        hint = ("; a pool with a pool_name has its own secret: pass --pool-name NAME" +
+                (f" (this host has the secrets of the pools {', '.join(named)})" if named else ""))
+    return (f"the admin token of the secret file {path}: it is not this pool's secret. Pass the MetaService's "
+            f"auth_secret_path with --secret-path{hint}")
 
 
 def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], width: int, wide: bool) -> Any:

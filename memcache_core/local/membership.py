@@ -1,4 +1,5 @@
-"""The LocalService as a pool member: its ``Session`` (what one Join established), joining and
+"""The LocalService as a pool member: its ``Session`` (what one Join established), joining (a
+standalone provider waits for its MetaService: the first join retried until it answers) and
 re-joining, the heartbeat with its journal of objects that left our segment, calls that act as this
 member, and the table of the pool's segments (refreshed so that peers that left are unmapped).
 
@@ -16,19 +17,22 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, TypeVar
 
 from .. import errors
 from .. import protocol as p
+from ..auth import AuthMismatch, default_secret_path, is_auth_mismatch
 from ..config import LocalConfig
-from ..errors import MemCacheError, MetaServiceUnavailable
+from ..errors import ConfigError, InvalidParameter, MemCacheError, MetaServiceUnavailable
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..transfer import TransferEngine
 from ..transfer.tcp_server import DataServer
 from . import recovery, tier
 from .arena import ArenaWriter
+from .background_join import BackgroundJoin
 from .drain import Drainer
 from .metrics import LocalMetrics
 from .session import Pieces as Pieces
@@ -37,6 +41,7 @@ from .session import Session
 logger = logging.getLogger(__name__)
 
 SEGMENT_REFRESH_S = 10.0    # how often the segment table is re-read (peers that left are unmapped)
+MAX_WAIT_BACKOFF_S = 10.0   # a provider waiting for its MetaService tries again at least this often
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,10 +96,84 @@ class Membership:
     _join_lock: threading.Lock
     _stop: threading.Event
     _beat_now: threading.Event      # heartbeat at once (a remove of our own objects waits for it)
+    _heartbeat: threading.Thread | None
+    _waiting: BackgroundJoin | None  # the first join, retried until the pool answers (wait_for_pool)
+    join_error: MemCacheError | None  # why the wait for the pool ended without a join
 
     @property
     def client_id(self) -> int:
         return self.session.client_id
+
+    def _first_join_or_wait(self, wait: bool, on_failed: Callable[[MemCacheError], None] | None) -> bool:
+        """The first join; True once in. With ``wait`` a MetaService that does not answer yet is waited
+        for: False, and the join is retried in the background with backoff (``background_join.py``);
+        a refusal for good (``refused_for_good``) raises here, or later ends the wait with
+        ``on_failed(error)``."""
+        try:
+            self._first_join()
+            return True
+        except MemCacheError as e:
+            if not wait or refused_for_good(e):
+                named = self._join_refused(e)
+                if named is e:
+                    raise
+                raise named from e
+            logger.warning("cannot join the pool yet (%s); waiting for the MetaService at %s and joining as "
+                           "soon as it answers (retried with backoff, at most every %gs)", e, self.rpc.url,
+                           MAX_WAIT_BACKOFF_S)
+        self._waiting = BackgroundJoin(self._first_join, self._joined, max_s=MAX_WAIT_BACKOFF_S, name="LocalService",
+                                       joined_note=lambda: f"serving its segment as member {self.client_id}",
+                                       permanent=refused_for_good,
+                                       on_failed=partial(self._wait_failed, on_failed)).start()
+        return False
+
+    def _first_join(self) -> None:
+        """One attempt at the first join, counted in the metrics."""
+        self.metrics.join_attempts.inc()
+        try:
+            self._join(recover=False)
+        except BaseException:
+            self.metrics.join_failures.inc()
+            raise
+
+    def _joined(self, _: object) -> None:
+        """In the pool: heartbeats, the disk tier's writer, ``joined`` in the metrics."""
+        with self._join_lock:
+            if self._stop.is_set():
+                return   # closed while the last attempt was on the way; the MetaService declares us dead
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
+            self._heartbeat.start()
+            if self.disk is not None:
+                self.disk.start()
+            self.metrics.joined = True
+
+    def _join_refused(self, e: MemCacheError) -> MemCacheError:
+        """A join refused for good, as an error that names the setting to fix (of the same class: an
+        engine's ``init`` still returns -3017 for a secret that is not the pool's)."""
+        url = self.rpc.url or self.config.meta_service_url
+        if is_auth_mismatch(e) and self.secret is not None:
+            path = self.config.auth_secret_path or default_secret_path(self.config.pool_name)
+            return type(e)(f"auth_secret_path: the MetaService at {url} refused the pool secret in {path} ({e}): "
+                           f"use the pool's secret file (the MetaService's auth_secret_path; a pool with a "
+                           f"pool_name has its own, pool-<pool_name>.secret: set pool_name alike)")
+        cert = next((c for c in _causes(e) if isinstance(c, ssl.SSLCertVerificationError)), None)
+        if cert is not None:
+            return type(e)(f"tls_ca_path: the certificate of the MetaService at {url} does not verify against "
+                           f"{self.config.tls_ca_path} ({cert.verify_message}): give the MetaService and every "
+                           f"member certificates signed by one CA, and that CA in tls_ca_path")
+        return e
+
+    def _wait_failed(self, notify: Callable[[MemCacheError], None] | None, exc: BaseException) -> None:
+        err = self._join_refused(exc) if isinstance(exc, MemCacheError) else MemCacheError(str(exc))
+        self.join_error = err
+        logger.error("LocalService stops waiting for the pool: %s", err)
+        if notify is not None:
+            notify(err)
+
+    @property
+    def joined(self) -> bool:
+        """In the pool (the first join done); False while it waits for the MetaService."""
+        return self.metrics.joined
 
     def _join(self, recover: bool) -> None:
         """Join (or re-join) and install the new session in one step."""
@@ -250,3 +329,21 @@ class Membership:
 
 def _fields(info: p.SegmentInfo) -> tuple:
     return (info.segment_id, info.size, info.host_id, info.shm_path, info.data_addr, info.tag, info.nixl)
+
+
+def refused_for_good(e: BaseException) -> bool:
+    """A join error that waiting cannot mend: the pool's authentication differs (wrong secret,
+    ``auth_enable``), the MetaService's TLS certificate does not verify (another CA), or the
+    MetaService refused the Join as invalid (a config error). Anything else (unreachable, restarting,
+    out of connection slots, ``max_members``, not the leader) is waited out."""
+    return any(isinstance(c, (AuthMismatch, ConfigError, InvalidParameter, ssl.SSLCertVerificationError))
+               for c in _causes(e))
+
+
+def _causes(e: BaseException | None) -> Iterator[BaseException]:
+    """``e`` and its causes (the control-plane client raises ``MetaServiceUnavailable`` from what failed)."""
+    for _ in range(16):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__

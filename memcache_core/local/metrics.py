@@ -3,18 +3,22 @@
 Each LocalService has its own registry (several may live in one process, and the engine's own
 ``prometheus_client`` registry is left alone). With ``metrics_port`` set, ``/metrics`` is served on
 ``metrics_host`` (127.0.0.1 by default) and, like the MetaService's admin routes, needs the pool's
-admin token (bearer, or as an HTTP Basic password) when authentication is on; ``/health`` is open.
+admin token (bearer, or as an HTTP Basic password) when authentication is on; ``/health`` and
+``/ready`` are open and say only whether it joined the pool (``joined``, ``service_ready``):
+``/health`` answers 200 while the process runs (liveness: a provider waiting for its MetaService is
+alive), ``/ready`` 503 until it joined (readiness).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,6 +64,14 @@ class LocalMetrics:
                                    "while their Lookup was on the way (location_hints), by outcome: used "
                                    "(the reply named that object there), discarded (read again, or a miss).",
                                    ["outcome"], registry=self.registry)
+        self.joined = False   # in the pool (the first join done): /health, /ready and memcache_local_joined
+        Gauge("memcache_local_joined", "1 once this LocalService joined the pool (it stays a member across "
+              "MetaService restarts, re-joining), 0 while it waits for the MetaService to answer.",
+              registry=self.registry).set_function(lambda: float(self.joined))
+        self.join_attempts = Counter("memcache_local_join_attempts", "Attempts at the first join: the one at "
+                                     "start and each retry while waiting for the MetaService.", registry=self.registry)
+        self.join_failures = Counter("memcache_local_join_failures", "Attempts at the first join that failed.",
+                                     registry=self.registry)
 
     def transfer(self, path: str, reading: bool, nbytes: int, seconds: float, failed: int) -> None:
         d = "read" if reading else "write"
@@ -165,8 +177,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
         path = self.path.split("?", 1)[0]
-        if path == "/health":
-            return self._send(200, b'{"success": true}', "application/json")
+        if path in ("/health", "/ready"):   # open: the one thing they say is whether it joined the pool
+            joined = self.metrics.joined
+            body = json.dumps({"success": True, "status": "ok" if joined else "waiting for the MetaService",
+                               "joined": joined, "service_ready": joined}).encode()
+            return self._send(200 if joined or path == "/health" else 503, body, "application/json")
         if not self._authorized():
             return self._send(401, b'{"success": false, "error_message": "authentication required: '
                               b'Authorization: Bearer <admin token of the pool secret>"}', "application/json")

@@ -18,7 +18,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .. import errors, tls
@@ -98,13 +98,22 @@ class LocalService(Writes, Reads, Gva):
         self.prefault: Prefault | None = None
         self._gva_book: GvaBook | None = None   # GVAs handed out in the current session (gva.py)
         self.arenas: ArenaWriter | None = None   # small puts through our own segment (arena.py)
+        self._waiting = None   # the first join, retried until the pool answers (wait_for_pool; membership.py)
+        self.join_error = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
-    def start(self, device_id: int, with_segment: bool, metrics_required: bool = False) -> None:
+    def start(self, device_id: int, with_segment: bool, metrics_required: bool = False,
+              wait_for_pool: bool = False, on_join_failed: Callable[[MemCacheError], None] | None = None) -> None:
         """Create the segment (``with_segment``) and join. A ``metrics_port`` that cannot be bound
         fails the start only with ``metrics_required`` (a standalone provider, whose metrics are its
-        only view); inside an engine it is a warning and the engine starts without them."""
+        only view); inside an engine it is a warning and the engine starts without them.
+
+        With ``wait_for_pool`` (a standalone provider) a MetaService that does not answer yet is
+        waited for: the start returns, the join is retried in the background with backoff
+        (``background_join.py``), and ``joined`` (its metrics, ``/health``, ``/ready``) says when it is
+        in. A permanent refusal (a wrong pool secret, ``auth_enable`` differing, a Join refused as
+        invalid) fails the start, or later ends the wait with ``on_join_failed(error)``."""
         cfg = self.config
         try:
             if with_segment:
@@ -136,14 +145,12 @@ class LocalService(Writes, Reads, Gva):
                                          min(cfg.write_thread_pool_size, threads), self.secret,
                                          self.tls_client, self.metrics, copy_threads(cfg), nixl,
                                          cfg.shm_copy_loop, cfg.read_deadline_ms / 1000.0 or None)
-            self._join(recover=False)
+            if not self._first_join_or_wait(wait_for_pool, on_join_failed):
+                return   # waiting for the pool: joined in the background (membership.py)
         except BaseException:
             self.close()
             raise
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="memcache-heartbeat", daemon=True)
-        self._heartbeat.start()
-        if self.disk is not None:
-            self.disk.start()
+        self._joined(None)
 
     def _start_nixl(self) -> NixlTransport | None:
         """The NIXL agent (``transfer_engine: "nixl"``), with our segment registered."""
@@ -197,6 +204,9 @@ class LocalService(Writes, Reads, Gva):
     def close(self) -> None:
         if self._stop.is_set():
             return
+        if self._waiting is not None:   # no new attempt; one on the way ends within the client timeout
+            self._waiting.stop()
+            self._waiting.wait(self.config.client_timeout_seconds + 1.0)
         unmap = self._drain_before_leaving()
         self._stop.set()
         self._beat_now.set()

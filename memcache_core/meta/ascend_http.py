@@ -47,6 +47,14 @@ def role_word(core: MetaServiceCore) -> str:
     return _ha(core)[0]
 
 
+def pool_ready(snap: stats.Snapshot) -> bool:
+    """The pool can take puts (ours, ``/ready``): this MetaService serves (not an HA standby) and at
+    least one segment joined that takes new objects (not draining, past a re-join's grace; a full one
+    evicts). Ascend's ``service_ready`` says less: that the MetaService serves, true on an empty pool."""
+    return snap.role != "standby" and any(g.capacity_bytes > 0 and g.accepts_new_objects_in_s == 0.0
+                                          for g in snap.segments)
+
+
 def health(core: MetaServiceCore, snap: stats.Snapshot) -> dict[str, Any]:
     role, state, addr, version, serving = _ha(core)
     joined = [g for g in snap.segments if g.capacity_bytes > 0]
@@ -54,7 +62,7 @@ def health(core: MetaServiceCore, snap: stats.Snapshot) -> dict[str, Any]:
             "status": "ok", "view_version": version,
             # ours
             "success": True, "epoch": snap.epoch, "uptime_s": snap.uptime_s, "members": len(snap.members),
-            "segments": len(joined)}
+            "segments": len(joined), "pool_ready": pool_ready(snap)}
 
 
 def leader(core: MetaServiceCore) -> dict[str, Any]:

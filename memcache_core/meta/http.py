@@ -1,6 +1,6 @@
 """HTTP admin server of the MetaService, at ``metrics_url``.
 
-Every route but /health and /livez needs ``Authorization: Bearer <token>`` with the pool's admin token
+Every route but /health, /livez and /ready needs ``Authorization: Bearer <token>`` with the pool's admin token
 (``auth.admin_token``) when authentication is on. At most ``http_guard.MAX_CONNECTIONS`` connections are served
 at once, each with a socket timeout (over HTTPS, the TLS handshake runs in the connection's thread
 within ``TLS_HANDSHAKE_TIMEOUT_S``, never in the accept loop); scans of the whole table copy it under the lock and do the work
@@ -17,7 +17,7 @@ memcache_hybrid's routes answer in its shapes (``ascend_http.py``): GET /health,
 /api/v1/segments/status?segment=, /api/v1/capacity/usage, /api/v1/capacity/segment_remaining,
 GET/PUT/DELETE /metadata?key=, POST /memory/evict and /memory/prefetch (a JSON body
 ``{"chunk_hashes": [...]}``), POST /api/v1/drain_jobs?segment=, GET /api/v1/drain_jobs/query?job_id=.
-Ours: GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
+Ours: GET /ready (open: 200 once the pool can take puts, else 503), GET / (redirects to /status), /status (HTML), /api/v1/stats (the stats snapshot as JSON),
 /api/v1/segments (every segment as JSON), /keys?prefix=P, POST /remove_prefix?prefix=P,
 POST /drain/<segment_id>[?timeout_ms=], GET /drain/<segment_id>, /drains. Errors are HTTP 200 with
 ``{"success": false, "error_message": ..., "timestamp": <seconds>}``, as memcache_hybrid answers; an
@@ -190,6 +190,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(302, b"", "text/plain", {"Location": "/status"})
         if url.path == "/livez":   # liveness, as memcache_hybrid answers it: the process serves HTTP
             return self._send(200, b"ok", "text/plain")
+        if url.path == "/ready":   # readiness of the pool, open: 200 once it can take puts, else 503
+            ready = ascend_http.pool_ready(core.stats())
+            return self._send(200 if ready else 503, json.dumps({"success": ready, "pool_ready": ready}).encode(),
+                              "application/json")
         if url.path != "/health" and not self._authorized():
             return self._refuse(url.path)
         if url.path in POST_ONLY:

@@ -16,7 +16,7 @@ from typing import TypeVar
 import msgspec
 
 from .. import protocol as p
-from ..auth import MAGIC, AuthFailed, client_handshake
+from ..auth import MAGIC, AuthFailed, AuthMismatch, client_handshake
 from ..endpoints import MetaEndpoints
 from ..errors import NOT_LEADER, MemCacheError, MetaServiceUnavailable, NotLeader, error_from_code
 from ..etcd import EtcdAuth
@@ -265,7 +265,7 @@ class RpcClient:
             spin_until = time.perf_counter() + self.spin_s   # a reply usually comes within tens of us
             while True:
                 if not c.authenticated and c.buf[:len(MAGIC)] == MAGIC:   # else: "frame of 826360653 bytes"
-                    raise ValueError(AUTH_ASKED)
+                    raise AuthMismatch(AUTH_ASKED)
                 frame = take_frame(c.buf, c.session)
                 if frame is not None:
                     got_id, body = frame
@@ -290,6 +290,9 @@ class RpcClient:
                 if not chunk:
                     raise ConnectionResetError("MetaService closed the connection")
                 c.buf += chunk
+        except AuthMismatch as e:   # a failed exchange like the others, its cause kept (is_auth_mismatch)
+            self.mark_down(str(e), c.url)
+            raise MetaServiceUnavailable(f"MetaService at {c.url}: {e}") from e
         except MemCacheError:
             raise
         except (OSError, ValueError, msgspec.DecodeError) as e:

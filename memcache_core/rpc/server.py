@@ -11,7 +11,7 @@ import ssl
 import time
 from collections.abc import Callable
 
-from ..auth import NO_SESSION, ServerHandshake, Session
+from ..auth import BUSY, DENIED, NO_SESSION, ServerHandshake, Session, refuse_busy, tell
 from ..errors import cannot_listen
 from .framing import FRAME_HEAD, is_addr_in_use, is_out_of_descriptors, take_frame
 
@@ -200,7 +200,7 @@ class FrameServer:
     def _refuse(self, conn: socket.socket, why: str) -> None:
         """Close a new connection at once, saying why in the log (at most once a second)."""
         self.refused += 1
-        conn.close()
+        refuse_busy(conn, self.tls is not None)
         now = time.monotonic()
         if now - self._warned_at >= 1.0:
             self._warned_at = now
@@ -209,6 +209,9 @@ class FrameServer:
     def _evict(self, conn: socket.socket, why: str) -> None:
         """Close a connection still in its handshake to make room for a new one (logged once a second)."""
         self.evicted += 1
+        peer = self._peers.get(conn)
+        if peer is not None and not peer.tls_pending:
+            tell(conn, BUSY)   # an honest client names the slots, not a restart or a wrong secret
         self._close(conn)
         now = time.monotonic()
         if now - self._warned_at >= 1.0:
@@ -252,6 +255,7 @@ class FrameServer:
         if peer.handshake is not None:
             proof, chunk = peer.handshake.feed(chunk)
             if peer.handshake.failed:
+                tell(conn, DENIED)   # the client's proof was wrong: it names the secret, and stops waiting
                 self._close(conn)
                 return
             if not peer.handshake.done:

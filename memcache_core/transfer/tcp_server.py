@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..auth import HANDSHAKE_TIMEOUT_S, Session, server_handshake
+from ..auth import HANDSHAKE_TIMEOUT_S, Session, refuse_busy, server_handshake
 from ..fence import StaleGrant
 from ..memory import Mapping
 from ..rpc.framing import is_out_of_descriptors
@@ -128,7 +128,10 @@ class DataServer:
                     self._preauth.setdefault(source, {})[pending] = None
                     self._preauth_all[pending] = None
             if why:
-                conn.close()
+                if self._stop:
+                    conn.close()   # closing: a client reads it as a server stopping or restarting
+                else:
+                    refuse_busy(conn, self.tls is not None)
                 self._refused(why)
                 continue
             for v in victims:

@@ -1,5 +1,5 @@
 """The MetaService's HTTP as Ascend's MetaService answers it (memcache_hybrid 1.3.0): ``/livez``,
-``/kv_events/status``, ``/memory/evict``, ``/memory/prefetch``, and its 86 ``memcache_*`` metric
+``service_ready`` in ``/health`` (and ``/ready``, its probe), ``/kv_events/status``, ``/memory/evict``, ``/memory/prefetch``, and its 86 ``memcache_*`` metric
 families next to ours, with values that follow the pool (docs/operations.md)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from memcache_core import DistributedObjectStore
 from memcache_core.testing import MetaServiceProcess, free_port, running_meta_service, wait_for
 from tests.integration.stores import StoreProcess
 from tests.integration.test_disk_tier import LAYOUT, MS_CONFIG, provider
@@ -310,3 +311,30 @@ def test_a_pool_with_objects_disk_records_and_a_drain_answers_in_ascends_shapes(
             assert prov("get", keys=keys, layout=LAYOUT)["mismatches"] == []
         finally:
             prov.stop()
+
+
+def test_health_says_when_the_pool_is_ready_and_ready_answers_503_until_then(tmp_path):
+    """Scenario: a readiness check without the admin token. A MetaService without members is alive
+    (/health 200, and ``service_ready`` true: Ascend's field says the MetaService serves, as its own
+    answers on an empty pool) but the pool is not ready: ``pool_ready`` false and /ready 503; a pure
+    client joining changes nothing; once a LocalService with a segment joins, both say ready. /ready
+    says nothing else."""
+    ms = MetaServiceProcess(str(tmp_path))
+    client, provider = DistributedObjectStore(), DistributedObjectStore()
+    try:
+        ms.start()
+        health = ms.http("/health", authorized=False)
+        assert health["status"] == "ok" and health["members"] == 0 and health["pool_ready"] is False, health
+        assert health["service_ready"] is True
+        assert call(ms, "/ready", authorized=False) == (503, b'{"success": false, "pool_ready": false}')
+        assert client.setup(ms.local_config(dram_size="0")) == 0 and client.init(0, False) == 0
+        assert ms.http("/health", authorized=False)["pool_ready"] is False
+        assert call(ms, "/ready", authorized=False)[0] == 503
+        assert provider.setup(ms.local_config()) == 0 and provider.init(0, True) == 0
+        health = ms.http("/health", authorized=False)
+        assert health["pool_ready"] is True and health["service_ready"] is True, health
+        assert call(ms, "/ready", authorized=False) == (200, b'{"success": true, "pool_ready": true}')
+    finally:
+        client.close()
+        provider.close()
+        ms.stop()

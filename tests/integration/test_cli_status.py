@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from memcache_core import DistributedObjectStore
 from memcache_core.auth import admin_token, load_secret
-from memcache_core.testing import wait_for
+from memcache_core.testing import MetaServiceProcess, wait_for
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "COLUMNS": "220"}
@@ -148,3 +150,43 @@ def test_drain_moves_a_segment_with_a_progress_bar(meta):
     finally:
         a.close()
         b.close()
+
+
+def _secret_file(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_a_refused_token_names_the_secret_file_and_pool_name(tmp_path):
+    """Scenario: a host holds the secrets of an unnamed pool and of the pool named ``blue``, whose
+    MetaService runs. ``memcache status`` without ``--pool-name`` sends the unnamed pool's token: the
+    401 names the secret file it used and ``--pool-name`` (and ``blue``); with ``--pool-name blue``
+    it works. ``memcache token`` without ``--pool-name`` prints the unnamed pool's token with a
+    warning that names ``blue``; with it, no warning."""
+    home = tmp_path / "home"
+    unnamed = _secret_file(home / ".config" / "memcache" / "pool.secret")
+    blue = _secret_file(home / ".config" / "memcache" / "pool-blue.secret")
+    env = {k: v for k, v in ENV.items() if k not in ("MEMCACHE_SECRET_PATH", "MEMCACHE_POOL_NAME")}
+    env["HOME"] = str(home)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "memcache_core.cli", *args], capture_output=True, text=True,
+                              timeout=60, env=env)
+    ms = MetaServiceProcess(str(tmp_path), pool_name="blue", auth_secret_path=str(blue))
+    try:
+        ms.start()
+        bad = run("status", "--url", ms.metrics_url, "--json")
+        assert bad.returncode != 0 and "HTTP 401" in bad.stderr, bad.stderr
+        assert str(unnamed) in bad.stderr and "--pool-name" in bad.stderr and "blue" in bad.stderr, bad.stderr
+        good = run("status", "--url", ms.metrics_url, "--json", "--pool-name", "blue")
+        assert good.returncode == 0, good.stderr
+    finally:
+        ms.stop()
+    default = run("token")
+    assert default.returncode == 0 and default.stdout.strip() == admin_token(load_secret(str(unnamed)))
+    assert "warning" in default.stderr and "--pool-name" in default.stderr and "blue" in default.stderr, default.stderr
+    named = run("token", "--pool-name", "blue")
+    assert named.returncode == 0 and named.stdout.strip() == admin_token(load_secret(str(blue)))
+    assert named.stderr == ""

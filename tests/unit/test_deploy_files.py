@@ -140,6 +140,9 @@ def test_the_configmap_holds_valid_configs_of_known_keys(monkeypatch):
     assert local.hcom_advertise_url == "tcp://10.0.0.7:7000" and local.metrics_port == 9000
     port = {p["name"]: p["containerPort"] for p in provider["ports"]}
     assert provider["readinessProbe"]["httpGet"]["port"] == "admin" and port["admin"] == local.metrics_port
+    # a provider waiting for its MetaService is alive (/health 200) and not ready (/ready 503)
+    assert provider["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert provider["livenessProbe"]["httpGet"]["path"] == "/health"
     monkeypatch.delenv("MEMCACHE_HCOM_ADVERTISE_URL")
     apply_dict(MetaConfig(), json.loads(cm["data"]["meta.json"]), strict=True)
 

@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "memcache_core"
 
-LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "tls", "logs",
+LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "secret_file", "tls", "logs",
         "checkpoint", "records", "host", "fence"}
 PLUMBING = {"rpc", "endpoints", "etcd", "http_guard"}
 ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing", "testing_etcd", "testing_kv_events"}
