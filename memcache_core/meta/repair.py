@@ -12,9 +12,10 @@ Invariants:
 
 * A copy comes from a holder whose owner answers and whose segment is not being drained (the drain
   moves that replica; the object is repaired from where it lands). It goes to space reserved by
-  ``placement.copy_target``: a segment that takes new objects, holds no replica, stays under the
-  high-water mark (a repair never evicts), hosts without a replica first, then in ``spread`` order
-  (freer by ratio, with randomness from the OS: never all onto the first segment to join).
+  ``placement.copy_target``: a segment that takes new objects and holds no replica, hosts without a
+  replica first; one under the high-water mark in ``spread`` order (freer by ratio, with randomness
+  from the OS: never all onto the first segment to join), else, when the survivors are full, one
+  where evicting objects colder than this one makes room (``room.py``: never a hotter or leased one).
 * The copy carries the object's own generation and checksum in its header: it is a replica, so a
   MetaService restarted later recovers it as one.
 * A copy is added only if the object is still the one planned (committed, same generation, the
