@@ -299,3 +299,39 @@ def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(short_hea
         assert bad == [], f"{len(bad)} reads failed or returned wrong bytes, first {bad[0]}"
     finally:
         client.close()
+
+
+def test_repair_copies_are_spread_over_providers_that_join_one_after_the_other(short_heartbeat, meta, stores):
+    """Scenario: replicaNum 2 on providers P and Q; P is killed with -9 and every object is short of
+    a replica, with no segment to copy to (Q holds them all). Provider A joins and takes every copy;
+    once the repair is over, provider B joins. The copies are spread: B ends up with about half of
+    them (moved from A, A's replica replacing), every object keeps two replicas, and killing A with Q,
+    the last original holder, loses only what A held: what B holds reads byte-exact. (Before, every
+    copy stayed on A, and that loss lost them all.)"""
+    q = stores(dram_size="64MB")
+    p = stores(dram_size="64MB")
+    client = stores(init_bm=False)
+    keys = [f"sp-{i}" for i in range(120)]
+    put_replicated(meta, client, keys)
+    p.kill()
+    wait_for(lambda: meta.metric("objects_under_replicated") == 120, 15, "the dead holder's replicas to leave")
+    a = stores(dram_size="64MB")
+    a_id = a("id")["id"]
+    wait_for(lambda: meta.metric("objects_under_replicated") == 0, 30, "every copy made on A")
+    assert all(a_id in segments_of(meta, k) for k in keys)
+    b = stores(dram_size="64MB")
+    b_id = b("id")["id"]
+
+    def on_b() -> int:
+        return sum(b_id in segments_of(meta, k) for k in keys)
+    wait_for(lambda: on_b() >= 59 and meta.metric("repairs_in_flight") == 0, 30,
+             lambda: f"the copies to be spread onto B ({on_b()} there)")
+    held = {k: set(segments_of(meta, k)) for k in keys}
+    assert all(len(h) == 2 for h in held.values()) and meta.metric("objects_under_replicated") == 0
+    assert 59 <= on_b() <= 61 and meta.metric("repair_spread_objects_total") == on_b()
+    a.kill()
+    q.kill()
+    wait_for(lambda: len(meta.http("/get_all_segments")["segments"]) == 1, 15, "A and Q declared dead")
+    kept = [k for k in keys if b_id in held[k]]
+    got = client("get", keys=kept, layout=LAYOUT)
+    assert got["codes"] == [0] * len(kept) and got["mismatches"] == []

@@ -302,3 +302,31 @@ def test_a_repair_evicts_nothing_when_every_object_there_is_hotter():
     assert pool.r.copies == {} and pool.t.counters.evictions == 0 and len(pool.t.objects) == 10
     assert pool.t.under_replicated == 1
 
+
+def test_copies_made_before_a_second_provider_joined_are_spread_onto_it():
+    """Scenario: 40 objects lose one of their two replicas; provider 3 joins and takes every copy
+    (the only segment with room); provider 4 joins after the repair is over. The copies are then
+    spread: 20 of them move from 3 to 4 (a copy from 3 that replaces 3's replica), so that losing 3
+    with the last original holder loses half, not all; nothing more moves once they are even."""
+    pool = Pool("ab", mb=100)
+    keys = [f"k{i}" for i in range(40)]
+    for k in keys:
+        pool.put(k, [1, 2])
+    pool.t.drop_segment(2)
+    pool.t.add_segment(p.SegmentInfo(3, 100 * MB, "c", "/dev/shm/x3", "127.0.0.1:1"))
+    pool.r.housekeeping(0.5)
+    assert pool.done(1, pool.r.next_batch(1, 0.5)) == [0] * 40
+    assert all(pool.holders(k) == [1, 3] for k in keys)
+    pool.t.add_segment(p.SegmentInfo(4, 100 * MB, "d", "/dev/shm/x4", "127.0.0.1:1"))
+    pool.r.housekeeping(2.0)
+    assert not pool.r.wanted(1) and pool.r.wanted(3)
+    b = pool.r.next_batch(3, 2.0)
+    assert len(b.moves) == 20 and {m.target.segment_id for m in b.moves} == {4}
+    assert all(m.new_generation == pool.t.objects[m.key].generation for m in b.moves)   # replicas
+    assert pool.done(3, b, now=2.1) == [0] * 20
+    on = {s: [k for k in keys if s in pool.holders(k)] for s in (1, 3, 4)}
+    assert (len(on[1]), len(on[3]), len(on[4])) == (40, 20, 20)
+    assert all(len(pool.holders(k)) == 2 for k in keys) and pool.t.under_replicated == 0
+    assert pool.t.segments[3].allocator.used == 20 * MB and pool.r.totals.spread_objects == 20
+    pool.r.housekeeping(3.0)
+    assert pool.r.copies == {}                     # even: nothing more to move
