@@ -39,16 +39,26 @@ def last_use(obj: Obj) -> float:
 
 def _colder(seg: Segment, than: float, now: float) -> Iterable[Obj]:
     """The segment's unleased objects last used before ``than``, least recent first: past leased ones
-    (at most ``LOOKAHEAD`` objects looked at), up to the first unleased one that is not colder (the
+    and those in its arena (at most ``LOOKAHEAD`` objects looked at), up to the first unleased one that is not colder (the
     list is in order of use: what follows is as hot, give or take a lease, and is left alone)."""
     for n, obj in enumerate(seg.lru.values()):
         if n >= LOOKAHEAD:
             return
-        if obj.lease_until > now:
+        if obj.lease_until > now or _in_arena(seg, obj):
             continue
         if obj.lease_until >= than:
             return
         yield obj
+
+
+def _in_arena(seg: Segment, obj: Obj) -> bool:
+    """Does the object lie in the segment's live arena (its space would go back to the arena, not
+    to the allocator: evicting it makes no room for a copy)?"""
+    a = seg.arena
+    if a is None:
+        return False
+    sid = seg.info.segment_id
+    return any(loc.segment_id == sid and a.start <= loc.offset < a.end for loc in obj.locations)
 
 
 def victims(table: ObjectTable, seg: Segment, need: int, than: float, now: float) -> list[Obj] | None:

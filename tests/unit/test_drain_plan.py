@@ -268,3 +268,27 @@ def test_a_drain_never_pushes_out_an_object_as_hot_as_the_one_it_moves():
     b = d.next_batch(1, 0, 1.0)
     assert b.moves == [] and found(d, 1, 1.0)["dropped_objects"] == 3
     assert t.counters.evictions == 0 and len(t.objects) == 18
+
+
+def test_objects_in_the_targets_arena_are_not_pushed_out_for_nothing():
+    """Scenario: target 2 holds its owner's allocation arena (1 MB, small objects committed in it at
+    t=0, the least recently used of the segment) and 8 objects of 1 MB (t=0): at its high-water mark.
+    Evicting the arena's objects would give their space back to the arena, not make room for a
+    move: the drain of segment 1 (objects put at t=4) pushes out the 1 MB objects only."""
+    from memcache_core.meta import arena
+    t, d = make((10, 10))
+    r = arena.commit(t, 2, p.ArenaCommit(2, b"", 0, [], [], [], [], True, False), 0.0, MB)
+    step = 4096
+    small = [f"s{i}" for i in range(8)]
+    got = arena.commit(t, 2, p.ArenaCommit(2, b"", r.arena, small, [r.start + i * step for i in range(8)],
+                                           [1024] * 8, [0] * 8, False, False), 0.0, MB)
+    assert got.codes == [0] * 8
+    for i in range(8):
+        put(t, f"o{i}", 2)
+    assert t.segments[2].allocator.used == 9 * MB
+    for i in range(3):
+        put(t, f"k{i}", 1, now=4.0)
+    b = d.next_batch(1, 0, 5.0)
+    assert len(b.moves) == 3 and done(d, b, now=5.0) == [0] * 3
+    assert all(k in t.objects for k in small)
+    assert sum(f"o{i}" in t.objects for i in range(8)) == 5 and t.counters.evictions == 3
