@@ -124,7 +124,7 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
         t.reserve_for(n)   # (may fail, with HA: before any object of the batch is published)
         codes, gens = [], []
         for key, off, size, checksum in zip(req.keys, req.offsets, req.sizes, req.checksums, strict=True):
-            code, gen = _place(t, seg, a, key, off, size, checksum, within_quota)
+            code, gen = _place(t, seg, a, key, off, size, checksum, within_quota, now)
             codes.append(code)
             gens.append(gen)
     if seg is not None and (req.refill or req.release) and (a is None or a.id == req.arena or req.arena == 0):
@@ -138,7 +138,7 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
 
 
 def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: int, checksum: int,
-           within_quota: Callable[[int], bool]) -> tuple[int, int]:
+           within_quota: Callable[[int], bool], now: float) -> tuple[int, int]:
     """Commit one object written at ``offset`` of the arena: (code, generation). It counts in its
     writer's quota (``kept.py``) as a two-phase put's object does; the writer is the segment's owner."""
     t.counters.allocs += 1   # a put asked (``puts_total``), as a two-phase put's Alloc counts it
@@ -153,7 +153,7 @@ def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: 
     gen = t.issue_generation()
     writer = seg.info.segment_id   # a member's segment id is its client id
     slot = t.writer_slot_of(writer)
-    obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot))
+    obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot), now)   # (in use: now)
     if slot:
         t.count_kept(writer, obj)
     t.objects[obj.key] = obj

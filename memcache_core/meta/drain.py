@@ -10,16 +10,18 @@ Invariants:
 
 * A draining segment takes no new object from the moment the drain starts (``alloc_after`` = inf).
 * A move reserves its target space (allocated, not in the table): until the owner reports, the object
-  is readable at its source only. Targets: segments that take new objects, hold no replica of the
-  object and stay under the high-water mark (no eviction); hosts holding no replica first, then
-  ``spread`` order: the freer by ratio of two random picks (``placement.copy_target``).
+  is readable at its source only. Targets: segments that take new objects and hold no replica of the
+  object, hosts holding no replica first; one that stays under the high-water mark, in ``spread``
+  order (the freer by ratio of two random picks), else one where evicting objects colder than the
+  moved one makes room (``placement.copy_target``, ``room.py``: never a hotter or a leased one). So a
+  drain keeps the hottest objects, most recently used first, as long as the pool has colder ones.
 * A move commits only if the object is still the one planned (same generation, the same source and
   target segments, the target's owner still heartbeating) and the bytes the owner copied have the committed checksum. Then the target
   replaces the source among the object's locations, with a new generation and the carried checksum,
   and only after that is the source space released (after the readers' leases end).
 * A move that fails or is refused gives its target space back (quarantined when its writer may still
   be copying); the object is planned again to another target, at most ``MAX_ATTEMPTS`` times.
-* An object no segment has room for is dropped at once and counted (unless room may come soon:
+* An object no segment has room for (free, or held by colder objects) is dropped at once and counted (unless room may come soon:
   members re-joining a MetaService that just started, or a segment in its re-join grace); so is
   what remains in the segment when its owner leaves. A drain ends ``done`` (segment empty), ``timed_out`` or ``left``.
 """
@@ -185,7 +187,9 @@ class Drains:
         out = []
         wait = self._room_may_come(now)
         for key in keys:
-            obj = d.segment.lru[key]
+            obj = d.segment.lru.get(key)
+            if obj is None:      # evicted to make room for a hotter one planned before it (``room.py``)
+                continue
             src = next(loc for loc in obj.locations if loc.segment_id == d.segment_id)
             gen = self.table.issue_generation()          # (may fail, with HA: before any space is taken)
             placed = (copy_target(self.table, obj, d.avoid, self.answering, now, replacing=d.segment_id)

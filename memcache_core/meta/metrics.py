@@ -196,6 +196,8 @@ REPAIR_COUNTERS = (   # (metric name, Repairs.stats() field, help)
     ("repaired_bytes_total", "repaired_bytes", "Payload bytes of the re-created replicas."),
     ("repair_failed_copies_total", "repair_failed_copies",
      "Re-replication copies that failed or were not made in time (the object is tried again later)."),
+    ("repair_spread_objects_total", "repair_spread_objects",
+     "Repair copies moved to a segment holding fewer of them (one that joined after the repair)."),
 )
 
 

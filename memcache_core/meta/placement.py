@@ -18,6 +18,8 @@ The random source is the MetaService's own, seeded from the OS, never an applica
 Copies (a drain's moves, re-replication) go to the segments that may take them in ``spread`` order
 too, drawn from the OS's random source: two providers that join empty share the copies about
 evenly, instead of the first one to join taking them all (one later loss would then lose them all).
+When none has room under the high-water mark, a copy makes room by evicting colder objects
+(``room.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import random
 from collections.abc import Callable, Iterator, Mapping
 
 from ..layout import footprint
+from . import room
 from .allocator import aligned
 from .table import Obj, ObjectTable, Segment
 
@@ -78,12 +81,13 @@ def copy_takers(table: ObjectTable, now: float) -> list[Segment]:
 def copy_target(table: ObjectTable, obj: Obj, avoid: set[int], answering: Callable[[int, float], bool],
                 now: float, replacing: int | None = None, takers: list[Segment] | None = None,
                 rng: random.Random = COPY_RNG) -> tuple[Segment, int] | bool:
-    """Space for one more copy of a committed object (a drain's move, a repair's new replica), never
-    by eviction: in one of the ``takers`` (default: ``copy_takers``) that holds no replica of it, is
-    not in ``avoid``, stays under the high-water mark and whose owner answers; hosts holding no
-    replica first (``replacing``: the replica the copy replaces, whose host does not count), each
-    group in ``spread`` order (freer by ratio, with randomness). Returns (segment, offset); else True
-    when only segments whose owners are silent right now have room (wait for them), False when none has."""
+    """Space for one more copy of a committed object (a drain's move, a repair's new replica) in one of
+    the ``takers`` (default: ``copy_takers``) that holds no replica of it, is not in ``avoid`` and whose
+    owner answers; hosts holding no replica first (``replacing``: the replica the copy replaces, whose
+    host does not count). In each group: a segment that stays under the high-water mark, in ``spread``
+    order (freer by ratio, with randomness); else one where evicting objects colder than this one makes
+    room (``room.evicting``: never a hotter or a leased one). Returns (segment, offset); else True when
+    only segments whose owners are silent right now have room (wait for them), False when none has."""
     need = aligned(footprint(obj.size))
     holders = {loc.segment_id for loc in obj.locations}
     hosts = {table.segments[s].info.host_id for s in holders if s in table.segments and s != replacing}
@@ -91,16 +95,21 @@ def copy_target(table: ObjectTable, obj: Obj, avoid: set[int], answering: Callab
     then: list[Segment] = []
     for s in copy_takers(table, now) if takers is None else takers:
         sid = s.info.segment_id
-        if sid not in holders and sid not in avoid and s.allocator.used + need <= table.high * s.allocator.size:
+        if sid not in holders and sid not in avoid:
             (then if s.info.host_id in hosts else first).append(s)
     silent = False
-    for s in itertools.chain(_spread_list(first, rng), _spread_list(then, rng)):
-        if not answering(s.info.segment_id, now):   # a loaded host's heartbeat, or a dead owner
-            silent = True
-            continue
-        off = s.allocator.alloc(need)
-        if off is not None:
-            return s, off
+    for group in (first, then):
+        roomy = [s for s in group if s.allocator.used + need <= table.high * s.allocator.size]
+        for s in _spread_list(roomy, rng):
+            if not answering(s.info.segment_id, now):   # a loaded host's heartbeat, or a dead owner
+                silent = True
+                continue
+            off = s.allocator.alloc(need)
+            if off is not None:
+                return s, off
+        placed = room.evicting(table, obj, [s for s in group if answering(s.info.segment_id, now)], now)
+        if placed is not None:
+            return placed
     return silent
 
 

@@ -35,6 +35,8 @@ class Removals:
 
         def _free_space(self, obj: Obj) -> None: ...
 
+        def add_replica(self, obj: Obj, loc: Location) -> None: ...
+
     def remove(self, key: str, now: float) -> int:
         obj = self.objects.get(key)
         if obj is None or not obj.committed:
@@ -78,6 +80,14 @@ class Removals:
         else:
             self._free_space(gone)
         self._mark(obj)
+
+    def move_replica(self, obj: Obj, src: Location, dst: Location, now: float) -> None:
+        """A committed object's replica at ``src`` is replaced by its copy at ``dst``, made and checked
+        (re-replication spreading its copies); ``src``'s space is freed once the object's lease ends."""
+        self.add_replica(obj, dst)
+        if self.listener is not None:   # KV events: the replica at src is removed
+            self.listener(False, obj, [src])
+        self._drop_replica(obj, src, now)
 
     def removing(self, remove: Callable[[], list[int]], epoch: int) -> Codes:
         """Run a removal; the reply names each segment whose owner must clear headers (``confirmed``)."""

@@ -12,9 +12,14 @@ Invariants:
 
 * A copy comes from a holder whose owner answers and whose segment is not being drained (the drain
   moves that replica; the object is repaired from where it lands). It goes to space reserved by
-  ``placement.copy_target``: a segment that takes new objects, holds no replica, stays under the
-  high-water mark (a repair never evicts), hosts without a replica first, then in ``spread`` order
-  (freer by ratio, with randomness from the OS: never all onto the first segment to join).
+  ``placement.copy_target``: a segment that takes new objects and holds no replica, hosts without a
+  replica first; one under the high-water mark in ``spread`` order (freer by ratio, with randomness
+  from the OS: never all onto the first segment to join), else, when the survivors are full, one
+  where evicting objects colder than this one makes room (``room.py``: never a hotter or leased one).
+* Repair copies are spread over the segments with room, whenever they joined: the segment holding
+  each copy a repair made is remembered (``made``), and while one holds two more than a segment with
+  room, one moves there (``Copy.replaces``: a copy from its holder that, once checked, replaces the
+  holder's replica), never onto a segment or host holding another replica; repairs come first.
 * The copy carries the object's own generation and checksum in its header: it is a replica, so a
   MetaService restarted later recovers it as one.
 * A copy is added only if the object is still the one planned (committed, same generation, the
@@ -36,14 +41,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .. import errors
 from .. import protocol as p
+from ..layout import footprint
 from . import validate
+from .allocator import aligned
 from .placement import copy_takers, copy_target
 from .table import ObjectTable, Segment
 
+MADE = 1 << 16                  # repair copies remembered per segment (the oldest forgotten first)
 IN_FLIGHT_OBJECTS = 1024        # copies planned and not reported yet, in the whole pool
 IN_FLIGHT_BYTES = 256 << 20     # ... and their payload bytes
 SCAN = 1024                     # under-replicated objects looked at per housekeeping pass
@@ -63,6 +71,7 @@ class Copy:
     target_offset: int
     deadline: float
     handed_out: bool = False     # the holder has it (its copy may be running)
+    replaces: bool = False       # a spreading move: the copy replaces the source replica (``_spread``)
 
     def move(self) -> p.DrainMove:
         return p.DrainMove(self.key, self.size, self.source_offset, self.generation, self.checksum,
@@ -74,6 +83,7 @@ class Totals:
     repaired_objects: int = 0
     repaired_bytes: int = 0
     failed_copies: int = 0
+    spread_objects: int = 0      # repair copies moved to a segment holding fewer of them
 
 
 class Repairs:
@@ -92,6 +102,7 @@ class Repairs:
         self.copies: dict[str, Copy] = {}                            # key -> its copy in flight
         self.queued: dict[int, list[Copy]] = collections.defaultdict(list)   # source segment -> not handed out
         self.resting: dict[str, float] = {}                          # key -> not planned before then
+        self.made: dict[int, dict[str, int]] = {}   # segment -> {key: generation} of the repair copies it holds
         self.in_flight_bytes = 0
         self.totals = Totals()
 
@@ -103,6 +114,7 @@ class Repairs:
             self.copies.clear()
             self.queued.clear()
             self.resting.clear()
+            self.made.clear()
             self.in_flight_bytes = 0
 
     def settling(self, now: float) -> bool:
@@ -113,13 +125,21 @@ class Repairs:
     # ---- planning --------------------------------------------------------------------------------
 
     def plan(self, now: float) -> None:
-        """Plan copies of under-replicated objects (a housekeeping pass), within the in-flight bounds."""
+        """Plan copies of under-replicated objects, then moves that spread repair copies (a housekeeping
+        pass), within the in-flight bounds."""
         self._sync(now)
-        t = self.table
-        if not self.enabled or not t.under or self.settling(now):
+        if not self.enabled or self.settling(now):
             return
         for key in [k for k, until in self.resting.items() if until <= now]:
             del self.resting[key]
+        self._repair(now)
+        self._spread(now)      # (after the repairs: they come first within the in-flight bounds)
+
+    def _repair(self, now: float) -> None:
+        """Plan a copy of each under-replicated object visited that has a source and a target."""
+        t = self.table
+        if not t.under:
+            return
         takers, misses = copy_takers(t, now), 0
         for _ in range(min(SCAN, len(t.under)) if takers else 0):
             if misses >= GIVE_UP:                    # the pool has no room for copies now
@@ -159,6 +179,74 @@ class Repairs:
             c.deadline = now + self.copy_timeout_s
         return p.DrainBatch([c.move() for c in batch], done=not batch)
 
+    def _spread(self, now: float) -> None:
+        """Move repair copies from the segment holding the most of them to one with room holding the
+        fewest (a provider that joined after the repair), until no two differ by more than one. Each
+        move is a copy from that holder that replaces its replica (``Copy.replaces``)."""
+        t = self.table
+        for sid in [sid for sid in self.made if sid not in t.segments]:
+            del self.made[sid]
+        if not self.made:
+            return
+        counts = collections.Counter({sid: len(keys) for sid, keys in self.made.items()})
+        for m in self.copies.values():   # moves in flight count where they go
+            if m.replaces:
+                counts[m.source.info.segment_id] -= 1
+                counts[m.target.info.segment_id] += 1
+        sources = [t.segments[sid] for sid in self.made
+                   if self.answering(sid, now) and not self.draining(sid)]
+        roomy = [s for s in copy_takers(t, now) if self.answering(s.info.segment_id, now)]
+        movable: dict[tuple[int, int], Iterator[Copy]] = {}   # (source, target) -> its next moves
+        while sources and roomy and len(self.copies) < IN_FLIGHT_OBJECTS and self.in_flight_bytes < IN_FLIGHT_BYTES:
+            src = max(sources, key=lambda s: counts[s.info.segment_id])
+            fewer = sorted((s for s in roomy if counts[src.info.segment_id] - counts[s.info.segment_id] > 1),
+                           key=lambda s: counts[s.info.segment_id])
+            c: Copy | None = None
+            for dst in fewer:
+                pair = (src.info.segment_id, dst.info.segment_id)
+                if pair not in movable:
+                    movable[pair] = self._movable(src, dst, now, counts)
+                c = next(movable[pair], None)
+                if c is not None:
+                    break
+            if c is None:                # even, or nothing of src can go where there are fewer
+                sources.remove(src)
+                continue
+            counts[src.info.segment_id] -= 1
+            counts[c.target.info.segment_id] += 1
+
+    def _movable(self, src: Segment, dst: Segment, now: float, counts: collections.Counter[int]) -> Iterator[Copy]:
+        """Plan moves of ``src``'s repair copies to ``dst``, one per ``next`` (room without eviction, no
+        replica there, on a host holding no other replica); copies no longer there are forgotten (and
+        no longer counted)."""
+        t, sid = self.table, src.info.segment_id
+        made = self.made[sid]
+        for key, gen in list(made.items()):
+            obj = t.objects.get(key)
+            here = next((loc for loc in obj.locations if loc.segment_id == sid), None) if obj is not None else None
+            if obj is None or not obj.committed or obj.generation != gen or here is None:
+                if made.pop(key, None) is not None:   # removed, evicted, moved or written again since
+                    counts[sid] -= 1
+                continue
+            if key in self.copies or key in self.resting:
+                continue
+            others = {t.segments[loc.segment_id].info.host_id for loc in obj.locations
+                      if loc.segment_id != sid and loc.segment_id in t.segments}
+            need = aligned(footprint(obj.size))
+            if (any(loc.segment_id == dst.info.segment_id for loc in obj.locations)
+                    or (dst.info.host_id in others and src.info.host_id not in others)
+                    or dst.allocator.used + need > t.high * dst.allocator.size):
+                continue
+            off = dst.allocator.alloc(need)
+            if off is None:
+                return
+            c = Copy(key, obj.size, obj.generation, obj.checksum, src, here.offset, dst, off,
+                     now + self.copy_timeout_s, replaces=True)
+            self.copies[key] = c
+            self.queued[sid].append(c)
+            self.in_flight_bytes += c.size
+            yield c
+
     # ---- reports ---------------------------------------------------------------------------------
 
     def report(self, segment_id: int, req: p.RepairDone, now: float) -> list[int]:
@@ -180,9 +268,10 @@ class Repairs:
         tid, sid = c.target.info.segment_id, c.source.info.segment_id
         live = t.segments.get(tid) is c.target and t.segments.get(sid) is c.source
         holders = {loc.segment_id for loc in obj.locations} if obj is not None else set()
+        src = p.Location(sid, c.source_offset)
         same = (obj is not None and obj.committed and obj.generation == c.generation
-                and p.Location(sid, c.source_offset) in obj.locations and tid not in holders
-                and len(obj.locations) < obj.replicas)   # (a holder that came back may have made it whole)
+                and src in obj.locations and tid not in holders
+                and (c.replaces or len(obj.locations) < obj.replicas))   # (a holder that came back may have made it whole)
         silent = not self.answering(tid, now)   # the target's owner may be dead: the copy would die with it
         if not ok or silent or not live or not same:
             self._release_target(c, now)
@@ -195,9 +284,18 @@ class Repairs:
             self._release_target(c, now)
             t.corrupt(c.key, c.generation, now, sid)
             return errors.CHECKSUM_MISMATCH
-        t.add_replica(obj, p.Location(tid, c.target_offset))
-        self.totals.repaired_objects += 1
-        self.totals.repaired_bytes += c.size
+        if c.replaces:
+            t.move_replica(obj, src, p.Location(tid, c.target_offset), now)
+            self.made.get(sid, {}).pop(c.key, None)
+            self.totals.spread_objects += 1
+        else:
+            t.add_replica(obj, p.Location(tid, c.target_offset))
+            self.totals.repaired_objects += 1
+            self.totals.repaired_bytes += c.size
+        made = self.made.setdefault(tid, {})
+        made[c.key] = c.generation
+        if len(made) > MADE:
+            del made[next(iter(made))]
         return errors.SUCCESS
 
     # ---- ends ------------------------------------------------------------------------------------
@@ -223,6 +321,7 @@ class Repairs:
         """A segment leaves the pool (before the table drops it): copies from or to it end."""
         self._sync(now)
         self.queued.pop(segment_id, None)
+        self.made.pop(segment_id, None)
         for c in [c for c in self.copies.values()
                   if segment_id in (c.source.info.segment_id, c.target.info.segment_id)]:
             self._forget(c)
@@ -258,4 +357,5 @@ class Repairs:
     def stats(self) -> dict[str, int]:
         t = self.totals
         return {"repairs_in_flight": len(self.copies), "repaired_objects": t.repaired_objects,
-                "repaired_bytes": t.repaired_bytes, "repair_failed_copies": t.failed_copies}
+                "repaired_bytes": t.repaired_bytes, "repair_failed_copies": t.failed_copies,
+                "repair_spread_objects": t.spread_objects}

@@ -88,6 +88,11 @@ class Space:
         obj = self._victim(seg, now)
         if obj is None:
             return False
+        self.evict(obj, now)
+        return True
+
+    def evict(self, obj: Obj, now: float) -> None:
+        """Evict one committed, unleased object (all its DRAM copies; kept on disk when it has a record)."""
         self.counters.evictions += 1
         self.counters.evicted_bytes += obj.size
         if obj.disk is not None and obj.disk[0] in self.disk_tiers:
@@ -95,7 +100,6 @@ class Space:
             self.to_disk_only(obj, now)
         else:
             self._unlink(obj, now)
-        return True
 
     def _victim(self, seg: Segment, now: float) -> Obj | None:
         """The least recently used unleased object; in a segment with a disk tier, the least recently

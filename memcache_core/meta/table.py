@@ -280,7 +280,7 @@ class ObjectTable(Kept, Lookups, Removals, Space):
         self._settled(obj)
         writer = obj.owner
         slot = self.writer_slot_of(writer)
-        obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum, slot), more=obj.more)
+        obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum, slot), now, obj.more)
         if slot:
             self.count_kept(writer, obj)
         self.pending -= 1

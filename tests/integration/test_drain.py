@@ -170,8 +170,8 @@ def test_a_drain_rides_out_a_meta_service_restart(meta, stores, providers):
 
 
 def test_drain_of_a_full_pool_drops_and_counts_without_hanging(short_heartbeat, meta, stores):
-    """Scenario: B and C are at their high-water mark; A closes with a 20 s drain_timeout_ms. Nothing
-    has room: A's objects are dropped and counted at once (the drain ends ``done``, not ``timed_out``
+    """Scenario: B and C are at their high-water mark with objects read after A's were written (none
+    colder than A's); A closes with a 20 s drain_timeout_ms. Nothing has room: A's objects are dropped and counted at once (the drain ends ``done``, not ``timed_out``
     waiting for room), they become misses (never wrong bytes), and B's and C's objects are untouched.
     Dropping waits while room may still come, within heartbeat_timeout_ms of the MetaService's start:
     ``short_heartbeat`` makes that 1.5 s."""
@@ -183,6 +183,9 @@ def test_drain_of_a_full_pool_drops_and_counts_without_hanging(short_heartbeat, 
         assert s("put", keys=full[name], layout=LAYOUT, preferred=[s("id")["id"]])["codes"] == [0] * 14
     keys = [f"doomed-{i}" for i in range(20)]
     assert a("put", keys=keys, layout=LAYOUT, preferred=[a_id])["codes"] == [0] * 20
+    # B's and C's objects are read after A's were written: hotter, so A's drain may not push them out
+    got = b("get", keys=full["b"] + full["c"], layout=LAYOUT)
+    assert got["codes"] == [0] * 28 and got["mismatches"] == []
     closed = a("close")
     assert closed["rc"] == 0
     state = meta.http(f"/drain/{a_id}")
@@ -219,3 +222,42 @@ def test_a_target_that_stalls_mid_copy_costs_a_retry_elsewhere_never_a_wrong_byt
     on_c = [k for k, locs in segments_of(meta, keys).items() if locs == [c.id]]
     assert [got["codes"][keys.index(k)] for k in on_c] == [0] * len(on_c)
     assert len(on_c) == state["moved_objects"] == 8
+
+
+def test_an_engine_leaving_a_warm_pool_keeps_its_hot_objects(meta, stores, providers):
+    """Scenario: a warm pool. Two providers hold 52 objects each (81% of 64 MB; the high-water mark
+    is 90%) written earlier by a client; an engine writes 48 objects into its own segment and reads
+    them (the hottest of the pool), then the client reads 4 objects of each provider (hotter still).
+    The engine closes with a 20 s drain_timeout_ms: every one of its 48 objects is kept, byte-exact,
+    by pushing out colder provider objects, only as many as needed to stay under the high-water
+    mark; the 8 hotter ones all stay. (Moving into free room only, it kept 10 of 48.)"""
+    provs = [providers(), providers()]
+    client = stores(init_bm=False)
+    cold = {p.id: [f"cold-{p.id}-{i}" for i in range(52)] for p in provs}
+    for pid, keys in cold.items():
+        assert client("put", keys=keys, layout=LAYOUT, preferred=[pid])["codes"] == [0] * 52
+        assert set(map(tuple, segments_of(meta, keys).values())) == {(pid,)}
+    engine = stores(dram_size="64MB", drain_timeout_ms=20000)
+    e_id = engine("id")["id"]
+    hot = [f"engine-{i}" for i in range(48)]
+    assert engine("put", keys=hot, layout=LAYOUT, preferred=[e_id])["codes"] == [0] * 48
+    assert all(locs == [e_id] for locs in segments_of(meta, hot).values())
+    got = engine("get", keys=hot, layout=LAYOUT)
+    assert got["codes"] == [0] * 48 and got["mismatches"] == []
+    hotter = [k for keys in cold.values() for k in keys[-4:]]
+    got = client("get", keys=hotter, layout=LAYOUT)
+    assert got["codes"] == [0] * 8 and got["mismatches"] == []
+    assert engine("close")["rc"] == 0
+    state = meta.http(f"/drain/{e_id}")
+    assert state["state"] == "done", state
+    got = client("get", keys=hot, layout=LAYOUT)
+    kept = got["codes"].count(0) / len(hot)
+    assert got["mismatches"] == [] and kept == 1.0, f"kept {kept:.0%} of the engine's hot objects ({state})"
+    assert (state["moved_objects"], state["dropped_objects"]) == (48, 0), state
+    got = client("get", keys=hotter, layout=LAYOUT)
+    assert got["codes"] == [0] * 8 and got["mismatches"] == [], "a hotter object was pushed out"
+    segs = meta.http("/get_all_segments")["segments"]
+    assert all(s["used_bytes"] <= 0.9 * s["capacity_bytes"] for s in segs), segs
+    left = sum(client("exist", keys=keys)["codes"].count(1) for keys in cold.values())
+    # 2 x 57 objects fit under 90% of 64 MB: 104 + 48 - 114 = 38 cold objects pushed out, no more
+    assert left == 104 - 38, left

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from memcache_core import DistributedObjectStore, ReplicateConfig
-from memcache_core.layout import HEADER_BYTES
+from memcache_core.layout import HEADER_BYTES, footprint
 from memcache_core.testing import mapped_segment, running_meta_service, wait_for
 
 pytestmark = pytest.mark.integration
@@ -299,3 +299,74 @@ def test_reads_running_while_a_holder_is_killed_all_succeed_byte_exact(short_hea
         assert bad == [], f"{len(bad)} reads failed or returned wrong bytes, first {bad[0]}"
     finally:
         client.close()
+
+
+def test_repair_copies_are_spread_over_providers_that_join_one_after_the_other(short_heartbeat, meta, stores):
+    """Scenario: replicaNum 2 on providers P and Q; P is killed with -9 and every object is short of
+    a replica, with no segment to copy to (Q holds them all). Provider A joins and takes every copy;
+    once the repair is over, provider B joins. The copies are spread: B ends up with about half of
+    them (moved from A, A's replica replacing), every object keeps two replicas, and killing A with Q,
+    the last original holder, loses only what A held: what B holds reads byte-exact. (Before, every
+    copy stayed on A, and that loss lost them all.)"""
+    q = stores(dram_size="64MB")
+    p = stores(dram_size="64MB")
+    client = stores(init_bm=False)
+    keys = [f"sp-{i}" for i in range(120)]
+    put_replicated(meta, client, keys)
+    p.kill()
+    wait_for(lambda: meta.metric("objects_under_replicated") == 120, 15, "the dead holder's replicas to leave")
+    a = stores(dram_size="64MB")
+    a_id = a("id")["id"]
+    wait_for(lambda: meta.metric("objects_under_replicated") == 0, 30, "every copy made on A")
+    assert all(a_id in segments_of(meta, k) for k in keys)
+    b = stores(dram_size="64MB")
+    b_id = b("id")["id"]
+
+    def on_b() -> int:
+        return sum(b_id in segments_of(meta, k) for k in keys)
+    wait_for(lambda: on_b() >= 59 and meta.metric("repairs_in_flight") == 0, 30,
+             lambda: f"the copies to be spread onto B ({on_b()} there)")
+    held = {k: set(segments_of(meta, k)) for k in keys}
+    assert all(len(h) == 2 for h in held.values()) and meta.metric("objects_under_replicated") == 0
+    assert 59 <= on_b() <= 61 and meta.metric("repair_spread_objects_total") == on_b()
+    a.kill()
+    q.kill()
+    wait_for(lambda: len(meta.http("/get_all_segments")["segments"]) == 1, 15, "A and Q declared dead")
+    kept = [k for k in keys if b_id in held[k]]
+    got = client("get", keys=kept, layout=LAYOUT)
+    assert got["codes"] == [0] * len(kept) and got["mismatches"] == []
+
+
+def test_when_the_survivors_are_full_repair_copies_push_out_colder_objects(short_heartbeat, meta, stores):
+    """Scenario: replicaNum 2 on providers P and Q; provider R is filled by a client up to its
+    high-water mark (no room for one more object without evicting), then the replicated objects and
+    10 of R's are read (R's others are colder). P is killed with -9: the only segment that may take
+    the copies is R, full. Each copy pushes out one of R's colder objects, never one of the 10 read
+    later; every object gets its second replica back, and with Q killed too they read byte-exact from
+    R. (Before, the copies waited for free room that never came: the objects stayed short.)"""
+    p = stores(dram_size="64MB")
+    q = stores(dram_size="64MB")
+    client = stores(init_bm=False)
+    keys = [f"full-{i}" for i in range(40)]
+    put_replicated(meta, client, keys)
+    r = stores(dram_size="16MB")
+    r_id = r("id")["id"]
+    seg = meta.http(f"/query_segment?segment={r_id}")
+    n = int(0.9 * seg["capacity_bytes"]) // footprint(sum(LAYOUT))    # up to the high-water mark
+    cold = [f"cold-{i}" for i in range(n)]
+    assert client("put", keys=cold, layout=LAYOUT, preferred=[r_id])["codes"] == [0] * n
+    assert all(s == [r_id] for s in (segments_of(meta, k) for k in cold[:3]))
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 40 and got["mismatches"] == []
+    hotter = cold[-10:]
+    assert client("get", keys=hotter, layout=LAYOUT)["codes"] == [0] * 10
+    p.kill()
+    wait_for(lambda: meta.metric("repaired_objects_total") == 40, 30, "every lost replica made again on R")
+    assert all(set(segments_of(meta, k)) == {q("id")["id"], r_id} for k in keys)
+    left = client("exist", keys=cold)["codes"]
+    assert left[-10:] == [1] * 10, "a hotter object was pushed out"
+    assert left.count(1) == n - 40, f"{n - left.count(1)} of R's objects pushed out for 40 copies"
+    q.kill()
+    wait_for(lambda: len(meta.http("/get_all_segments")["segments"]) == 1, 15, "Q declared dead")
+    got = client("get", keys=keys, layout=LAYOUT)
+    assert got["codes"] == [0] * 40 and got["mismatches"] == []

@@ -220,3 +220,75 @@ def test_a_replica_is_moved_to_a_segment_without_one(replicas):
     assert b.moves[0].target.segment_id == 3
     assert done(d, b) == [0]
     assert sorted(loc.segment_id for loc in t.objects["r"].locations) == [2, 3]
+
+
+def test_on_a_warm_pool_a_drain_pushes_out_colder_objects_and_keeps_every_hotter_one():
+    """Scenario: targets 2 and 3 (10 MB, high-water mark 90%) hold 8 objects each: 4 put at t=0
+    (cold), 2 used until t=6 (hotter than the drained ones) and 2 leased until t=11. Segment
+    1 holds 6 objects put at t=4 and read at t=0 (lease TTL 5 s: used until t=5). Two of them fit
+    under the marks without evicting, so the drain pushes out cold objects, only as many as it needs: every
+    drained object moves, the hotter and the leased objects all stay, and the pool stays under its
+    high-water mark. (Moving into free room only, 4 of the 6 were dropped.)"""
+    t, d = make((10, 10, 10))
+    t.lease_ttl_s = 5.0
+    for s in (2, 3):
+        for i in range(8):
+            put(t, f"o{s}-{i}", s)
+    hot = [f"o{s}-{i}" for s in (2, 3) for i in (4, 5)]
+    leased = [f"o{s}-{i}" for s in (2, 3) for i in (6, 7)]
+    drained = [f"k{i}" for i in range(6)]
+    for k in drained:
+        put(t, k, 1, now=4.0)
+    for k in drained:
+        assert t.lookup(k, 0.0, True) is not None   # leased until 5: last used then
+    for k in hot:
+        assert t.lookup(k, 1.0, True) is not None   # leased until 6: used after the drained ones
+    for k in leased:
+        assert t.lookup(k, 6.0, True) is not None   # leased until 11: in use during the drain
+    b = d.next_batch(1, 0, 7.0)
+    assert len(b.moves) == 6 and done(d, b, now=7.0) == [0] * 6
+    assert all(t.objects[k].locations[0].segment_id in (2, 3) for k in drained)
+    assert all(k in t.objects for k in hot + leased)
+    assert found(d, 1, 7.0)["dropped_objects"] == 0
+    gone = [f"o{s}-{i}" for s in (2, 3) for i in range(4) if f"o{s}-{i}" not in t.objects]
+    assert len(gone) == 4 and t.counters.evictions == 4       # 2 x 9 fit under the marks: 16 + 6 - 18
+    assert all(s.allocator.used <= 0.9 * s.allocator.size for s in t.segments.values())
+
+
+def test_a_drain_never_pushes_out_an_object_as_hot_as_the_one_it_moves():
+    """Scenario: the targets are at their high-water mark with objects put at the same time as the
+    drained ones (t=0) and never read since: none is colder, so nothing is evicted and the drained
+    objects that do not fit are dropped, as before."""
+    t, d = make((10, 10, 10))
+    for s in (2, 3):
+        for i in range(9):
+            put(t, f"o{s}-{i}", s)
+    for i in range(3):
+        put(t, f"k{i}", 1)
+    b = d.next_batch(1, 0, 1.0)
+    assert b.moves == [] and found(d, 1, 1.0)["dropped_objects"] == 3
+    assert t.counters.evictions == 0 and len(t.objects) == 18
+
+
+def test_objects_in_the_targets_arena_are_not_pushed_out_for_nothing():
+    """Scenario: target 2 holds its owner's allocation arena (1 MB, small objects committed in it at
+    t=0, the least recently used of the segment) and 8 objects of 1 MB (t=0): at its high-water mark.
+    Evicting the arena's objects would give their space back to the arena, not make room for a
+    move: the drain of segment 1 (objects put at t=4) pushes out the 1 MB objects only."""
+    from memcache_core.meta import arena
+    t, d = make((10, 10))
+    r = arena.commit(t, 2, p.ArenaCommit(2, b"", 0, [], [], [], [], True, False), 0.0, MB)
+    step = 4096
+    small = [f"s{i}" for i in range(8)]
+    got = arena.commit(t, 2, p.ArenaCommit(2, b"", r.arena, small, [r.start + i * step for i in range(8)],
+                                           [1024] * 8, [0] * 8, False, False), 0.0, MB)
+    assert got.codes == [0] * 8
+    for i in range(8):
+        put(t, f"o{i}", 2)
+    assert t.segments[2].allocator.used == 9 * MB
+    for i in range(3):
+        put(t, f"k{i}", 1, now=4.0)
+    b = d.next_batch(1, 0, 5.0)
+    assert len(b.moves) == 3 and done(d, b, now=5.0) == [0] * 3
+    assert all(k in t.objects for k in small)
+    assert sum(f"o{i}" in t.objects for i in range(8)) == 5 and t.counters.evictions == 3

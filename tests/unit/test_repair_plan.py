@@ -265,3 +265,68 @@ def test_copies_are_spread_over_two_empty_providers_not_all_put_on_the_first_to_
     targets = [c.target.info.segment_id for c in pool.r.copies.values()]
     assert len(targets) == 200 and set(targets) == {3, 4}
     assert abs(targets.count(3) - targets.count(4)) <= 20, targets   # freer-of-two: near even
+
+
+def test_when_the_survivors_are_full_a_repair_pushes_out_colder_objects_never_hotter_ones():
+    """Scenario: k (2 replicas, read at t=5) loses one with its holder; the only other segment is at
+    its high-water mark with objects put at t=0 (cold) and one read at t=8 (hotter than k). The
+    repair evicts one cold object (the least recently used) to make room, never the hotter one."""
+    pool = Pool("abc", mb=10)
+    pool.t.lease_ttl_s = 1.0
+    for i in range(9):
+        pool.put(f"c{i}", [3])
+    pool.put("k", [1, 2])
+    pool.t.lookup("k", 5.0, True)          # used until t=6
+    pool.t.lookup("c8", 8.0, True)         # used until t=9
+    pool.t.drop_segment(2)
+    pool.r.housekeeping(10.0)
+    [m] = pool.r.next_batch(1, 10.0).moves
+    assert m.target.segment_id == 3 and pool.done(1, p.DrainBatch([m]), now=10.0) == [0]
+    assert pool.holders("k") == [1, 3] and "c0" not in pool.t.objects and pool.t.counters.evictions == 1
+    assert all(f"c{i}" in pool.t.objects for i in range(1, 9))
+
+
+def test_a_repair_evicts_nothing_when_every_object_there_is_hotter():
+    """Scenario: as above, but every object of the full segment was read after k: the repair plans
+    no copy and evicts nothing; k stays short of one replica (counted) until room comes."""
+    pool = Pool("abc", mb=10)
+    pool.t.lease_ttl_s = 1.0
+    for i in range(9):
+        pool.put(f"c{i}", [3])
+    pool.put("k", [1, 2])
+    pool.t.lookup("k", 5.0, True)
+    for i in range(9):
+        pool.t.lookup(f"c{i}", 8.0, True)
+    pool.t.drop_segment(2)
+    pool.r.housekeeping(10.0)
+    assert pool.r.copies == {} and pool.t.counters.evictions == 0 and len(pool.t.objects) == 10
+    assert pool.t.under_replicated == 1
+
+
+def test_copies_made_before_a_second_provider_joined_are_spread_onto_it():
+    """Scenario: 40 objects lose one of their two replicas; provider 3 joins and takes every copy
+    (the only segment with room); provider 4 joins after the repair is over. The copies are then
+    spread: 20 of them move from 3 to 4 (a copy from 3 that replaces 3's replica), so that losing 3
+    with the last original holder loses half, not all; nothing more moves once they are even."""
+    pool = Pool("ab", mb=100)
+    keys = [f"k{i}" for i in range(40)]
+    for k in keys:
+        pool.put(k, [1, 2])
+    pool.t.drop_segment(2)
+    pool.t.add_segment(p.SegmentInfo(3, 100 * MB, "c", "/dev/shm/x3", "127.0.0.1:1"))
+    pool.r.housekeeping(0.5)
+    assert pool.done(1, pool.r.next_batch(1, 0.5)) == [0] * 40
+    assert all(pool.holders(k) == [1, 3] for k in keys)
+    pool.t.add_segment(p.SegmentInfo(4, 100 * MB, "d", "/dev/shm/x4", "127.0.0.1:1"))
+    pool.r.housekeeping(2.0)
+    assert not pool.r.wanted(1) and pool.r.wanted(3)
+    b = pool.r.next_batch(3, 2.0)
+    assert len(b.moves) == 20 and {m.target.segment_id for m in b.moves} == {4}
+    assert all(m.new_generation == pool.t.objects[m.key].generation for m in b.moves)   # replicas
+    assert pool.done(3, b, now=2.1) == [0] * 20
+    on = {s: [k for k in keys if s in pool.holders(k)] for s in (1, 3, 4)}
+    assert (len(on[1]), len(on[3]), len(on[4])) == (40, 20, 20)
+    assert all(len(pool.holders(k)) == 2 for k in keys) and pool.t.under_replicated == 0
+    assert pool.t.segments[3].allocator.used == 20 * MB and pool.r.totals.spread_objects == 20
+    pool.r.housekeeping(3.0)
+    assert pool.r.copies == {}                     # even: nothing more to move
