@@ -41,8 +41,8 @@ RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "hcom_advertise_url) or NIXL (transfer_engine), with TLS from tls_*"),
     ("kv_events_*", _off,
      "not a setting of the KV events here (the MetaService's kv_events_enable, kv_events_endpoint, "
-     "kv_events_model_name, kv_events_block_size, kv_events_queue_size, kv_events_replay_endpoint and "
-     "kv_events_buffer_steps are)"),
+     "kv_events_model_name, kv_events_block_size, kv_events_queue_size, kv_events_replay_endpoint, "
+     "kv_events_buffer_steps and the kv_events_replay_* bounds are)"),
     ("log_output_target", lambda v: str(v).strip().lower() in ("", "stdout", "stderr", "file"),
      "a LocalService inside an engine logs through the engine's logging; expected stdout, stderr or file"),
 )

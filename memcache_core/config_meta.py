@@ -85,6 +85,15 @@ class MetaConfig:
     as vLLM's publisher does; empty = no replay."""
     kv_events_buffer_steps: Annotated[int, Meta(ge=1, le=10_000_000), NUMBER] = 10000
     """Batches kept for replay."""
+    kv_events_replay_requests_per_second: Annotated[int, Meta(ge=1, le=1_000_000), NUMBER] = 100
+    """Replay requests read per second, all peers together; the rest wait in ZeroMQ's queue of their
+    connection, read round robin (the live stream never waits for replays: docs/security.md)."""
+    kv_events_replay_bytes_per_second: Annotated[int, Meta(ge=1024, le=1 << 40), NUMBER] = 32 << 20
+    """Bytes of replayed batches sent per second, all replays together, each batch counted as at least
+    1 KiB; a larger replay is sent over several seconds."""
+    kv_events_replay_min_interval_ms: Annotated[int, Meta(ge=0, le=3_600_000), NUMBER] = 100
+    """Least time between the starts of two replays of one peer (a ZeroMQ connection); a request sooner
+    is dropped and counted, as is one while that peer's replay is still being sent."""
     zmq_enable_curve: Bool = False
     """Encrypt and authenticate the KV-event sockets with ZeroMQ CURVE: only subscribers whose public
     certificates are in ``zmq_curve_client_keys_dir`` get in."""

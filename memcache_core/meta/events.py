@@ -18,13 +18,15 @@ subscriber knew is gone, and the objects the members report back follow as ``Blo
 Replay, as vLLM's publisher offers it: with ``kv_events_replay_endpoint`` a ROUTER socket answers a
 request ``[b"", start_seq (8 bytes)]`` with every kept batch from that sequence on, each as ``[b"",
 seq, payload]``, then ``[b"", -1 (8 bytes, signed), b""]``; the last ``kv_events_buffer_steps``
-batches are kept. With ``zmq_enable_curve`` both sockets speak CURVE: encrypted, and only the
-subscribers whose public keys are in ``zmq_curve_client_keys_dir`` get in.
+batches are kept. Replays are served by a thread of their own within rate bounds (``replay.py``): the
+sending thread only adds each batch to the kept ones, and never waits for a replay. With
+``zmq_enable_curve`` both sockets speak CURVE: encrypted, and only the subscribers whose public keys
+are in ``zmq_curve_client_keys_dir`` get in.
 
 Publishing never blocks the control plane: the MetaService puts events into a bounded queue
 (``kv_events_queue_size``) without waiting; when it is full the event is dropped and counted
-(``memcache_kv_events_dropped_total``); one thread batches and sends and answers replays (ZeroMQ
-sockets belong to one thread).
+(``memcache_kv_events_dropped_total``); one thread batches and sends (ZeroMQ sockets belong to one
+thread).
 """
 
 from __future__ import annotations
@@ -40,13 +42,12 @@ from typing import Any
 import msgspec
 
 from ..errors import ConfigError
+from .replay import KeptBatches, ReplayLimits, ReplayServer
 
 logger = logging.getLogger(__name__)
 
 MEDIUM = "CPU"   # vLLM's medium for host memory (its offloading connector's CPU tier); the pool is DRAM
 MAX_BATCH = 1024
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-POLL_S = 0.05    # how long the sender waits for an event before it looks at the replay socket again
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -114,7 +115,8 @@ class EventPublisher:
     plane calls."""
 
     def __init__(self, endpoint: str, model_name: str, block_size: int, queue_size: int,
-                 replay_endpoint: str = "", buffer_steps: int = 10_000, curve: Curve | None = None) -> None:
+                 replay_endpoint: str = "", buffer_steps: int = 10_000, curve: Curve | None = None,
+                 replay_limits: ReplayLimits | None = None) -> None:
         import zmq
         self.model_name, self.block_size = model_name, block_size
         self.queue: queue.Queue[Item | None] = queue.Queue(queue_size)
@@ -128,18 +130,19 @@ class EventPublisher:
         self.last_sequence = -1
         self._ctx = zmq.Context()
         self._auth: Any = None
-        self._replay: Any = None
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._replay: ReplayServer | None = None
+        self._kept = KeptBatches(buffer_steps) if replay_endpoint else None
         try:
             if curve is not None:
                 from zmq.auth.thread import ThreadAuthenticator
                 self._auth = ThreadAuthenticator(self._ctx)
                 self._auth.start()
                 self._auth.configure_curve(domain="*", location=curve.client_keys_dir)
-            self._sock = self._bind(zmq.PUB, endpoint, "kv_events_endpoint", curve)
-            self._sock.setsockopt(zmq.SNDHWM, 100_000)
-            if replay_endpoint:
-                self._replay = self._bind(zmq.ROUTER, replay_endpoint, "kv_events_replay_endpoint", curve)
+            self._sock = self._bind(zmq.PUB, endpoint, "kv_events_endpoint", curve, {zmq.SNDHWM: 100_000})
+            if self._kept is not None:
+                router = self._bind(zmq.ROUTER, replay_endpoint, "kv_events_replay_endpoint", curve,
+                                    ReplayServer.socket_options())
+                self._replay = ReplayServer(router, self._kept, replay_limits or ReplayLimits())
         except BaseException:
             self._close_sockets()
             raise
@@ -151,10 +154,12 @@ class EventPublisher:
         logger.info("publishing KV events on %s (replay %s, CURVE %s, model %r, block size %d)", endpoint,
                     replay_endpoint or "off", "on" if curve else "off", model_name, block_size)
 
-    def _bind(self, kind: int, endpoint: str, key: str, curve: Curve | None) -> Any:
+    def _bind(self, kind: int, endpoint: str, key: str, curve: Curve | None, options: dict[int, int]) -> Any:
         import zmq
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        for option, value in options.items():
+            sock.setsockopt(option, value)
         if curve is not None:
             sock.curve_secretkey = curve.secret
             sock.curve_publickey = curve.public
@@ -182,12 +187,7 @@ class EventPublisher:
 
     def _run(self) -> None:
         while True:
-            if self._replay is not None:
-                self._serve_replays()
-            try:
-                item = self.queue.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
+            item = self.queue.get()
             if item is None:
                 return
             items = [item]
@@ -222,7 +222,8 @@ class EventPublisher:
             self._seq += 1
             n_stored = sum(isinstance(e, BlockStored) for e in events)
             payload = self._enc.encode(KVEventBatch(time.time(), events))
-            self._buffer.append((seq, payload))   # kept for replay even when the PUB socket drops it
+            if self._kept is not None:
+                self._kept.append(seq, payload)   # kept for replay even when the PUB socket drops it
             self.last_sequence = seq
             try:
                 self._sock.send_multipart([f"{self.model_name}|{place}".encode(), seq.to_bytes(8, "big"), payload],
@@ -247,29 +248,21 @@ class EventPublisher:
                 "published_by_medium": {"hbm": 0, "dram": self.published - self.by_type["AllBlocksCleared"], "ssd": 0,
                                         "unknown": 0},
                 "dropped_events": self.dropped, "dropped_stored_events": self.dropped_stored,
-                "last_sequence": self.last_sequence}
+                "last_sequence": self.last_sequence,
+                "replay": None if self._replay is None else self._replay.stats()}
 
-    def _serve_replays(self) -> None:
-        """Answer every waiting replay request (vLLM's protocol: identity, empty, start sequence)."""
-        import zmq
-        while self._replay.poll(0):
-            frames = self._replay.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                logger.warning("KV events: a replay request of %d frames is not [b'', seq]; ignored", len(frames))
-                continue
-            ident, start = frames[0], int.from_bytes(frames[2], "big")
-            try:
-                for seq, payload in list(self._buffer):
-                    if seq >= start:
-                        self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
-                self._replay.send_multipart([ident, b"", END_SEQ, b""], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                logger.warning("KV events: a replay's subscriber does not read; the rest of its replay is dropped")
+    def replay_counts(self) -> tuple[int, int]:
+        """(replays sent whole, replay requests and replays dropped): 0, 0 without a replay endpoint."""
+        if self._replay is None:
+            return 0, 0
+        return self._replay.served, sum(self._replay.dropped.values())
 
     def _close_sockets(self) -> None:
-        for sock in (getattr(self, "_sock", None), self._replay):
-            if sock is not None:
-                sock.close()
+        if self._replay is not None and not self._replay.close():
+            return   # its thread still holds the ROUTER socket: the daemon thread ends with the process
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.close()
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()

@@ -179,6 +179,11 @@ def _counters(s: Snapshot) -> Iterator[Metric]:
                               value=s.events.get("kv_events_published", 0))
     yield CounterMetricFamily("memcache_kv_events_dropped_total", "KV events dropped: queue or socket full.",
                               value=s.events.get("kv_events_dropped", 0))
+    yield CounterMetricFamily("memcache_kv_events_replays_total", "KV-event replays sent whole "
+                              "(kv_events_replay_endpoint).", value=s.events.get("kv_events_replays", 0))
+    yield CounterMetricFamily("memcache_kv_events_replay_dropped_total", "KV-event replay requests dropped "
+                              "(malformed, too soon or too many) and replays given up (peer gone or not reading).",
+                              value=s.events.get("kv_events_replay_dropped", 0))
 
 
 DRAIN_COUNTERS = (   # (metric name, Drains.stats() field, help)

@@ -29,6 +29,7 @@ from .metadata import Metadata
 from .metrics import Metrics
 from .objects import PENDING_LEASE
 from .repair import Repairs
+from .replay import ReplayLimits
 from .table import Obj, ObjectTable
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,13 @@ class MetaServiceCore(Membership):
         if config.kv_events_enable:
             curve = (load_curve(config.zmq_curve_server_key_file, config.zmq_curve_client_keys_dir)
                      if config.zmq_enable_curve else None)
+            limits = ReplayLimits(config.kv_events_replay_requests_per_second,
+                                  config.kv_events_replay_bytes_per_second,
+                                  config.kv_events_replay_min_interval_ms / 1000.0)
             self.publisher = EventPublisher(config.kv_events_endpoint, config.kv_events_model_name,
                                             config.kv_events_block_size, config.kv_events_queue_size,
-                                            config.kv_events_replay_endpoint, config.kv_events_buffer_steps, curve)
+                                            config.kv_events_replay_endpoint, config.kv_events_buffer_steps, curve,
+                                            limits)
         self.epoch = new_epoch()
         self.table = self.fresh_table()
         self.members: dict[int, Member] = {}
@@ -118,6 +123,7 @@ class MetaServiceCore(Membership):
                 events["kv_events_published_stored"] = self.publisher.published_stored
                 events["kv_events_published_cleared"] = self.publisher.by_type["AllBlocksCleared"]
                 events["kv_events_dropped_stored"] = self.publisher.dropped_stored
+                events["kv_events_replays"], events["kv_events_replay_dropped"] = self.publisher.replay_counts()
             events.update({f"http_{k}": n for k, n in self.http_calls.items()})
             disk_tiers = [stats.DiskTierStats(sid, d.policy, d.capacity, d.used, d.counters.get("objects", 0),
                                               dict(d.counters))
