@@ -10,7 +10,8 @@ oldest (as on the control plane). Bounded: at most
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
 Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write), range count, the segment id
-the request is for (0: whatever the server serves, for tools), then ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
+the request is for (no wildcard: a joined provider's server refuses any id it was not given, 0
+included; only a bare server, whose owner has not joined, serves any), then ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
 forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
 back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. A server
 that serves another segment (a provider restarted on the address of a dead one a reader still
