@@ -141,7 +141,9 @@ class Gva(Membership):
         codes = expect(self.member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
                        p.Codes).codes
         connects = self.rpc.connects
-        until, end = min(t0 + ttl / 1000.0, self._grant_cap(t0)), t0 + ttl / 1000.0
+        # the MetaService may grant less than asked (``gva_lease_max_ms``), never less than lease_ttl_ms
+        # (nor than asked): trust the lease that long; a Grant round trip learns its real end after that
+        until = end = min(t0 + ttl / 1000.0, self._grant_cap(t0))
         leased = [o for os_, code in zip(objs, codes, strict=True) if code == errors.SUCCESS for o in os_]
         book.grant(leased, False, [until] * len(leased), [end] * len(leased), connects)
         return codes

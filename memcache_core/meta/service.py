@@ -231,7 +231,9 @@ class MetaServiceCore(Membership):
                 validate.timeout_ms(ttl_ms)
                 if ttl_ms == 0:
                     return p.Codes(gva.remove_lease(t, cid, keys))
-                return p.Codes(gva.add_lease(t, cid, keys, gens, ttl_ms / 1000.0, now, self.config.member_max_leases))
+                longest = max(self.config.gva_lease_max_ms, self.config.lease_ttl_ms)   # leasing again renews
+                return p.Codes(gva.add_lease(t, cid, keys, gens, min(ttl_ms, longest) / 1000.0, now,
+                                             self.config.member_max_leases))
             case p.Grant():
                 validate.grant(req)
                 return gva.grant(t, cid, req, now)
@@ -283,7 +285,7 @@ class MetaServiceCore(Membership):
         bounded (a pending object cannot be evicted, so they are what a member can pin), and so is what
         it keeps: its committed objects plus those in flight (``member_max_objects`` / ``_bytes``). At
         that quota its own least recently used objects are evicted to make room, as in a full pool;
-        when none can be (leased, or all in flight), the Alloc is refused."""
+        when none can be (leased by itself, or all in flight), the Alloc is refused."""
         c, t = self.config, self.table
         objects, held = t.pending_of.get(cid, (0, 0))
         if objects >= c.member_max_pending_objects or (c.member_max_pending_bytes
@@ -292,8 +294,8 @@ class MetaServiceCore(Membership):
         if (c.member_max_objects and objects >= c.member_max_objects) or (c.member_max_bytes
                                                                            and held + size > c.member_max_bytes):
             return False   # (pending bytes count replicas; kept bytes do not: ``held`` bounds the payload)
-        while True:
-            kept, kept_bytes = t.kept_of.get(cid, (0, 0))
+        while True:   # objects another member leases count against the leaser (kept.py), not here
+            kept, kept_bytes = t.quota_kept(cid)
             over = ((c.member_max_objects and kept + objects >= c.member_max_objects)
                     or (c.member_max_bytes and kept_bytes + held + size > c.member_max_bytes))
             if not over:

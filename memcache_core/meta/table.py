@@ -109,6 +109,8 @@ class ObjectTable(Kept, Lookups, Removals, Space):
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
         self.held: dict[str, dict[int, tuple[int, float]]] = {}   # GVA path's leases: key -> caller -> (gen, end)
         self.leases_of: dict[int, int] = {}   # caller -> how many of ``held``'s leases it has (a quota)
+        self.lent: dict[str, tuple[int, Obj]] = {}   # objects another member leases (``kept.py``)
+        self.lent_of: dict[int, list[int]] = {}      # writer -> [its lent objects, their bytes]
 
     # ---- segments -------------------------------------------------------------------------------
 

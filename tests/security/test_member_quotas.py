@@ -242,3 +242,37 @@ def test_joining_again_and_again_is_bounded_by_max_members(caplog):
         finally:
             s.close()
             store.close()
+
+
+def _leased(meta: MetaServiceProcess, keys: list[str]) -> list[bool]:
+    got = meta.http("/batch_query_keys?keys=" + ",".join(keys))["keys"]
+    return [bool(k.get("leased")) for k in got]
+
+
+def test_another_members_gva_lease_is_bounded_and_never_turns_the_owners_quota_into_refusals():
+    """Scenario: an honest member keeps its quota of 4 objects (``member_max_objects``). An insider
+    (a pure client holding the secret) leases all four on the GVA path for 24 h. Before, the owner's
+    every further put failed with -3112 for the lease's life (none of its objects could be evicted to
+    make room) and the objects stayed pinned for a day. Now the leased objects count against the
+    leaser: the owner's next put succeeds and the leased ones stay readable; and the lease lasts
+    ``gva_lease_max_ms`` (3 s here), not 24 h: the objects are evictable again within it."""
+    with running_meta_service(member_max_objects=4, lease_ttl_ms=1000, gva_lease_max_ms=3000) as meta:
+        owner = DistributedObjectStore()
+        assert owner.setup(meta.local_config()) == 0
+        assert owner.init(0, True) == 0
+        s = authed(addr_of(meta.meta_service_url))
+        try:
+            values = {f"o{i}": bytes([i + 1]) * 1024 for i in range(4)}
+            assert owner.put_batch(list(values), list(values.values())) == 0
+            j = ask(s, p.Join(0, "insider", os.getpid()))
+            assert isinstance(j, p.Joined), j
+            lease = ask(s, p.Lease(j.client_id, j.token, list(values), [0] * 4, 86_400_000))
+            assert isinstance(lease, p.Codes) and lease.codes == [0] * 4, lease
+            assert _leased(meta, list(values)) == [True] * 4
+            assert owner.put("o4", b"\x05" * 1024) == 0, "another member's lease refused the owner's put"
+            assert owner.get_batch(list(values)) == list(values.values()), "a leased object was evicted"
+            wait_for(lambda: _leased(meta, list(values)) == [False] * 4, 20,
+                     "the insider's 24 h lease to end at gva_lease_max_ms")
+        finally:
+            s.close()
+            owner.close()

@@ -121,3 +121,29 @@ def test_evict_own_looks_in_the_writers_own_segment_first():
         _put(t, 1, f"theirs{i}", 1, [1])
     _put(t, 2, "mine", 1, [2])
     assert t.evict_own(2, 0.0) and "mine" not in t.objects and len(t.objects) == OWN_LOOKAHEAD + 10
+
+
+def test_an_object_another_member_leases_counts_against_the_leaser_not_in_its_writers_quota():
+    """Scenario: writer 101 keeps three objects; member 303 leases two on the GVA path (101 leasing its
+    own changes nothing). While leased they leave 101's quota (``quota_kept``), not its ``kept_of``; a
+    removed lease, an ended one (housekeeping), a removed object and a new generation each end the
+    loan, and the counts stay equal to what the table holds."""
+    from memcache_core.meta import gva
+    t = _table(1 << 20)
+    for k, n in (("a", 100), ("b", 200), ("c", 300)):
+        _put(t, 101, k, n, [1])
+    assert gva.add_lease(t, 101, ["a"], [0], 5.0, 0.0) == [0]
+    assert t.quota_kept(101) == (3, 600)
+    assert gva.add_lease(t, 303, ["a", "b", "c"], [0] * 3, 5.0, 0.0) == [0] * 3
+    assert t.quota_kept(101) == (0, 0) and t.kept_of[101] == [3, 600]
+    assert gva.remove_lease(t, 303, ["a"]) == [0]
+    assert t.quota_kept(101) == (1, 100)   # "a" is 101's own lease now: counted again
+    assert t.remove("b", 1.0) == 0
+    assert t.quota_kept(101) == (1, 100) and t.lent_of == {101: [1, 300]}
+    gva.expire(t, 6.0)   # the leases ended
+    assert t.quota_kept(101) == (2, 400) and t.lent == {} and t.lent_of == {}
+    assert gva.add_lease(t, 303, ["c"], [0], 5.0, 7.0) == [0]
+    assert t.remove("c", 8.0) == 0
+    _put(t, 101, "c", 300, [1])   # a new generation: 303's lease was on the old one
+    assert t.quota_kept(101) == (2, 400) and t.lent == {}
+    _consistent(t)
