@@ -75,6 +75,7 @@ class MetaServiceCore(Membership):
         c = self.config
         table = ObjectTable(c.evict_threshold_high, c.evict_threshold_low, c.lease_ttl_ms / 1000.0,
                             c.pending_timeout_ms / 1000.0, generations.clock_floor())
+        table.member_quota = (c.member_max_objects, c.member_max_bytes)   # recovered objects count in it
         if self.publisher is not None:
             self.publisher.offer_cleared()   # subscribers forget what an earlier table told them
             table.listener = self._kv_event
@@ -179,7 +180,7 @@ class MetaServiceCore(Membership):
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
             case (p.Alloc() | p.Commit() | p.ArenaCommit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone()
-                  | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant()):
+                  | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant() | p.Report()):
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
             case p.DiskSync() | p.Promote() | p.Promoted():
                 return self._disk_request(req, self._member(req.client_id, req.token, now), now)
@@ -237,6 +238,8 @@ class MetaServiceCore(Membership):
             case p.Grant():
                 validate.grant(req)
                 return gva.grant(t, cid, req, now)
+            case p.Report():
+                return self._report(req, member, now)
             case p.Leave():
                 self._drop_member(cid, "left")
                 return p.Ok()
@@ -245,6 +248,26 @@ class MetaServiceCore(Membership):
             case p.RepairNext() | p.RepairDone():
                 return self.repairs.handle(req, member.segment_id, now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
+
+    def _report(self, req: p.Report, member: Member, now: float) -> p.Reply:
+        """More objects of the member's re-joining segment (``Join.more``; ``meta/reports.py``): one
+        bounded batch per request, so a segment of millions of objects never holds the loop long."""
+        t, sid = self.table, member.segment_id
+        seg = t.segments.get(sid) if sid is not None else None
+        if sid is None or seg is None or sid not in t.reporting:
+            return p.Error(errors.INVALID_PARAM, f"client {member.client_id}: Report without a Join announcing "
+                                                 f"more reports (or after its last one)")
+        validate.reports(req.objects, seg.info.size)
+        validate.disk_reports(req.disk_objects)
+        refused = t.report(sid, req.objects, req.last, now)
+        for r in refused:   # tell the owner to forget objects that now mean something else
+            seg.record_removed(r)
+        self.member_events["recovered_objects"] += len(req.objects) - len(refused)
+        if req.disk_objects:
+            self.member_events["recovered_disk_objects"] += disk.add_reports(t, sid, req.disk_objects, now)
+        if req.last:
+            logger.info("LocalService %d reported the last of its segment's objects", member.client_id)
+        return p.Ok()
 
     def _disk_request(self, req: p.Request, member: Member, now: float) -> p.Reply:
         """Requests of a provider's disk tier (meta/disk.py); only a member with a segment has one."""
