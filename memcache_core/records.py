@@ -27,6 +27,8 @@ class SegmentInfo(msgspec.Struct, frozen=True):
     tag: str = ""
     nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
     metrics_addr: str = ""  # "host:port" of the owner's own /metrics (metrics_port); "" = none
+    gva_slot: int = 0      # the pool's number for this segment in GVAs (local/gva.py), issued by the
+                           # MetaService at join (0: none, past 16,383 segments): one number per process
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle

@@ -7,10 +7,13 @@ object (``REPORTING``): space not reported yet may hold objects. A mixin of ``Ob
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from .. import errors
 from ..layout import footprint
@@ -34,6 +37,28 @@ class Reporting:
         self.taken: list[tuple[int, str]] = []   # (generation, key) of the objects counted: a min-heap
 
 
+class GvaSlots:
+    """The pool's numbers for segments in GVAs (``SegmentInfo.gva_slot``, 14 bits): issued at join, the
+    same in every process, so a GVA names one object in all of them. A number freed by a segment that
+    left is issued again only after every number never issued, then the longest free first."""
+
+    LAST = (1 << 14) - 1
+
+    def __init__(self) -> None:
+        self.next = 1
+        self.freed: collections.deque[int] = collections.deque()
+
+    def issue(self) -> int:
+        if self.next <= self.LAST:
+            self.next += 1
+            return self.next - 1
+        return self.freed.popleft() if self.freed else 0
+
+    def free(self, slot: int) -> None:
+        if slot:
+            self.freed.append(slot)
+
+
 class Reports:
     """Segments and their reported objects joining ``ObjectTable`` (a mixin; the table sets the state)."""
 
@@ -44,6 +69,7 @@ class Reports:
     unconfirmed: dict[int, dict[tuple[str, int], int]]
     reporting: dict[int, Reporting]
     member_quota: tuple[int, int]
+    gva_slots: GvaSlots
     serials: int
     _next_gen: int
 
@@ -80,6 +106,7 @@ class Reports:
         reported give way to newer ones (``_room``).
         Returns the reports that were refused (their owner is told to forget them).
         """
+        info = msgspec.structs.replace(info, gva_slot=self.gva_slots.issue())
         state = Reporting(self.unconfirmed.pop(info.segment_id, {}), recovering, alloc_after)
         seg = Segment(info, Allocator.building(info.size), self.objects, REPORTING if more else alloc_after)
         self.serials += 1

@@ -39,7 +39,7 @@ from .kept import WRITER_SLOTS, Kept
 from .lookups import Lookups
 from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
 from .removals import Removals
-from .reports import Reporting, Reports
+from .reports import GvaSlots, Reporting, Reports
 from .space import Space
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
         self.held: dict[str, dict[int, tuple[int, float]]] = {}   # GVA path's leases: key -> caller -> (gen, end)
         self.leases_of: dict[int, int] = {}   # caller -> how many of ``held``'s leases it has (a quota)
+        self.gva_slots = GvaSlots()   # segments' numbers in GVAs (``reports.py``)
         self.reporting: dict[int, Reporting] = {}   # segments whose owner reports more objects
         self.member_quota = (0, 0)   # (member_max_objects, member_max_bytes) recovered objects count in
         self.lent: dict[str, tuple[int, Obj]] = {}   # objects another member leases (``kept.py``)
@@ -131,6 +132,7 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
                     self.listener(False, obj, copies)
         del self.segments[segment_id]
         self.reporting.pop(segment_id, None)
+        self.gva_slots.free(seg.info.gva_slot)
         lost = 0
         gone = {(e.obj.key, e.obj.offset): e.obj.generation for e in seg.journal if not e.added and not e.disk}
         for e in seg.journal:   # disk records it never confirmed deleting: refused wherever they re-join
