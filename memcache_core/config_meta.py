@@ -127,6 +127,10 @@ class MetaConfig:
     member_max_leases: Annotated[int, Meta(ge=0, le=1 << 40), NUMBER] = 1 << 20
     """Leases one member may hold at once on the GVA path (``batch_add_lease``); a lease beyond it is
     refused (-3112) for that key. 0: no bound."""
+    gva_lease_max_ms: Annotated[int, Meta(ge=10, le=86_400_000), NUMBER] = 60_000
+    """The longest lease of the GVA path (``batch_add_lease``): a longer one asked for is granted this
+    long (``lease_ttl_ms`` if that is longer); a reader holds an object longer only by leasing it
+    again. Bounds how long one member's lease keeps an object from eviction."""
     arena_bytes: Annotated[int, Meta(ge=0, le=1 << 30), NUMBER] = 4 << 20
     """Size of the allocation arena granted to a LocalService in its own segment, where it places small
     puts itself and commits them in one round trip (docs/design.md, "Small puts"); at most an eighth

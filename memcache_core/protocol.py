@@ -8,22 +8,13 @@ read through this module too (``p.Location``).
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import msgspec
 
-from .errors import MAX_KEY_BYTES
+from .records import MAX_KEYS as MAX_KEYS  # (bounds checked by the decoder: records.py)
 from .records import AllocResult, DrainMove, Found, JournalEntry, ObjectReport, SegmentBytes, SegmentInfo
+from .records import Keys as Keys
 from .records import Location as Location  # no message here holds one directly; read as p.Location
-
-MAX_KEYS = 1 << 13   # keys in one request: the MetaService's single loop answers it in well under a second
-# (1M keys took 17.7 s); a LocalService splits a larger batch into requests of at most this many
-# (local/membership.py in_batches), so an engine never meets the bound
-# Checked by the decoder itself (about 2 ns a key): a key of 1 to 255 characters (the UTF-8 byte
-# bound is checked where a key is stored: meta/validate.py), at most MAX_KEYS of them.
-Keys = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES - 1)]],
-                 msgspec.Meta(max_length=MAX_KEYS)]
-
+from .records import Reports as Reports
 
 # ---- requests ---------------------------------------------------------------------------------
 
@@ -38,10 +29,22 @@ class Join(msgspec.Struct, tag=True):
     host_id: str
     pid: int
     segment: SegmentInfo | None = None
-    objects: list[ObjectReport] = []
+    objects: Reports = []
     token: bytes = b""             # the member token of the id proposed, when re-joining a live member
-    disk_objects: list[ObjectReport] = []   # records in the member's disk tier (``offset`` unused)
+    disk_objects: Reports = []     # records in the member's disk tier (``offset`` unused)
     generation_ceiling: int = 0    # the highest generation ceiling this member heard (meta/generations.py)
+    more: bool = False             # more reports (past MAX_KEYS of either list) follow in ``Report``s
+
+
+class Report(msgspec.Struct, tag=True):
+    """More reports of a segment that joined with ``Join.more`` (objects in rising offsets); after the
+    ``last`` the segment takes new objects. Answered by ``Ok`` (refusals reach the owner's journal)."""
+
+    client_id: int
+    token: bytes
+    objects: Reports = []
+    disk_objects: Reports = []
+    last: bool = True
 
 
 class Leave(msgspec.Struct, tag=True):
@@ -137,11 +140,8 @@ class RemovePrefix(msgspec.Struct, tag=True):
 
 
 class Corrupt(msgspec.Struct, tag=True):
-    """A reader found these objects' bytes do not match their checksums: count them, drop them.
-
-    ``segments``: the segment of each bad replica; only that replica is dropped when the object has
-    others. Empty: the whole objects.
-    """
+    """A reader found these objects' bytes do not match their checksums: count them, drop them (only
+    the replica in ``segments[i]`` when the object has others; no ``segments``: the whole objects)."""
 
     client_id: int
     token: bytes
@@ -275,12 +275,9 @@ class ConfigGet(msgspec.Struct, tag=True):
     key: str
 
 
-MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "ArenaCommit", "Abort", "Corrupt", "DrainNext", "DrainDone",
-                   "RepairNext", "RepairDone", "DiskSync", "Promote", "Promoted", "Info", "Lease", "Grant")
-
 Request = (Join | Leave | Heartbeat | Alloc | Commit | ArenaCommit | Abort | Lookup | Exist | Validate | Remove
            | RemoveAll | RemovePrefix | Confirmed | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
-           | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant)
+           | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant | Report)
 
 
 # ---- replies ----------------------------------------------------------------------------------

@@ -1,10 +1,19 @@
 """The records control-plane messages carry (``protocol.py``): a segment, a location, an object's
 report and journal entry, the bytes moved through a segment, and the per-key results of Alloc, Lookup
-and a drain's moves. Leaf structs: the MetaService's table and the transfer engines use them too."""
+and a drain's moves. Leaf structs: the MetaService's table and the transfer engines use them too.
+And the bounds the decoder checks on the lists of keys and reports a request carries."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+from .errors import MAX_KEY_BYTES
+
+MAX_KEYS = 1 << 13   # keys in one request: the MetaService's single loop answers it in well under a second
+# (1M keys took 17.7 s); a LocalService splits a larger batch into requests of at most this many
+# (local/membership.py in_batches), so an engine never meets the bound
 
 
 class SegmentInfo(msgspec.Struct, frozen=True):
@@ -18,6 +27,8 @@ class SegmentInfo(msgspec.Struct, frozen=True):
     tag: str = ""
     nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
     metrics_addr: str = ""  # "host:port" of the owner's own /metrics (metrics_port); "" = none
+    gva_slot: int = 0      # the pool's number for this segment in GVAs (local/gva.py), issued by the
+                           # MetaService at join (0: none, past 16,383 segments): one number per process
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle
@@ -83,3 +94,11 @@ class Found(msgspec.Struct, array_like=True):
     locations: list[Location]
     checksum: int = 0
     disk: int = 0                  # segment id of the provider holding a disk copy (0: none)
+
+
+# Checked by the decoder itself (about 2 ns a key): a key of 1 to 255 characters (the UTF-8 byte
+# bound is checked where a key is stored: meta/validate.py), at most MAX_KEYS of them.
+Keys = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES - 1)]],
+                 msgspec.Meta(max_length=MAX_KEYS)]
+# A segment's objects (or disk records) a Join or a Report carries: at most MAX_KEYS a request
+Reports = Annotated[list[ObjectReport], msgspec.Meta(max_length=MAX_KEYS)]

@@ -10,8 +10,10 @@ A GVA (global virtual address) names one byte of one object replica, 64 bits:
 
 * offset (42 bits, 4 TiB): where the byte lies in the segment (the object's payload, after its header),
   so ``gva + n`` is the n-th byte of the object, as callers expect to address a layer's slice;
-* slot (14 bits, from 1): this client's number for the segment, issued the first time one of its
-  objects is described (``batch_get_key_info``), so no GVA is 0;
+* slot (14 bits, from 1): the pool's number for the segment (``SegmentInfo.gva_slot``), issued by the
+  MetaService when the segment joins, so a GVA is the same value in every process of the pool and
+  names one object in all of them (before, each client numbered the segments it met from 1: two
+  processes' GVAs of two objects could be the same value); no GVA is 0;
 * session (8 bits): of the MetaService epoch this client joined, so a GVA from before a MetaService
   restart (or an HA failover) is refused at once.
 
@@ -70,8 +72,15 @@ class Gva(Membership):
         s = self.session
         book = self._gva_book
         if book is None or book.session is not s:
-            book = self._gva_book = GvaBook(s)   # a new session: every GVA of the old one is stale
+            book = self._gva_book = GvaBook(s, self._gva_slot)   # a new session: every old GVA is stale
         return book
+
+    def _gva_slot(self, segment_id: int) -> int:
+        """The pool's number for a segment in GVAs (0: none: it left the pool, or has no number)."""
+        try:
+            return self.segment_info(segment_id).gva_slot
+        except errors.PeerUnavailable:
+            return 0
 
     def _grant_cap(self, t0: float) -> float:
         """No grant outlives this: reclaimed space is quarantined at least that long (a write granted by
@@ -144,7 +153,9 @@ class Gva(Membership):
         codes = expect(self.member_call(lambda s: p.Lease(s.client_id, s.token, list(keys), gens, ttl)),
                        p.Codes).codes
         connects = self.rpc.connects
-        until, end = min(t0 + ttl / 1000.0, self._grant_cap(t0)), t0 + ttl / 1000.0
+        # the MetaService may grant less than asked (``gva_lease_max_ms``), never less than lease_ttl_ms
+        # (nor than asked): trust the lease that long; a Grant round trip learns its real end after that
+        until = end = min(t0 + ttl / 1000.0, self._grant_cap(t0))
         leased = [o for os_, code in zip(objs, codes, strict=True) if code == errors.SUCCESS for o in os_]
         book.grant(leased, False, [until] * len(leased), [end] * len(leased), connects)
         return codes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -83,10 +83,11 @@ class GvaBook:
     """The objects this client described in one session, indexed by segment and payload start, with
     what was granted for them and the digests of those it is writing."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, slot_of: Callable[[int], int]) -> None:
         self.session = session
+        self.slot_of = slot_of   # segment id -> the pool's number for it (``SegmentInfo.gva_slot``; 0: none)
         self.tag = (session.epoch & ((1 << TAG_BITS) - 1)) or 1
-        self.slots: dict[int, int] = {}            # segment id -> slot
+        self.slots: dict[int, int] = {}            # segment id -> slot (the pool's: the same in every process)
         self.segment_of: dict[int, int] = {}       # slot -> segment id
         self.by_key: dict[str, list[GvaObject]] = {}
         self.starts: dict[int, list[int]] = {}     # segment id -> sorted payload starts
@@ -97,20 +98,24 @@ class GvaBook:
 
     def add(self, objs: list[GvaObject]) -> list[int]:
         """Remember a key's replicas (replacing what was known of the key); their GVAs (0: none)."""
+        slots = {o.segment_id: self.slot_of(o.segment_id) for o in objs}   # (may ask the MetaService)
         with self.lock:
             if objs:
                 self._forget(objs[0].key)
-            gvas = [self._add(o) for o in objs]
+            gvas = [self._add(o, slots[o.segment_id]) for o in objs]
             while len(self.by_key) > MAX_BOOK:
                 self._forget(next(iter(self.by_key)))
             return gvas
 
-    def _add(self, o: GvaObject) -> int:
-        slot = self.slots.get(o.segment_id)
-        if slot is None:
-            slot = len(self.slots) + 1
-            if slot > _SLOT_MASK:
-                return 0
+    def _add(self, o: GvaObject, slot: int) -> int:
+        if not 0 < slot <= _SLOT_MASK:
+            return 0
+        if self.slots.get(o.segment_id) != slot:
+            left = self.segment_of.get(slot)
+            if left is not None:   # the segment that had this number left the pool: its GVAs are void
+                for k in {obj.key for (sid, _), obj in self.at.items() if sid == left}:
+                    self._forget(k)
+                self.slots.pop(left, None)
             self.slots[o.segment_id], self.segment_of[slot] = slot, o.segment_id
         if o.lo + o.size > _OFFSET_MASK:
             return 0

@@ -187,9 +187,18 @@ class Membership:
             objects = recovery.scan(self.segment) if recover and self.segment is not None else []
             old = self.session
             on_disk = self.disk.store.reports() if self.disk is not None else []
+            # at most MAX_KEYS objects and disk records a request: the rest follow in Reports (in rising
+            # offsets), and the MetaService answers others between them
+            objects.sort(key=lambda r: r.offset)
+            k = p.MAX_KEYS
+            parts = max(1, -(-len(objects) // k), -(-len(on_disk) // k))
             reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
-                                         objects, old.token, on_disk, self.generation_ceiling), probe=True)
+                                         objects[:k], old.token, on_disk[:k], self.generation_ceiling,
+                                         more=parts > 1), probe=True)
             j = expect(reply, p.Joined)
+            for i in range(1, parts):
+                expect(self.rpc.call(p.Report(j.client_id, j.token, objects[i * k:(i + 1) * k],
+                                              on_disk[i * k:(i + 1) * k], last=i == parts - 1)), p.Ok)
             self.generation_ceiling = max(self.generation_ceiling, j.generation_ceiling)
             seg = None
             if self._segment_template is not None:

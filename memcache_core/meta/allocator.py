@@ -44,6 +44,40 @@ class Allocator:
             a._add_free(pos, a.size - pos)
         return a
 
+    @classmethod
+    def building(cls, size: int) -> Allocator:
+        """An allocator rebuilt from used ranges given in rising offsets, a batch at a time (recovery in
+        pieces): ``take`` each, then ``built``. Until then nothing past the last range taken is free."""
+        a = cls(0)
+        a.size = size - size % ALIGN
+        return a
+
+    def take(self, pos: int, off: int, length: int) -> int | None:
+        """While building: the range at ``off`` is in use; ``pos`` is where the last one taken ended.
+        Returns where this one ends, or None (nothing changed) when it starts before ``pos`` (overlaps
+        or is out of order) or ends past the segment."""
+        length = aligned(length)
+        if off < pos or off + length > self.size:
+            return None
+        if off > pos:
+            self._add_free_after(pos, off - pos)
+        self.used += length
+        return off + length
+
+    def built(self, pos: int) -> None:
+        """Every used range was taken: the rest, from ``pos`` on, is free."""
+        if pos < self.size:
+            self._add_free_after(pos, self.size - pos)
+
+    def _add_free_after(self, start: int, length: int) -> None:
+        """A free range past the last one taken, merged with a free range ending at its start (an
+        object taken before was freed meanwhile)."""
+        prev = self._by_end.get(start)
+        if prev is not None:
+            self._remove_free(prev, start - prev)
+            start, length = prev, length + start - prev
+        self._add_free(start, length)
+
     @property
     def free(self) -> int:
         return self.size - self.used

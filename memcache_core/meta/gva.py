@@ -16,7 +16,10 @@ Leases of the GVA path are held per caller (``ObjectTable.held``: key -> caller 
 ``ObjectTable.leases_of`` counts each caller's, bounded by ``member_max_leases``);
 each one also extends the object's ``lease_until``, which keeps eviction and space reuse away exactly
 as a get's lease does. Removing a lease ends the caller's right to copy out; the object stays pinned
-until the end it was leased to (another reader's lease may still count on it).
+until the end it was leased to (another reader's lease may still count on it). A lease lasts at most
+``gva_lease_max_ms`` (at least ``lease_ttl_ms``): a reader holds an object longer only by leasing it
+again, as a reader of gets does by reading. While a member holds a lease on another's object, the
+object counts against the leaser, not in its writer's quota (``kept.py``: ``ObjectTable.relend``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def add_lease(t: ObjectTable, cid: int, keys: list[str], generations: list[int],
             if gen_end is None:
                 t.leases_of[cid] = t.leases_of.get(cid, 0) + 1
             mine[cid] = (obj.generation, max(end, gen_end[1]) if gen_end and gen_end[0] == obj.generation else end)
+            t.relend(obj.key)
             codes.append(errors.SUCCESS)
     return codes
 
@@ -74,6 +78,7 @@ def remove_lease(t: ObjectTable, cid: int, keys: list[str]) -> list[int]:
         _released(t, cid)
         if not mine:
             del t.held[k]
+        t.relend(k)
         codes.append(errors.SUCCESS)
     return codes
 
@@ -114,14 +119,17 @@ def expire(t: ObjectTable, now: float) -> None:
     """Forget leases that ended or whose object is gone or replaced (housekeeping)."""
     for k in [k for k, mine in t.held.items() if _prune(t, k, mine, now)]:
         del t.held[k]
+        t.relend(k)
 
 
 def _prune(t: ObjectTable, key: str, mine: dict[int, tuple[int, float]], now: float) -> bool:
     obj = t.objects.get(key)
-    for cid in [c for c, (g, end) in mine.items()
-                if end <= now or obj is None or not obj.committed or obj.generation != g]:
+    ended = [c for c, (g, end) in mine.items() if end <= now or obj is None or not obj.committed or obj.generation != g]
+    for cid in ended:
         del mine[cid]
         _released(t, cid)
+    if ended and mine:
+        t.relend(key)
     return not mine
 
 

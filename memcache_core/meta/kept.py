@@ -5,6 +5,11 @@ of a writer's own objects at its quota. A mixin of ``ObjectTable`` (``table.py``
 Each committed object carries its writer as a slot (``Obj.writer_slot``, 12 bits of its packed int:
 no byte more per object); a writer holds a slot while it keeps an object. Objects recovered from the
 members' reports (a MetaService restart, an HA failover) carry none: headers do not name a writer.
+
+An object that another member holds a GVA lease on (``gva.py``) cannot be evicted, so its writer could
+not make room under its quota: while such a lease lasts the object is *lent* (``lent``, ``lent_of``),
+counted against the leaser (its ``member_max_leases``) and not in its writer's quota, so no member's
+lease turns another's quota into refusals. Leases are bounded in length (``gva_lease_max_ms``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ class Kept:
     segments: dict[int, Segment]
     counters: Counters
     kept_of: dict[int, list[int]]
+    lent: dict[str, tuple[int, Obj]]     # key -> (writer, object) of objects another member leases
+    lent_of: dict[int, list[int]]        # writer -> [its lent objects, their payload bytes]
+    held: dict[str, dict[int, tuple[int, float]]]
+    objects: dict[str, Obj]
     slot_of: dict[int, int]
     writer_in: dict[int, int]
     _free_slots: list[int]
@@ -70,8 +79,43 @@ class Kept:
                     return False
         return False
 
+    def quota_kept(self, writer: int) -> tuple[int, int]:
+        """(objects, bytes) the writer keeps that count in its quota: those no other member leases."""
+        kept, kept_bytes = self.kept_of.get(writer, (0, 0))
+        lent, lent_bytes = self.lent_of.get(writer, (0, 0))
+        return kept - lent, kept_bytes - lent_bytes
+
+    def relend(self, key: str) -> None:
+        """The GVA leases on ``key`` changed: it is lent while a member other than its writer holds a
+        lease on its current generation."""
+        obj = self.objects.get(key)
+        writer = self.writer_in.get(obj.writer_slot) if obj is not None and obj.committed else None
+        holders = self.held.get(key, {})
+        lend = obj is not None and writer is not None and any(
+            c != writer and g == obj.generation for c, (g, _) in holders.items())
+        old = self.lent.get(key)
+        if old is not None and (not lend or old[1] is not obj or old[0] != writer):
+            self._unlend(key)
+            old = None
+        if lend and old is None and obj is not None and writer is not None:
+            self.lent[key] = (writer, obj)
+            mine = self.lent_of.setdefault(writer, [0, 0])
+            mine[0] += 1
+            mine[1] += obj.size
+
+    def _unlend(self, key: str) -> None:
+        writer, obj = self.lent.pop(key)
+        mine = self.lent_of[writer]
+        mine[0] -= 1
+        mine[1] -= obj.size
+        if mine[0] <= 0:
+            del self.lent_of[writer]
+
     def _unkept(self, obj: Obj) -> None:
         """A committed object left the table: its writer's count of kept objects is given back."""
+        lent = self.lent.get(obj.key)
+        if lent is not None and lent[1] is obj:
+            self._unlend(obj.key)
         slot = obj.writer_slot
         writer = self.writer_in.get(slot)
         if writer is None:

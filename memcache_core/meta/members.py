@@ -98,9 +98,9 @@ class Membership:
             # still be copying out of the reported objects' neighbourhood: no new object goes into a
             # re-joined segment until such a lease would have ended. (Writers granted by a previous
             # MetaService need no grace: the owner's write fence refuses them from its re-join on, fence.py.)
-            grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects else 0.0
-            refused = self.table.add_segment(info, req.objects, alloc_after=grace,
-                                             recovering=self.repairs.settling(now), now=now)
+            grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects or req.more else 0.0
+            refused = self.table.add_segment(info, req.objects, alloc_after=grace,   # more: ``Report``s follow
+                                             recovering=self.repairs.settling(now), now=now, more=req.more)
             seg = self.table.segments[seg_id]
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)

@@ -201,9 +201,10 @@ class PendingObj(Obj, gc=False):
 
 
 def new_obj(key: str, size: int, generation: int, locations: list[Location], checksum: int = 0,
-            lease_until: float = 0.0, replicas: int = 1, disk: tuple[int, int] | None = None) -> Obj:
+            lease_until: float = 0.0, replicas: int = 1, disk: tuple[int, int] | None = None,
+            writer_slot: int = 0) -> Obj:
     """A committed object (recovered from reports, a disk record, or a copy whose space waits)."""
-    obj = Obj(key, pack(size, generation, checksum, locations[0] if locations else None), lease_until)
+    obj = Obj(key, pack(size, generation, checksum, locations[0] if locations else None, writer_slot), lease_until)
     if len(locations) > 1 or replicas != 1 or disk is not None:
         obj.more = Extra(replicas=replicas, rest=tuple(locations[1:]), disk=disk)
     return obj

@@ -82,6 +82,7 @@ class MetaServiceCore(Membership):
         c = self.config
         table = ObjectTable(c.evict_threshold_high, c.evict_threshold_low, c.lease_ttl_ms / 1000.0,
                             c.pending_timeout_ms / 1000.0, generations.clock_floor())
+        table.member_quota = (c.member_max_objects, c.member_max_bytes)   # recovered objects count in it
         if self.publisher is not None:
             self.publisher.offer_cleared()   # subscribers forget what an earlier table told them
             table.listener = self._kv_event
@@ -187,7 +188,7 @@ class MetaServiceCore(Membership):
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
             case (p.Alloc() | p.Commit() | p.ArenaCommit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone()
-                  | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant()):
+                  | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant() | p.Report()):
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
             case p.DiskSync() | p.Promote() | p.Promoted():
                 return self._disk_request(req, self._member(req.client_id, req.token, now), now)
@@ -239,10 +240,14 @@ class MetaServiceCore(Membership):
                 validate.timeout_ms(ttl_ms)
                 if ttl_ms == 0:
                     return p.Codes(gva.remove_lease(t, cid, keys))
-                return p.Codes(gva.add_lease(t, cid, keys, gens, ttl_ms / 1000.0, now, self.config.member_max_leases))
+                longest = max(self.config.gva_lease_max_ms, self.config.lease_ttl_ms)   # leasing again renews
+                return p.Codes(gva.add_lease(t, cid, keys, gens, min(ttl_ms, longest) / 1000.0, now,
+                                             self.config.member_max_leases))
             case p.Grant():
                 validate.grant(req)
                 return gva.grant(t, cid, req, now)
+            case p.Report():
+                return self._report(req, member, now)
             case p.Leave():
                 self._drop_member(cid, "left")
                 return p.Ok()
@@ -251,6 +256,26 @@ class MetaServiceCore(Membership):
             case p.RepairNext() | p.RepairDone():
                 return self.repairs.handle(req, member.segment_id, now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
+
+    def _report(self, req: p.Report, member: Member, now: float) -> p.Reply:
+        """More objects of the member's re-joining segment (``Join.more``; ``meta/reports.py``): one
+        bounded batch per request, so a segment of millions of objects never holds the loop long."""
+        t, sid = self.table, member.segment_id
+        seg = t.segments.get(sid) if sid is not None else None
+        if sid is None or seg is None or sid not in t.reporting:
+            return p.Error(errors.INVALID_PARAM, f"client {member.client_id}: Report without a Join announcing "
+                                                 f"more reports (or after its last one)")
+        validate.reports(req.objects, seg.info.size)
+        validate.disk_reports(req.disk_objects)
+        refused = t.report(sid, req.objects, req.last, now)
+        for r in refused:   # tell the owner to forget objects that now mean something else
+            seg.record_removed(r)
+        self.member_events["recovered_objects"] += len(req.objects) - len(refused)
+        if req.disk_objects:
+            self.member_events["recovered_disk_objects"] += disk.add_reports(t, sid, req.disk_objects, now)
+        if req.last:
+            logger.info("LocalService %d reported the last of its segment's objects", member.client_id)
+        return p.Ok()
 
     def _disk_request(self, req: p.Request, member: Member, now: float) -> p.Reply:
         """Requests of a provider's disk tier (meta/disk.py); only a member with a segment has one."""
@@ -291,7 +316,7 @@ class MetaServiceCore(Membership):
         bounded (a pending object cannot be evicted, so they are what a member can pin), and so is what
         it keeps: its committed objects plus those in flight (``member_max_objects`` / ``_bytes``). At
         that quota its own least recently used objects are evicted to make room, as in a full pool;
-        when none can be (leased, or all in flight), the Alloc is refused."""
+        when none can be (leased by itself, or all in flight), the Alloc is refused."""
         c, t = self.config, self.table
         objects, held = t.pending_of.get(cid, (0, 0))
         if objects >= c.member_max_pending_objects or (c.member_max_pending_bytes
@@ -300,8 +325,8 @@ class MetaServiceCore(Membership):
         if (c.member_max_objects and objects >= c.member_max_objects) or (c.member_max_bytes
                                                                            and held + size > c.member_max_bytes):
             return False   # (pending bytes count replicas; kept bytes do not: ``held`` bounds the payload)
-        while True:
-            kept, kept_bytes = t.kept_of.get(cid, (0, 0))
+        while True:   # objects another member leases count against the leaser (kept.py), not here
+            kept, kept_bytes = t.quota_kept(cid)
             over = ((c.member_max_objects and kept + objects >= c.member_max_objects)
                     or (c.member_max_bytes and kept_bytes + held + size > c.member_max_bytes))
             if not over:

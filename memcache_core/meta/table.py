@@ -19,7 +19,8 @@ Time is passed in (``now``, monotonic seconds) so the logic is testable without 
 The data model (``Obj``, ``Segment``, ``Counters``) is in ``objects.py``, a segment's LRU list in ``lru.py``
 (an object leaves a segment's list before it loses its location there); choosing segments, allocating,
 evicting and freeing space in ``space.py``, get / exist / leases in ``lookups.py``, removals and taking
-objects and replicas out in ``removals.py`` (mixins of ``ObjectTable``).
+objects and replicas out in ``removals.py``, segments joining with their objects in ``reports.py`` (mixins
+of ``ObjectTable``).
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ from typing import Any
 
 from .. import errors
 from ..layout import footprint
-from ..records import Location, ObjectReport, SegmentInfo
+from ..records import Location, ObjectReport
 from . import generations
-from .allocator import Allocator, aligned
+from .allocator import aligned
 from .kept import WRITER_SLOTS, Kept
 from .lookups import Lookups
 from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
 from .removals import Removals
+from .reports import GvaSlots, Reporting, Reports
 from .space import Space
 
 logger = logging.getLogger(__name__)
+
 
 MAX_UNCONFIRMED_SEGMENTS = 1024   # dead segments whose unconfirmed removals are kept (oldest forgotten first)
 MAX_UNCONFIRMED_RECORDS = 1 << 16  # disk records removed while their owner was dead (oldest forgotten first)
@@ -65,7 +68,7 @@ class _Drawn:
             i += 1
 
 
-class ObjectTable(Kept, Lookups, Removals, Space):
+class ObjectTable(Kept, Lookups, Removals, Reports, Space):
     def __init__(self, high: float, low: float, lease_ttl_s: float, pending_timeout_s: float,
                  first_generation: int) -> None:
         self.high, self.low = high / 100.0, low / 100.0
@@ -109,74 +112,13 @@ class ObjectTable(Kept, Lookups, Removals, Space):
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
         self.held: dict[str, dict[int, tuple[int, float]]] = {}   # GVA path's leases: key -> caller -> (gen, end)
         self.leases_of: dict[int, int] = {}   # caller -> how many of ``held``'s leases it has (a quota)
+        self.gva_slots = GvaSlots()   # segments' numbers in GVAs (``reports.py``)
+        self.reporting: dict[int, Reporting] = {}   # segments whose owner reports more objects
+        self.member_quota = (0, 0)   # (member_max_objects, member_max_bytes) recovered objects count in
+        self.lent: dict[str, tuple[int, Obj]] = {}   # objects another member leases (``kept.py``)
+        self.lent_of: dict[int, list[int]] = {}      # writer -> [its lent objects, their bytes]
 
     # ---- segments -------------------------------------------------------------------------------
-
-    def add_segment(self, info: SegmentInfo, reports: Iterable[ObjectReport] = (),
-                    alloc_after: float = 0.0, recovering: bool = True, now: float = 0.0) -> list[ObjectReport]:
-        """Add a segment (with the objects its owner reports after a MetaService restart, or after it
-        was declared dead and re-joins).
-
-        The newest generation of a key wins, whatever order the members re-join in (generations
-        order writes across MetaService lifetimes and leader terms: ``meta/generations.py``):
-        * a report of the table's generation (and size) is one more replica of that object;
-        * a report of a newer generation than the table's committed object means the key was
-          written again after that object (a remove and a re-put the other holder never heard of):
-          the table's object is dropped (its owners are told to forget it, its space is freed once
-          its lease ends) and the report is taken;
-        * a report of an older generation, or of a key whose put is in flight, is refused.
-        ``recovering``: the table is being rebuilt from the members' reports (a MetaService start):
-        every replica reported counts. Otherwise a copy of an object that already holds as many
-        replicas as asked for (re-replication replaced it meanwhile) is surplus and refused.
-        A report that matches a removal this segment's owner had not confirmed when it was declared
-        dead (``unconfirmed``) is refused: that object was removed.
-        Returns the reports that were refused (their owner is told to forget them).
-        """
-        accepted: list[tuple[ObjectReport, Obj | None]] = []
-        refused: list[ObjectReport] = []
-        older: list[Obj] = []     # the table's objects that a newer report replaces
-        removed = self.unconfirmed.pop(info.segment_id, {})
-        for r in reports:
-            cur = self.objects.get(r.key)
-            if removed.get((r.key, r.offset)) == r.generation:
-                refused.append(r)
-            elif cur is not None and cur.committed and r.generation > cur.generation:
-                older.append(cur)
-                accepted.append((r, None))
-            elif cur is None or (cur.committed and cur.generation == r.generation and cur.size == r.size
-                                 and (recovering or len(cur.locations) < cur.replicas)):
-                accepted.append((r, cur))
-            else:
-                refused.append(r)
-        try:
-            alloc = Allocator.from_used(info.size, [(r.offset, footprint(r.size)) for r, _ in accepted])
-        except ValueError as e:
-            logger.error("segment %d reported inconsistent objects (%s); starting it empty",
-                         info.segment_id, e)
-            alloc, refused, accepted = Allocator(info.size), [r for r, _ in accepted] + refused, []
-        seg = Segment(info, alloc, self.objects, alloc_after)
-        self.serials += 1
-        seg.serial = self.serials
-        self.segments[info.segment_id] = seg
-        for obj in older if accepted else ():
-            logger.info("segment %d reports a newer generation of %r than the table's %d: that older "
-                        "object is dropped", info.segment_id, obj.key, obj.generation)
-            self.counters.superseded += 1
-            self._unlink(obj, now)
-        for r, cur in accepted:
-            loc = Location(info.segment_id, r.offset)
-            if cur is None:
-                cur = new_obj(r.key, r.size, r.generation, [loc], r.checksum)
-                self.objects[r.key] = cur
-                self._next_gen = max(self._next_gen, r.generation + 1)
-            else:
-                cur.locations = [*cur.locations, loc]
-            if self.listener is not None:   # in the pool again: KV events say so, as for a commit
-                self.listener(True, cur, [loc])
-            cur.replicas = max(cur.replicas, len(cur.locations))  # recovered: as many as were reported
-            self._mark(cur)   # a holder declared dead that re-joins gives the object its replica back
-            seg.lru[cur.key] = cur
-        return refused
 
     def drop_segment(self, segment_id: int) -> int:
         """Forget a dead segment: its objects lose that replica, and vanish if it was the last."""
@@ -189,6 +131,8 @@ class ObjectTable(Kept, Lookups, Removals, Space):
                 if copies and obj.committed:
                     self.listener(False, obj, copies)
         del self.segments[segment_id]
+        self.reporting.pop(segment_id, None)
+        self.gva_slots.free(seg.info.gva_slot)
         lost = 0
         gone = {(e.obj.key, e.obj.offset): e.obj.generation for e in seg.journal if not e.added and not e.disk}
         for e in seg.journal:   # disk records it never confirmed deleting: refused wherever they re-join
@@ -391,3 +335,4 @@ class ObjectTable(Kept, Lookups, Removals, Space):
         self._mark(obj)
         if self.listener is not None:   # KV events: the new replica is stored
             self.listener(True, obj, [loc])
+

@@ -79,15 +79,21 @@ def join(req: p.Join) -> None:
             raise InvalidParameter("objects reported without a segment")
         return
     segment(req.segment)
-    if len(req.objects) > req.segment.size // footprint(1):
-        raise InvalidParameter("more objects reported than the segment can hold")
-    for r in req.objects:
+    reports(req.objects, req.segment.size)
+    disk_reports(req.disk_objects)
+
+
+def reports(objects: list[p.ObjectReport], segment_size: int) -> None:
+    """Objects a member says its segment (of ``segment_size`` bytes) holds (a ``Join``, a ``Report``)."""
+    if len(objects) > min(p.MAX_KEYS, segment_size // footprint(1)):
+        raise InvalidParameter(f"{len(objects)} objects reported in one request; at most {p.MAX_KEYS}, and no "
+                               f"more than the segment can hold")
+    for r in objects:
         check_key(r.key)
         _int("object.generation", r.generation, 1, MAX_U63)
         _int("object.checksum", r.checksum, 0, MAX_U64)
         _int("object.size", r.size, 1, MAX_OBJECT_BYTES)
-        _int("object.offset", r.offset, 0, req.segment.size - footprint(r.size))
-    disk_reports(req.disk_objects)
+        _int("object.offset", r.offset, 0, segment_size - footprint(r.size))
 
 
 def moved(reports: list[p.SegmentBytes]) -> None:

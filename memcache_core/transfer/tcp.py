@@ -10,8 +10,9 @@ oldest (as on the control plane). Bounded: at most
 against the segment before anything is read from or written to it), ``IDLE_TIMEOUT_S`` of silence.
 
 Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write, 5 fenced write; 3 and 4 are
-``disk_wire.py``'s), range count, the segment id the request is for (0: whatever the server serves,
-for tools), for a fenced write the MetaService epoch that granted its space (u64), then
+``disk_wire.py``'s), range count, the segment id the request is for (no wildcard: a joined provider's
+server refuses any id it was not given, 0 included; only a bare server, whose owner has not joined,
+serves any), for a fenced write the MetaService epoch that granted its space (u64), then
 ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
 forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
 back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. A server

@@ -46,8 +46,9 @@ ACCEPT_BACKOFF_S = 0.1   # out of file descriptors: accept again after this paus
 
 class DataServer:
     """Serves one segment to peers; one thread per connection. A request names the segment it is for;
-    once the owner told ``serve_segment`` its ids, one for any other is refused (``WRONG_SEGMENT``)
-    before a byte moves. Until then (a bare data server), and for a request naming 0, any is served."""
+    once the owner told ``serve_segment`` its ids, one naming any other id, 0 included (no id is a
+    wildcard), is refused (``WRONG_SEGMENT``) before a byte moves. Until then (a bare data server: its
+    owner has not joined, so no member's table lists its address yet) any is served."""
 
     def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, disk: object = None,
@@ -98,7 +99,7 @@ class DataServer:
 
     def _refuses(self, segment_id: int) -> bool:
         ids = self.segment_ids
-        return bool(segment_id and ids and segment_id not in ids)
+        return bool(ids) and segment_id not in ids
 
     def _accept(self) -> None:
         while not self._stop:

@@ -30,6 +30,11 @@ def versioned(key: str, version: int | None) -> str:
     return key if version is None else f"{key}@v{version}"
 
 
+def digest(data: np.ndarray) -> str:
+    """A short digest of bytes, to compare what two processes read without sending the bytes."""
+    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+
+
 def pattern(key: str, n: int) -> np.ndarray:
     seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
@@ -153,12 +158,13 @@ class Worker:
 
     def gva_copy(self, gvas: list[int], size: int, direct: int, fill: int = 0) -> dict:
         """One ``batch_copy`` of ``size`` bytes per GVA between the buffer (filled with ``fill`` for a
-        write) and the pool; a read returns the bytes' distinct values."""
+        write) and the pool; a read returns the bytes' distinct values and their ``digest``."""
         buf = self._buffer(size * len(gvas))
         buf[: size * len(gvas)] = fill
         base = buf.ctypes.data
         code = self.store.batch_copy(gvas, [base + i * size for i in range(len(gvas))], [size] * len(gvas), direct)
-        return {"code": code, "values": sorted(set(buf[: size * len(gvas)].tolist()))}
+        return {"code": code, "values": sorted(set(buf[: size * len(gvas)].tolist())),
+                "digest": digest(buf[: size * len(gvas)])}
 
     def get_versions(self, keys: list[str], layout: list[int], upto: int) -> dict:
         """Read each key; ``versions``: the version 0..upto whose bytes it read (None: a miss, -1: bytes

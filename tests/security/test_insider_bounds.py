@@ -15,7 +15,7 @@ import pytest
 
 from memcache_core import DistributedObjectStore, errors
 from memcache_core import protocol as p
-from memcache_core.testing import MetaServiceProcess, running_meta_service
+from memcache_core.testing import MetaServiceProcess, running_meta_service, wait_for
 from tests.integration.stores import HEARTBEAT_TIMEOUT_MS
 from tests.security.wire import addr_of, ask, authed
 
@@ -207,4 +207,83 @@ def test_an_insider_holding_its_connections_per_address_leaves_room_and_answers_
                 t.join(10)
             for s in held:
                 s.close()
+            store.close()
+
+
+def _kept(meta: MetaServiceProcess, cid: int) -> tuple[int, int] | None:
+    for m in meta.http("/api/v1/stats")["members"]:
+        if m["client_id"] == cid:
+            return m["kept_objects"], m["kept_bytes"]
+    return None
+
+
+def test_a_join_reports_objects_in_bounded_requests_counted_against_the_joiner():
+    """Scenario: an insider joins with a segment announced as 4 TiB. Before, a Join carried any number
+    of reported objects (200,000 joined in 1-4 s, 1,000,000 held the loop 23-41 s and an honest member
+    was declared dead) and none counted against the joiner, which then allocated past its
+    ``member_max_objects``. Now a Join carries at most MAX_KEYS reports (one more: refused by the
+    decoder, the connection answered); the rest follow in ``Report`` requests of the same bound, the
+    honest member answered between them; the reported objects count against the joiner, those past
+    its quota (500 here) are refused, and its puts keep it at the quota."""
+    quota = 500
+    with running_meta_service(member_max_objects=quota, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS) as meta:
+        store = DistributedObjectStore()
+        assert store.setup(meta.local_config(heartbeat_interval_ms=200)) == 0
+        assert store.init(0, True) == 0
+        s = authed(addr_of(meta.meta_service_url))
+        try:
+            member = store.get_local_service_id()
+            assert store.put("honest", b"h" * 512) == 0
+            seg = p.SegmentInfo(0, 4 << 40, "insider", f"/dev/shm/memcache-{os.getpid()}-{secrets.token_hex(6)}",
+                                "127.0.0.1:9")
+            reports = [p.ObjectReport(f"r{i}", i * 4096, 1024, 1 + i, 0) for i in range(3 * p.MAX_KEYS + 1)]
+            too_many = ask(s, p.Join(0, "insider", os.getpid(), seg, reports[:p.MAX_KEYS + 1]))
+            assert isinstance(too_many, p.Error) and too_many.code == errors.INVALID_PARAM, too_many
+            assert meta.http("/get_all_keys")["keys"] == ["honest"], "the refused Join left objects"
+            k = p.MAX_KEYS
+            j = ask(s, p.Join(0, "insider", os.getpid(), seg, reports[:k], more=True))
+            assert isinstance(j, p.Joined), j
+            for i in range(1, 4):
+                got = ask(s, p.Report(j.client_id, j.token, reports[i * k:(i + 1) * k], last=i == 3))
+                assert isinstance(got, p.Ok), got
+                assert store.is_exist("honest") == 1   # answered between the insider's requests
+            assert _kept(meta, j.client_id) == (quota, quota * 1024)
+            assert len(meta.http("/get_all_keys")["keys"]) == quota + 1
+            got = ask(s, p.Alloc(j.client_id, j.token, ["more"], [1024]))
+            assert isinstance(got, p.AllocReply) and got.results[0].code == 0, got
+            assert isinstance(ask(s, p.Commit(j.client_id, j.token, ["more"], [got.results[0].generation], [])), p.Codes)
+            assert _kept(meta, j.client_id) == (quota, quota * 1024), "the joiner keeps more than its quota"
+            assert store.get_local_service_id() == member and store.get("honest") == b"h" * 512
+        finally:
+            s.close()
+            store.close()
+
+
+def test_an_honest_provider_with_more_objects_than_one_request_recovers_them_all_after_a_restart():
+    """Scenario: a provider holds 3 x MAX_KEYS + 5 objects; the MetaService restarts. The provider
+    re-joins with the first MAX_KEYS and reports the rest in bounded ``Report`` requests: every object
+    is back, byte-exact, counted against the provider, and the segment takes new objects once the
+    last report is in."""
+    with running_meta_service(heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, lease_ttl_ms=500) as meta:
+        store = DistributedObjectStore()
+        assert store.setup(meta.local_config(heartbeat_interval_ms=200, dram_size="64MB")) == 0
+        assert store.init(0, True) == 0
+        try:
+            keys = [f"p{i}" for i in range(3 * p.MAX_KEYS + 5)]
+            values = [i.to_bytes(4, "little") * 64 for i in range(len(keys))]
+            assert store.put_batch(keys, values) == 0
+            meta.stop()
+            meta.start()
+            wait_for(lambda: len(meta.http("/get_all_keys")["keys"]) == len(keys), 60,
+                     "the provider to re-join and report all its objects")
+            assert store.batch_is_exist(keys) == [1] * len(keys)
+            assert store.get_batch(keys) == values
+            assert _kept(meta, store.get_local_service_id()) == (len(keys), len(keys) * 256)
+
+            def stored() -> bool:   # a re-joined segment takes new objects once older leases would end
+                code = store.put("after", b"a" * 1024)
+                assert code in (0, errors.OUT_OF_MEMORY), code
+                return code == 0
+            wait_for(stored, 15, "the re-joined segment to take new objects")
+        finally:
             store.close()

@@ -85,11 +85,12 @@ def test_a_member_keeps_at_most_its_quota_and_a_refused_put_loses_nothing():
             store.close()
 
 
-def test_at_its_quota_a_member_evicts_its_own_objects_and_a_restart_counts_them_against_no_one():
+def test_at_its_quota_a_member_evicts_its_own_objects_and_a_restart_counts_them_against_their_holder():
     """Scenario: a member at its quota of kept objects puts more: its own least recently used
     unleased objects are evicted to make room (as in a full pool), never another member's, and every
     object left reads back byte-exact. After a MetaService restart the recovered objects are back,
-    counted against no one (segment headers do not name their writer)."""
+    counted against the member whose segment holds them (segment headers do not name their writer);
+    its next put evicts one of them, so it stays at its quota."""
     with running_meta_service(member_max_objects=4, heartbeat_timeout_ms=10_000, lease_ttl_ms=500) as meta:   # no death
         other = StoreProcess(meta)
         store = DistributedObjectStore()
@@ -112,14 +113,15 @@ def test_at_its_quota_a_member_evicts_its_own_objects_and_a_restart_counts_them_
                      "the members to re-join and report their objects")
             assert store.get_batch(kept) == [values[k] for k in kept]
             cid = store.get_local_service_id()
-            assert _kept(meta, cid) == (0, 0)   # recovered: the headers do not say who wrote them
+            assert _kept(meta, cid) == (4, 4 * 512)   # recovered: counted against the segment's member
 
-            def stored() -> bool:   # a re-joined segment takes new objects once older leases would end
+            def stored() -> bool:   # once older leases would end, and the get's leases (one to evict) did
                 code = store.put("after", b"a" * 1024)
-                assert code in (0, errors.OUT_OF_MEMORY), code
+                assert code in (0, errors.OUT_OF_MEMORY, errors.QUOTA_EXCEEDED), code
                 return code == 0
             wait_for(stored, 10, "the re-joined segment to take new objects")
-            assert _kept(meta, cid) == (1, 1024)
+            assert _kept(meta, cid) == (4, 3 * 512 + 1024)
+            assert store.batch_is_exist(kept + ["after", "other"]) == [0, 1, 1, 1, 1, 1]
         finally:
             store.close()
             other.stop()
@@ -185,10 +187,10 @@ def test_a_member_holds_at_most_its_quota_of_gva_leases():
             store.close()
 
 
-def test_after_an_ha_failover_the_recovered_objects_count_against_no_one_and_new_puts_do():
+def test_after_an_ha_failover_the_recovered_objects_count_against_their_holder():
     """Scenario: a member keeps its quota of 8 objects; the HA leader is killed. The new leader learns
-    the objects back from the members' reports, counted against no one; the member's new puts are
-    counted from zero, and past 8 evict its own oldest new object, never a recovered one."""
+    the objects back from the members' reports, counted against the member whose segment holds them;
+    each new put past the quota evicts its least recently used object, so it keeps 8."""
     with tempfile.TemporaryDirectory(prefix="memcache-ha-") as d:
         pool = Pool(d, member_max_objects=8)
         try:
@@ -202,17 +204,18 @@ def test_after_an_ha_failover_the_recovered_objects_count_against_no_one_and_new
             new_leader = pool.leader(TTL_S + 8, [m for m in pool.metas if m is not leader])
             wait_for(lambda: s("get", keys=old, layout=[1024])["codes"] == [0] * 8, 30,
                      "the member to re-join the new leader with its objects")
-            assert _kept_of_pid(new_leader, s.proc.pid) == (0, 0)
+            assert _kept_of_pid(new_leader, s.proc.pid) == (8, 8 * 1024)
 
-            def put(key: str) -> bool:   # the re-joined segment takes new objects after its grace
+            def put(key: str) -> bool:   # after the segment's grace, and the leases of the get above
                 code = s("put", keys=[key], layout=[1024])["codes"][0]
-                assert code == 0 or code in FAILOVER_CODES, code
+                assert code == 0 or code in FAILOVER_CODES | {errors.QUOTA_EXCEEDED}, code
                 return code == 0
             new = [f"new{i}" for i in range(9)]
             for k in new:
                 wait_for(functools.partial(put, k), 15, f"the put of {k}")
             got = s("get", keys=old + new, layout=[1024])
-            assert got["mismatches"] == [] and got["codes"] == [0] * 8 + [errors.OBJECT_NOT_EXISTS] + [0] * 8, got
+            missing = [errors.OBJECT_NOT_EXISTS] * 9
+            assert got["mismatches"] == [] and got["codes"] == missing + [0] * 8, got
             assert _kept_of_pid(new_leader, s.proc.pid) == (8, 8 * 1024)
         finally:
             pool.close()
@@ -242,3 +245,37 @@ def test_joining_again_and_again_is_bounded_by_max_members(caplog):
         finally:
             s.close()
             store.close()
+
+
+def _leased(meta: MetaServiceProcess, keys: list[str]) -> list[bool]:
+    got = meta.http("/batch_query_keys?keys=" + ",".join(keys))["keys"]
+    return [bool(k.get("leased")) for k in got]
+
+
+def test_another_members_gva_lease_is_bounded_and_never_turns_the_owners_quota_into_refusals():
+    """Scenario: an honest member keeps its quota of 4 objects (``member_max_objects``). An insider
+    (a pure client holding the secret) leases all four on the GVA path for 24 h. Before, the owner's
+    every further put failed with -3112 for the lease's life (none of its objects could be evicted to
+    make room) and the objects stayed pinned for a day. Now the leased objects count against the
+    leaser: the owner's next put succeeds and the leased ones stay readable; and the lease lasts
+    ``gva_lease_max_ms`` (3 s here), not 24 h: the objects are evictable again within it."""
+    with running_meta_service(member_max_objects=4, lease_ttl_ms=1000, gva_lease_max_ms=3000) as meta:
+        owner = DistributedObjectStore()
+        assert owner.setup(meta.local_config()) == 0
+        assert owner.init(0, True) == 0
+        s = authed(addr_of(meta.meta_service_url))
+        try:
+            values = {f"o{i}": bytes([i + 1]) * 1024 for i in range(4)}
+            assert owner.put_batch(list(values), list(values.values())) == 0
+            j = ask(s, p.Join(0, "insider", os.getpid()))
+            assert isinstance(j, p.Joined), j
+            lease = ask(s, p.Lease(j.client_id, j.token, list(values), [0] * 4, 86_400_000))
+            assert isinstance(lease, p.Codes) and lease.codes == [0] * 4, lease
+            assert _leased(meta, list(values)) == [True] * 4
+            assert owner.put("o4", b"\x05" * 1024) == 0, "another member's lease refused the owner's put"
+            assert owner.get_batch(list(values)) == list(values.values()), "a leased object was evicted"
+            wait_for(lambda: _leased(meta, list(values)) == [False] * 4, 20,
+                     "the insider's 24 h lease to end at gva_lease_max_ms")
+        finally:
+            s.close()
+            owner.close()

@@ -100,7 +100,7 @@ def test_a_gva_resolves_only_inside_an_object_described_in_this_session():
     from memcache_core.local.gva_book import GvaBook, GvaObject
     from memcache_core.local.membership import Session
 
-    book = GvaBook(Session(3, 0x1234_5601, 1.0, 10.0, None))
+    book = GvaBook(Session(3, 0x1234_5601, 1.0, 10.0, None), lambda sid: 1)
     a, b = book.add([GvaObject("a", 9, 77, 0, 1000, True)])[0], book.add([GvaObject("b", 9, 77, 4096, 500, False)])[0]
     assert a and b and a >> 56 == 0x01 and a & ((1 << 42) - 1) == HEADER_BYTES
     o, start = book.resolve(a + 600, 400)
@@ -111,7 +111,7 @@ def test_a_gva_resolves_only_inside_an_object_described_in_this_session():
     with pytest.raises(StateMismatch):
         book.resolve(12345, 1)                                     # no session's tag
     with pytest.raises(StateMismatch):
-        GvaBook(Session(3, 0x99, 1.0, 10.0, None)).resolve(a, 1)   # another MetaService session
+        GvaBook(Session(3, 0x99, 1.0, 10.0, None), lambda sid: 1).resolve(a, 1)   # another MetaService session
     book.add([GvaObject("c", 10, 77, 512, 2000, True)])            # a's space reused since
     with pytest.raises(InvalidParameter):
         book.resolve(a, 1)
@@ -126,7 +126,7 @@ def test_client_grants_hold_until_their_end_and_no_further():
     from memcache_core.local.gva_book import GvaBook, GvaObject
     from memcache_core.local.membership import Session
 
-    book = GvaBook(Session(3, 0x1234_5601, 1.0, 10.0, None))
+    book = GvaBook(Session(3, 0x1234_5601, 1.0, 10.0, None), lambda sid: 1)
     w, r = GvaObject("w", 5, 77, 0, 1000, True), GvaObject("r", 6, 77, 4096, 1000, False)
     book.add([w])
     book.add([r])

@@ -105,7 +105,8 @@ def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments):
     """Scenario: a reader still lists segment OLD (dead) at an address where NEW's data server now
     listens, and opens a fresh connection there. Before, it read NEW's bytes as OLD's (caught only by a
     checksum, when verified). Now NEW's server refuses the request: PeerUnavailable, nothing read or
-    written; the request for NEW (and one naming no segment, as tools send) is served byte-exact."""
+    written; the request for NEW is served byte-exact, and one naming segment 0 is refused too (no
+    wildcard)."""
     server = DataServer(segments[1], "127.0.0.1", 0)
     server.serve_segment(NEW)
     client = TcpClient(timeout_s=10.0)
@@ -121,7 +122,8 @@ def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments):
         errs = client.disk_request(server.addr, OP_DISK_READ, [("k", 4096, 0, [(out.ctypes.data, 4096)])], OLD)
         assert [type(e) for e in errs] == [PeerUnavailable] and not out.any()
         assert _read(client, server.addr, NEW) == b"\x02" * 4096
-        assert _read(client, server.addr, 0) == b"\x02" * 4096
+        with pytest.raises(PeerUnavailable, match="does not serve segment 0"):
+            _read(client, server.addr, 0)
         server.serve_segment(13)   # a re-join under another id: the same memory, both ids served
         assert _read(client, server.addr, 13) == b"\x02" * 4096
         assert _read(client, server.addr, NEW) == b"\x02" * 4096
