@@ -8,22 +8,12 @@ read through this module too (``p.Location``).
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import msgspec
 
-from .errors import MAX_KEY_BYTES
+from .records import MAX_KEYS as MAX_KEYS  # keys one request carries, as the ``Keys`` type says
 from .records import AllocResult, DrainMove, Found, JournalEntry, ObjectReport, SegmentBytes, SegmentInfo
+from .records import Keys as Keys  # a request's list of keys, bounded by the decoder
 from .records import Location as Location  # no message here holds one directly; read as p.Location
-
-MAX_KEYS = 1 << 13   # keys in one request: the MetaService's single loop answers it in well under a second
-# (1M keys took 17.7 s); a LocalService splits a larger batch into requests of at most this many
-# (local/membership.py in_batches), so an engine never meets the bound
-# Checked by the decoder itself (about 2 ns a key): a key of 1 to 255 characters (the UTF-8 byte
-# bound is checked where a key is stored: meta/validate.py), at most MAX_KEYS of them.
-Keys = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES - 1)]],
-                 msgspec.Meta(max_length=MAX_KEYS)]
-
 
 # ---- requests ---------------------------------------------------------------------------------
 
@@ -97,6 +87,14 @@ class Abort(msgspec.Struct, tag=True):
     token: bytes
     keys: Keys
     generations: list[int]
+
+
+class OwnerGone(msgspec.Struct, tag=True):
+    """A member found the owner of a segment of its host dead (``memory.owner_alive``; meta/members.py)."""
+    client_id: int
+    token: bytes
+    segment_id: int
+    shm_path: str
 
 
 class Lookup(msgspec.Struct, tag=True):
@@ -275,10 +273,10 @@ class ConfigGet(msgspec.Struct, tag=True):
     key: str
 
 
-MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "ArenaCommit", "Abort", "Corrupt", "DrainNext", "DrainDone",
+MEMBER_REQUESTS = ("Leave", "Heartbeat", "Alloc", "Commit", "ArenaCommit", "Abort", "OwnerGone", "Corrupt", "DrainNext", "DrainDone",
                    "RepairNext", "RepairDone", "DiskSync", "Promote", "Promoted", "Info", "Lease", "Grant")
 
-Request = (Join | Leave | Heartbeat | Alloc | Commit | ArenaCommit | Abort | Lookup | Exist | Validate | Remove
+Request = (Join | Leave | Heartbeat | Alloc | Commit | ArenaCommit | Abort | OwnerGone | Lookup | Exist | Validate | Remove
            | RemoveAll | RemovePrefix | Confirmed | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
            | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant)
 

@@ -4,7 +4,19 @@ and a drain's moves. Leaf structs: the MetaService's table and the transfer engi
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+from .errors import MAX_KEY_BYTES
+
+MAX_KEYS = 1 << 13   # keys in one request: the MetaService's single loop answers it in well under a second
+# (1M keys took 17.7 s); a LocalService splits a larger batch into requests of at most this many
+# (local/membership.py in_batches), so an engine never meets the bound
+# Checked by the decoder itself (about 2 ns a key): a key of 1 to 255 characters (the UTF-8 byte
+# bound is checked where a key is stored: meta/validate.py), at most MAX_KEYS of them.
+Keys = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES - 1)]],
+                 msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class SegmentInfo(msgspec.Struct, frozen=True):
@@ -18,6 +30,8 @@ class SegmentInfo(msgspec.Struct, frozen=True):
     tag: str = ""
     nixl: bytes = b""      # NIXL agent metadata and region (transfer/nixl.py): a capability, members only
     metrics_addr: str = ""  # "host:port" of the owner's own /metrics (metrics_port); "" = none
+    owner_lock: bool = False  # the owner holds its lock on shm_path while it lives (memory.owner_alive);
+    #                           False: an older build's segment, whose owner cannot be asked that way
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle
