@@ -86,7 +86,8 @@ class DrainMove(msgspec.Struct, array_like=True, frozen=True):
 
 
 class AllocResult(msgspec.Struct, array_like=True):
-    code: int                      # 0 allocated, OBJECT_ALREADY_EXISTS, or a negative error code
+    code: int                      # 0 allocated, OBJECT_ALREADY_EXISTS (with the object's generation and
+    #                                locations), or a negative error code
     generation: int = 0
     locations: list[Location] = []
 
