@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import stat
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,44 @@ from .fence import FENCE_BYTES, Fence
 logger = logging.getLogger(__name__)
 
 _LIVE: set[Mapping] = set()   # segments this process owns: their files are removed at exit
+
+# struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid
+_FLOCK = "hhqqi4x"
+# The owner's lock covers one byte far past the end of any segment file (a lock may lie beyond the end),
+# so it never overlaps the write fence's locks on the fence page (fence.py), which writers take shared.
+OWNER_LOCK_AT = 1 << 62
+_OWNER_BYTE = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, OWNER_LOCK_AT, 1, 0)
+
+
+def hold_owner_lock(fd: int, path: str) -> bool:
+    """Take the owner's lock on a segment file: an open-file-description (OFD) write lock on one byte
+    (``OWNER_LOCK_AT``, clear of the write fence's range), which the kernel drops when the owner's last descriptor of it closes, so when it dies,
+    however it dies. Unlike a classic POSIX lock it survives the owner opening and closing the file
+    elsewhere; unlike a flock it can be tested without being taken (``owner_alive``). False (logged)
+    where the file system refuses it: the segment then says so (``SegmentInfo.owner_lock``)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _OWNER_BYTE)
+        return True
+    except OSError as e:
+        logger.warning("cannot hold the owner lock on %s (%s): writers of this host learn that this process "
+                       "died only when the MetaService declares it dead (heartbeat_timeout_ms)", path, e)
+        return False
+
+
+def owner_alive(path: str) -> bool:
+    """Whether the segment file's owner still holds its lock (``hold_owner_lock``), asked of this
+    host's kernel: nothing is taken, so any number of processes may ask at once. A file that no
+    longer exists has no owner. Proof of death needs no clock and no pid (pids are reused and mean
+    nothing across pid namespaces)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)   # (never waits on a FIFO)
+    except FileNotFoundError:
+        return False
+    try:
+        held = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _OWNER_BYTE)
+    finally:
+        os.close(fd)
+    return struct.unpack(_FLOCK, held)[0] != fcntl.F_UNLCK
 
 
 @atexit.register
@@ -42,12 +81,15 @@ class Mapping:
 
     def __init__(self, path: str, size: int, create: bool) -> None:
         """``create``: make the file (its space reserved with fallocate, so a full /dev/shm fails here
-        and not as a SIGBUS in a later copy) and hold a shared flock on it for the mapping's life,
-        which tells other processes the owner is alive. Otherwise map a peer's existing file, refusing
-        links, non-regular files, files of another user and files smaller than announced."""
+        and not as a SIGBUS in a later copy) and hold a shared flock (for ``segment.py``'s clean-up of
+        files left by dead owners) and the owner's lock (``hold_owner_lock``: writers test it) on it for
+        the mapping's life, which tell other processes the owner is alive. Otherwise map a peer's
+        existing file, refusing links, non-regular files, files of another user and files smaller than
+        announced."""
         self.path = path
         self.size = size
         self.owner = create
+        self.owner_lock = False   # we hold the owner lock (hold_owner_lock) on our own file
         self._lock_fd: int | None = None
         self.refs = 0
         self.retired = False
@@ -56,6 +98,7 @@ class Mapping:
         try:
             if create:
                 fcntl.flock(fd, fcntl.LOCK_SH)
+                self.owner_lock = hold_owner_lock(fd, path)
                 try:
                     os.posix_fallocate(fd, 0, size + FENCE_BYTES)
                 except OSError as e:

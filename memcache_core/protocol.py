@@ -102,6 +102,14 @@ class Abort(msgspec.Struct, tag=True):
     generations: list[int]
 
 
+class OwnerGone(msgspec.Struct, tag=True):
+    """A member found the owner of a segment of its host dead (``memory.owner_alive``; meta/members.py)."""
+    client_id: int
+    token: bytes
+    segment_id: int
+    shm_path: str
+
+
 class Lookup(msgspec.Struct, tag=True):
     keys: Keys
     lease: bool = True
@@ -275,7 +283,7 @@ class ConfigGet(msgspec.Struct, tag=True):
     key: str
 
 
-Request = (Join | Leave | Heartbeat | Alloc | Commit | ArenaCommit | Abort | Lookup | Exist | Validate | Remove
+Request = (Join | Leave | Heartbeat | Alloc | Commit | ArenaCommit | Abort | OwnerGone | Lookup | Exist | Validate | Remove
            | RemoveAll | RemovePrefix | Confirmed | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
            | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant | Report)
 

@@ -29,6 +29,8 @@ class SegmentInfo(msgspec.Struct, frozen=True):
     metrics_addr: str = ""  # "host:port" of the owner's own /metrics (metrics_port); "" = none
     gva_slot: int = 0      # the pool's number for this segment in GVAs (local/gva.py), issued by the
                            # MetaService at join (0: none, past 16,383 segments): one number per process
+    owner_lock: bool = False  # the owner holds its lock on shm_path while it lives (memory.owner_alive);
+    #                           False: an older build's segment, whose owner cannot be asked that way
 
 
 class Location(msgspec.Struct, array_like=True, frozen=True, gc=False):   # two ints: never in a cycle
@@ -83,7 +85,8 @@ class DrainMove(msgspec.Struct, array_like=True, frozen=True):
 
 
 class AllocResult(msgspec.Struct, array_like=True):
-    code: int                      # 0 allocated, OBJECT_ALREADY_EXISTS, or a negative error code
+    code: int                      # 0 allocated, OBJECT_ALREADY_EXISTS (with the object's generation and
+    #                                locations), or a negative error code
     generation: int = 0
     locations: list[Location] = []
 

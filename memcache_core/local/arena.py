@@ -8,7 +8,8 @@ generations; the header (``layout.py``), which recovery scans for, is written ri
 the put returns success. A batch that does not fit asks for a new arena in the same commit
 (``refill``) and goes on there: at most two round trips for a batch that fits one arena, one once an
 arena is held. What the arena path cannot take (no arena granted, ``ARENA_VOID``, another writer's
-put in flight) goes the two-phase way.
+put in flight) goes the two-phase way, and so does a key stored already: that put's ``Alloc`` says
+where, so a copy held only by a provider of this host that died is put again (``writes.py``).
 
 One lock (``lock``) covers an arena put from placement to the header, the re-join (which scans the
 segment and replaces the session: ``Membership._join``) and the clearing of headers the journal
@@ -124,9 +125,9 @@ class ArenaWriter:
                     if code == errors.SUCCESS:
                         view_at(self.segment.addr + off, HEADER_BYTES)[:] = pack_header(keys[i], gen, sizes[i], checksum)
                         done[keys[i]] = None
-                    elif code == errors.OBJECT_ALREADY_EXISTS:   # these bytes are stored already
-                        done[keys[i]] = None
-                    elif code in (errors.ARENA_VOID, errors.WRITE_IN_PROGRESS):
+                    elif code in (errors.ARENA_VOID, errors.WRITE_IN_PROGRESS, errors.OBJECT_ALREADY_EXISTS):
+                        # (stored already: the two-phase put's Alloc says where, and whether that is
+                        # only with an owner that died: writes.py)
                         fallback.append(i)
                     else:
                         done[keys[i]] = errors.error_from_code(code, f"commit of {keys[i]!r} refused")

@@ -308,6 +308,13 @@ class Gva(Membership):
         codes = expect(self.rpc.call(p.Commit(s.client_id, s.token, done, [objs[k][0].generation for k in done],
                                               [checksum[k] for k in done])), p.Codes).codes if done else []
         code_of = dict(zip(done, codes, strict=True))
+        # after the commit: a replica whose owner has died since lives in a file that leaves the pool with it
+        stored = [op for op in ops if code_of.get(op.key) == errors.SUCCESS]
+        gone = self.owners_gone(s, {op.segment.segment_id: op.segment for op in stored})
+        for op in stored:
+            if op.segment.segment_id in gone:
+                errs.setdefault(op.key, errors.PeerUnavailable(
+                    f"batch_write_finish of {op.key!r}: the owner of segment {op.segment.segment_id} died"))
         for i in idx:
             k = keys[i]
             if k in errs:

@@ -315,6 +315,25 @@ class Membership:
 
     # ---- segments ------------------------------------------------------------------------------------
 
+    def owners_gone(self, s: Session, segs: dict[int, p.SegmentInfo]) -> set[int]:
+        """The ids of those same-host segments whose owner this host's kernel says is dead (the
+        segment file's owner lock is gone: ``memory.owner_alive``), each reported to the MetaService,
+        which drops that member at once rather than a heartbeat timeout later. A writer asks after
+        its commit and fails the puts that went there: the file outlives a killed owner, so the copy
+        and the commit succeed, but the object leaves the pool with its owner."""
+        if self.engine is None or not segs:
+            return set()
+        gone = self.engine.owners_gone(list(segs.values()))
+        for seg in gone:
+            logger.warning("the owner of segment %d (%s) is dead: puts copied there fail, and the MetaService "
+                           "is told", seg.segment_id, seg.shm_path)
+            try:
+                expect(self.rpc.call(p.OwnerGone(s.client_id, s.token, seg.segment_id, seg.shm_path)), p.Ok)
+            except MemCacheError as e:
+                logger.warning("could not tell the MetaService that segment %d's owner is dead (%s); it "
+                               "finds out when the heartbeats stop", seg.segment_id, e)
+        return {seg.segment_id for seg in gone}
+
     def segment_info(self, sid: int) -> p.SegmentInfo:
         seg = self._segments.get(sid)
         if seg is None:

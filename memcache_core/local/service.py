@@ -138,7 +138,7 @@ class LocalService(Writes, Reads, Gva):
                                                        self._advertised(self.data_server.addr),
                                                        cfg.tag or f"device{device_id}",
                                                        nixl.descriptor if nixl is not None else b"",
-                                                       self._metrics_addr())
+                                                       self._metrics_addr(), owner_lock=self.segment.owner_lock)
             threads = max(1, min(os.cpu_count() or 1, 8))
             self.engine = TransferEngine(cfg.protocol, self.host_id, self.segment, cfg.client_timeout_seconds,
                                          min(cfg.read_thread_pool_size, threads),

@@ -77,6 +77,7 @@ class Writes(Membership):
         want = list(sizes)
         deadline = time.monotonic() + min(self.session.pending_timeout_s / 2, self.config.client_timeout_seconds)
         backoff = Backoff(0.002, 0.05)
+        again: set[str] = set()   # stored only with a dead owner: put once more
         while want:
             try:
                 answer, granted_in = self.member_call_in(lambda s, w=want: p.Alloc(  # type: ignore[misc]
@@ -86,15 +87,23 @@ class Writes(Membership):
                 for k in want:
                     results[todo[k]] = e
                 return allocated
-            busy = []
+            busy, existing = [], {}
             for k, res in zip(want, reply.results, strict=True):
                 if res.code == errors.SUCCESS:
                     allocated[k] = res
                     epochs[k] = granted_in.epoch
                 elif res.code == errors.WRITE_IN_PROGRESS:
                     busy.append(k)
-                elif res.code != errors.OBJECT_ALREADY_EXISTS:   # existing: these bytes are stored
+                elif res.code == errors.OBJECT_ALREADY_EXISTS:   # existing: these bytes are stored...
+                    existing[k] = res
+                else:
                     results[todo[k]] = errors.error_from_code(res.code, f"cannot put {k!r} ({sizes[k]} bytes)")
+            for k in self._stored_with_the_dead(existing):   # ...unless they leave the pool with a dead owner
+                if k in again:
+                    results[todo[k]] = errors.PeerUnavailable(f"{k!r} is stored only in segments whose owner died")
+                else:
+                    again.add(k)
+                    busy.append(k)
             if busy and time.monotonic() >= deadline:
                 for k in busy:
                     results[todo[k]] = errors.WriteInProgress(f"another writer's put of {k!r} is still pending")
@@ -103,6 +112,22 @@ class Writes(Membership):
                 time.sleep(backoff.next())
             want = busy
         return allocated
+
+    def _stored_with_the_dead(self, existing: dict[str, p.AllocResult]) -> list[str]:
+        """Keys already stored (so a put of them is a no-op), but only in segments of this host whose
+        owner is dead: they leave the pool with it. Their owners are reported (``owners_gone``: the
+        MetaService drops them at once), so an Alloc of these keys again places them anew."""
+        segs: dict[int, p.SegmentInfo] = {}
+        for res in existing.values():
+            for loc in res.locations:
+                if loc.segment_id not in segs:
+                    try:
+                        segs[loc.segment_id] = self.segment_info(loc.segment_id)
+                    except MemCacheError:
+                        pass   # out of the pool already: so are its objects
+        gone = self.owners_gone(self.session, segs)
+        return [k for k, res in existing.items() if gone and res.locations
+                and all(loc.segment_id in gone for loc in res.locations)]
 
     def _note_partial(self, allocated: dict[str, p.AllocResult], replicas: int) -> None:
         """Fewer segments with room than replicas: the put is placed partially (``get_key_info``
@@ -170,6 +195,14 @@ class Writes(Membership):
         for k, code in zip(commit, codes, strict=True):
             if code != errors.SUCCESS:
                 results[todo[k]] = errors.error_from_code(code, f"commit of {k!r} refused")
+        # after the commit, never before: an owner alive now held the object when it became visible
+        stored = [op for op in ops if results[todo[op.key]] is None]
+        gone = self.owners_gone(s, {op.segment.segment_id: op.segment for op in stored})
+        for op in stored:
+            if op.segment.segment_id in gone:
+                results[todo[op.key]] = errors.PeerUnavailable(
+                    f"put of {op.key!r}: the owner of segment {op.segment.segment_id} died (it leaves the pool "
+                    f"with its objects)")
 
 
 def _unique_valid(keys: Sequence[str], results: list[MemCacheError | None]) -> dict[str, int]:

@@ -145,6 +145,21 @@ class Membership:
         reply.repair = self.repairs.wanted(sid)
         return reply
 
+    def _owner_gone(self, reporter: Member, sid: int, shm_path: str) -> None:
+        """A member found the owner of ``sid`` dead through its own host's kernel (the segment file's
+        owner lock is gone): drop that member now instead of a heartbeat timeout later, so no put is
+        placed there meanwhile. Only a report from the segment's own host counts (this MetaService may
+        run on another), and only about the file the segment has now (not a newer incarnation's)."""
+        owner = self.members.get(sid)   # a segment's id is its owner's id
+        seg = self.table.segments.get(sid)
+        if owner is None or seg is None or owner is reporter:
+            return
+        if owner.host_id != reporter.host_id or seg.info.shm_path != shm_path:
+            logger.warning("client %d reported the owner of segment %d dead, but it is not on that "
+                           "segment's host or names another file (%r); ignored", reporter.client_id, sid, shm_path)
+            return
+        self._drop_member(sid, f"dead (member {reporter.client_id} on its host found its segment's owner lock gone)")
+
     def _drop_member(self, cid: int, why: str) -> None:
         m = self.members.pop(cid, None)
         if m is None:

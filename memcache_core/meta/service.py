@@ -187,8 +187,8 @@ class MetaServiceCore(Membership):
                 return self._config_put(k, v)
             case p.ConfigGet(key=k):
                 return p.Value(self.config_store.get(k))
-            case (p.Alloc() | p.Commit() | p.ArenaCommit() | p.Abort() | p.Corrupt() | p.Leave() | p.DrainNext() | p.DrainDone()
-                  | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant() | p.Report()):
+            case (p.Alloc() | p.Commit() | p.ArenaCommit() | p.Abort() | p.OwnerGone() | p.Corrupt() | p.Leave() | p.DrainNext()
+                  | p.DrainDone() | p.RepairNext() | p.RepairDone() | p.Info() | p.Lease() | p.Grant() | p.Report()):
                 return self._member_request(req, self._member(req.client_id, req.token, now), now)
             case p.DiskSync() | p.Promote() | p.Promoted():
                 return self._disk_request(req, self._member(req.client_id, req.token, now), now)
@@ -222,6 +222,9 @@ class MetaServiceCore(Membership):
                 validate.batch(keys, gens)
                 for k, g in zip(keys, gens, strict=True):
                     t.abort(cid, k, g)
+                return p.Ok()
+            case p.OwnerGone(segment_id=gone, shm_path=path):
+                self._owner_gone(member, gone, path)
                 return p.Ok()
             case p.Corrupt(keys=keys, generations=gens):
                 validate.corrupt(req)

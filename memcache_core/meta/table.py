@@ -166,7 +166,8 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
 
     def alloc(self, client_id: int, key: str, size: int, replicas: int, order: Iterable[int],
               now: float, preferred: Sequence[int] = ()) -> tuple[int, int, list[Location]]:
-        """Reserve space for a new object. Returns (code, generation, locations).
+        """Reserve space for a new object. Returns (code, generation, locations); for a key already
+        committed, OBJECT_ALREADY_EXISTS with that object's generation and locations.
 
         ``order`` is the placement policy's segment order (drawn lazily, as far as needed); the
         ``preferred`` segments are taken first whatever their host. Fewer segments with room than
@@ -175,8 +176,9 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
         """
         self.counters.allocs += 1
         cur = self.objects.get(key)
-        if cur is not None:
-            return (errors.OBJECT_ALREADY_EXISTS if cur.committed else errors.WRITE_IN_PROGRESS), 0, []
+        if cur is not None:   # where a committed one lies: a writer of its host may know its owner dead
+            return ((errors.OBJECT_ALREADY_EXISTS, cur.generation, cur.locations) if cur.committed
+                    else (errors.WRITE_IN_PROGRESS, 0, []))
         if size <= 0:
             return errors.INVALID_PARAM, 0, []
         size_in_segment = footprint(size)

@@ -84,6 +84,11 @@ class TransferEngine:
             return True
         return self.protocol == "host_shm" and seg.host_id == self.host_id and self.shm.reachable(seg)
 
+    def owners_gone(self, segs: list[SegmentInfo]) -> list[SegmentInfo]:
+        """Those of ``segs`` copied through shared memory whose owner this host knows is dead
+        (``ShmTransport.owner_gone``); a segment reached over TCP fails its copies instead."""
+        return [s for s in segs if self.local(s) and self.shm.owner_gone(s)]
+
     def suspect(self, seg: SegmentInfo) -> bool:
         """Whether reads should try this segment last: its data server missed a read deadline lately."""
         return not self.local(seg) and self.tcp.suspect(seg.data_addr, seg.segment_id)

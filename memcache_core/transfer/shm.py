@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from ..errors import PeerUnavailable
 from ..host import shm_dir
-from ..memory import Mapping
+from ..memory import Mapping, owner_alive
 from ..records import SegmentInfo
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,19 @@ class ShmTransport:
             return Mapping(path, seg.size, create=False)
         except OSError as e:
             raise PeerUnavailable(f"cannot map segment {seg.segment_id} ({path}): {e}") from e
+
+    def owner_gone(self, seg: SegmentInfo) -> bool:
+        """Whether a peer segment's owner is known dead: its file's owner lock is no longer held (or
+        the file is gone). Our own segment, and a segment of a build whose owner holds no such lock,
+        never are. The file outlives a killed owner, so a copy into it succeeds: a writer asks this
+        after its commit, before it reports the put stored."""
+        if self.is_own(seg) or not seg.owner_lock:
+            return False
+        try:
+            return not owner_alive(seg.shm_path)
+        except OSError as e:   # (not a file we may open: not ours to judge)
+            logger.debug("cannot ask whether segment %d's owner lives (%s)", seg.segment_id, e)
+            return False
 
     def forget(self, seg: SegmentInfo) -> None:
         """Unmap a peer's segment (the peer left or died) once no copy uses it."""

@@ -52,7 +52,7 @@ LEAF = st.one_of(INTS, TEXT, st.binary(max_size=64), st.none(), st.booleans(), s
 VALUE = st.recursive(LEAF, lambda inner: st.one_of(st.lists(inner, max_size=8),
                                                    st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                      max_leaves=20)
-TAGS = ["Join", "Leave", "Heartbeat", "Alloc", "Commit", "Abort", "Lookup", "Exist", "Validate", "Remove",
+TAGS = ["Join", "Leave", "Heartbeat", "Alloc", "Commit", "Abort", "OwnerGone", "Lookup", "Exist", "Validate", "Remove",
         "RemoveAll", "RemovePrefix", "Corrupt", "GetSegments", "ConfigPut", "ConfigGet", "DrainNext", "DrainDone",
         "RepairNext", "RepairDone", "Confirmed", "Unknown"]
 FIELDS = {
@@ -66,6 +66,7 @@ FIELDS = {
     "objects": st.lists(st.tuples(TEXT, INTS, INTS, INTS, INTS).map(list), max_size=10),
     "key": TEXT, "value": st.one_of(st.binary(max_size=256), VALUE), "prefix": TEXT, "lease": VALUE,
     "journal_ack": INTS, "timeout_ms": INTS, "ok": st.lists(VALUE, max_size=20),
+    "segment_id": INTS, "shm_path": st.one_of(TEXT, VALUE),
 }
 
 
@@ -132,6 +133,7 @@ TYPED = st.one_of(
     st.builds(p.Alloc, I64, st.binary(max_size=32), KEYS, st.lists(I64, max_size=12), I64, st.lists(I64, max_size=12)),
     st.builds(p.Commit, I64, st.binary(max_size=32), KEYS, st.lists(U64, max_size=12), st.lists(U64, max_size=12)),
     st.builds(p.Abort, I64, st.binary(max_size=32), KEYS, st.lists(U64, max_size=12)),
+    st.builds(p.OwnerGone, I64, st.binary(max_size=32), I64, TEXT),
     st.builds(p.Corrupt, I64, st.binary(max_size=32), KEYS, st.lists(U64, max_size=12)),
     st.builds(p.Lookup, KEYS, st.booleans()), st.builds(p.Exist, KEYS),
     st.builds(p.Validate, KEYS, st.lists(U64, max_size=12)), st.builds(p.Remove, KEYS),

@@ -137,7 +137,7 @@ def test_a_join_reusing_a_live_member_id_gets_a_fresh_one(meta, stores):
 
 
 def test_leave_commit_abort_as_another_member_without_its_token_are_refused(meta, stores):
-    """Scenario: a peer sends Leave, Commit and Abort carrying a live member's id but not its token
+    """Scenario: a peer sends Leave, Commit, Abort and OwnerGone carrying a live member's id but not its token
     (empty, or a guess). Each is refused; the victim's pending put commits normally afterwards and
     its committed objects stay, byte-exact; the victim stays a member."""
     victim = DistributedObjectStore()
@@ -152,7 +152,7 @@ def test_leave_commit_abort_as_another_member_without_its_token_are_refused(meta
         for token in (b"", b"\0" * 16, secrets.token_bytes(16)):
             for req in (p.Commit(cid, token, ["pending"], [a.generation]),
                         p.Abort(cid, token, ["pending"], [a.generation]),
-                        p.Leave(cid, token), p.Heartbeat(cid, token),
+                        p.Leave(cid, token), p.Heartbeat(cid, token), p.OwnerGone(cid, token, cid, ""),
                         p.Alloc(cid, token, ["x"], [10]), p.Corrupt(cid, token, ["committed"], [1])):
                 r = ask(s, req)
                 if isinstance(req, p.Heartbeat):
