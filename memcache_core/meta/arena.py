@@ -92,10 +92,12 @@ class Arena:
 
 
 def grant(t: ObjectTable, seg: Segment, size: int, now: float) -> Arena | None:
-    """A new arena of ``size`` bytes in ``seg`` (evicting if needed), or None."""
+    """A new arena of ``size`` bytes in ``seg``, or None. It evicts there only objects about as old as
+    the pool's least recently used: while other segments hold older ones, the holder's small puts go
+    the two-phase way, placed where the pool's eviction makes room (``Space.alloc_near_coldest``)."""
     if size <= 0 or seg.alloc_after > now or aligned(size) > seg.allocator.size // 8:
         return None
-    off = t.alloc_in(seg, size, now)
+    off = t.alloc_near_coldest(seg, size, now)
     if off is None:
         return None
     seg.arena = Arena(off, off + aligned(size))
@@ -124,7 +126,7 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
         t.reserve_for(n)   # (may fail, with HA: before any object of the batch is published)
         codes, gens = [], []
         for key, off, size, checksum in zip(req.keys, req.offsets, req.sizes, req.checksums, strict=True):
-            code, gen = _place(t, seg, a, key, off, size, checksum, within_quota)
+            code, gen = _place(t, seg, a, key, off, size, checksum, within_quota, now)
             codes.append(code)
             gens.append(gen)
     if seg is not None and (req.refill or req.release) and (a is None or a.id == req.arena or req.arena == 0):
@@ -138,7 +140,7 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
 
 
 def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: int, checksum: int,
-           within_quota: Callable[[int], bool]) -> tuple[int, int]:
+           within_quota: Callable[[int], bool], now: float) -> tuple[int, int]:
     """Commit one object written at ``offset`` of the arena: (code, generation). It counts in its
     writer's quota (``kept.py``) as a two-phase put's object does; the writer is the segment's owner."""
     t.counters.allocs += 1   # a put asked (``puts_total``), as a two-phase put's Alloc counts it
@@ -153,7 +155,7 @@ def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: 
     gen = t.issue_generation()
     writer = seg.info.segment_id   # a member's segment id is its client id
     slot = t.writer_slot_of(writer)
-    obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot))
+    obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot), t.stamp(now))   # used now (``space.py``)
     if slot:
         t.count_kept(writer, obj)
     t.objects[obj.key] = obj

@@ -71,7 +71,7 @@ class Obj(msgspec.Struct, eq=False, gc=False):
 
     key: str
     packed: int                        # size, generation, checksum, first location (``pack``)
-    lease_until: float = 0.0
+    lease_until: float = 0.0           # end of its last read lease, or its commit time: its last use
     more: Extra | None = None
     prev: str | None = OUT             # LRU links in the first location's segment (``lru.py``)
     next: str | None = OUT
