@@ -128,8 +128,9 @@ def test_an_idle_writer_keeps_no_old_keys_the_pool_keeps_the_most_recent(policy,
     under ``local_first``, ``two_phase`` ones through Alloc and Commit."""
     with running_meta_service(placement_policy=policy, evict_threshold_high=90, evict_threshold_low=80,
                               arena_bytes=256 << 10) as ms:
-        writers = [StoreProcess(ms, dram_size="4MB") for _ in range(4)]
+        writers: list[StoreProcess] = []
         try:
+            writers.extend(StoreProcess(ms, dram_size="4MB") for _ in range(4))   # (each stopped, also on failure)
             layout = [size]
             capacity = 4 * int(0.9 * (4 << 20)) // (size + 4096)   # objects the pool holds under its high mark
             written: list[str] = []
