@@ -29,7 +29,7 @@ def _off(v: Any) -> bool:
 # (key, or a prefix ending in "*"; the values accepted; why any other value is refused)
 RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("lru_type", lambda v: str(v).strip().lower() in ("", "lru"),
-     "eviction here is LRU over each segment's committed, unleased objects (docs/design.md 'Eviction'); "
+     "eviction here is LRU over the pool's committed, unleased objects (docs/design.md 'Eviction'); "
      "no other policy exists"),
     ("evict_yield_*", _off,
      "an eviction pass here runs inside the MetaService's housekeeping, between control-plane requests; "

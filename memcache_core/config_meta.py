@@ -58,15 +58,15 @@ class MetaConfig:
     log_rotation_file_count: Annotated[int, Meta(ge=1, le=1000), NUMBER] = 50
     """Rotated log files kept beside the current one, in [1, 1000]."""
     evict_threshold_high: Annotated[float, Meta(ge=1, le=100)] = 90
-    """Segment usage (percent) above which LRU eviction starts."""
+    """Segment usage (percent) a put fills a segment up to without evicting; past it, LRU eviction (docs/design.md)."""
     evict_threshold_low: Annotated[float, Meta(ge=0, le=100)] = 80
-    """Segment usage (percent) eviction brings a segment down to."""
+    """Segment usage (percent) eviction brings a segment above its high mark down to; the gap to the high mark is what a put's pool-wide eviction frees."""
     evict_check_interval_seconds: Annotated[float, Meta(ge=0.01, le=3600)] = 5
     """How often every segment is checked against the high-water mark (puts check at once)."""
     lease_ttl_ms: Annotated[int, Meta(ge=10, le=3_600_000), NUMBER] = 10000
     """Read lease granted by lookup: the object is neither evicted nor its space reused meanwhile."""
     lru_shard_count: int = 16
-    """Accepted for compatibility; the LRU here is one list per segment."""
+    """Accepted for compatibility; the LRU here is one list per segment, their oldest compared across the pool."""
     defrag_evict_threshold: float = 70
     """Accepted for compatibility."""
     kv_events_enable: Bool = False

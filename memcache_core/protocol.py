@@ -1,10 +1,7 @@
-"""Every control-plane message, as msgspec Structs (tagged unions decoded with typed decoders).
-
-Client -> MetaService requests are ``Request``; the replies are ``Reply``. A batch call is one
-message: one round trip per batch, never one per key. Framing is in ``rpc/framing.py``. The records
-the messages carry (``SegmentInfo``, ``Location``, ``Found``, ...) are defined in ``records.py`` and
-read through this module too (``p.Location``).
-"""
+"""Every control-plane message, as msgspec Structs (tagged unions decoded with typed decoders): client ->
+MetaService ``Request``, replies ``Reply``; one message per batch call, never one per key. Framing is in
+``rpc/framing.py``; the records messages carry (``SegmentInfo``, ``Location``, ...) in ``records.py``,
+read through this module too (``p.Location``)."""
 
 from __future__ import annotations
 
@@ -19,11 +16,8 @@ from .records import Reports as Reports
 # ---- requests ---------------------------------------------------------------------------------
 
 class Join(msgspec.Struct, tag=True):
-    """Join the pool. ``client_id`` 0 asks for a new id; a re-joining member proposes the id it had.
-
-    Ids are issued by the MetaService (never drawn from an engine-seeded ``random``); the segment's
-    ``segment_id`` is replaced by the issued id.
-    """
+    """Join the pool. ``client_id`` 0 asks for a new id; a re-joining member proposes the id it had. Ids
+    are issued by the MetaService (never an engine-seeded ``random``); ``segment_id`` becomes the issued id."""
 
     client_id: int
     host_id: str

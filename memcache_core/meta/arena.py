@@ -92,10 +92,12 @@ class Arena:
 
 
 def grant(t: ObjectTable, seg: Segment, size: int, now: float) -> Arena | None:
-    """A new arena of ``size`` bytes in ``seg`` (evicting if needed), or None."""
+    """A new arena of ``size`` bytes in ``seg``, or None. It evicts there only objects about as old as
+    the pool's least recently used: while other segments hold older ones, the holder's small puts go
+    the two-phase way, placed where the pool's eviction makes room (``Space.alloc_near_coldest``)."""
     if size <= 0 or seg.alloc_after > now or aligned(size) > seg.allocator.size // 8:
         return None
-    off = t.alloc_in(seg, size, now)
+    off = t.alloc_near_coldest(seg, size, now)
     if off is None:
         return None
     seg.arena = Arena(off, off + aligned(size))
@@ -153,7 +155,7 @@ def _place(t: ObjectTable, seg: Segment, a: Arena, key: str, offset: int, size: 
     gen = t.issue_generation()
     writer = seg.info.segment_id   # a member's segment id is its client id
     slot = t.writer_slot_of(writer)
-    obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot), now)   # (in use: now)
+    obj = Obj(key, pack(size, gen, checksum, p.Location(writer, offset), slot), t.stamp(now))   # used now (``space.py``)
     if slot:
         t.count_kept(writer, obj)
     t.objects[obj.key] = obj

@@ -72,7 +72,8 @@ class Obj(msgspec.Struct, eq=False, gc=False):
     key: str
     packed: int                        # size, generation, checksum, first location (``pack``)
     # the end of its last read lease; its commit time until it is read (leased: later than now), so it
-    # is also when the object was last in use, comparable across segments (``room.py``); 0: recovered
+    # is also when the object was last in use, comparable across segments (``space.py``, ``room.py``); 0:
+    # recovered
     lease_until: float = 0.0
     more: Extra | None = None
     prev: str | None = OUT             # LRU links in the first location's segment (``lru.py``)

@@ -5,8 +5,10 @@ Invariants (docs/design.md explains each):
 * A leased object is never evicted and its space is never reused until the lease ends; removing a
   leased object hides it at once and frees its space when the lease ends.
 * Exist does not lease and does not touch LRU order.
-* Eviction frees least-recently-used committed, unleased objects of a segment above its high-water
-  mark until it is at its low-water mark.
+* Eviction frees least-recently-used committed, unleased objects: the pool's, across segments, when a
+  put finds no segment with room under its high-water mark (``space.py``); a segment's own when it is
+  above its high-water mark, until it is at its low-water mark. An object's ``lease_until`` is the end
+  of its last read lease, or its commit time: when it was last used.
 * A key whose put is PENDING is neither free nor present: a second writer is told so
   (WRITE_IN_PROGRESS), never that its put succeeded.
 * Space holds the object's header and payload (``layout.footprint``); sizes here are payload sizes.
@@ -40,7 +42,7 @@ from .lookups import Lookups
 from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
 from .removals import Removals
 from .reports import GvaSlots, Reporting, Reports
-from .space import Space
+from .space import STAMP_S, Space
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,7 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
         self.disk_wanted: dict[int, list[ObjectReport]] = {}  # records each tier should promote (meta/disk.py)
         self.promoting: dict[tuple[str, int], tuple[int, int, float, int]] = {}   # meta/disk.py
         self._lease_for: tuple[float, float] = (-1.0, 0.0)   # (now, lease end): one float per batch
+        self._stamp_for = -1.0   # the commit time objects committed within ``STAMP_S`` of it share
         self.held: dict[str, dict[int, tuple[int, float]]] = {}   # GVA path's leases: key -> caller -> (gen, end)
         self.leases_of: dict[int, int] = {}   # caller -> how many of ``held``'s leases it has (a quota)
         self.gva_slots = GvaSlots()   # segments' numbers in GVAs (``reports.py``)
@@ -226,7 +229,10 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
         self._settled(obj)
         writer = obj.owner
         slot = self.writer_slot_of(writer)
-        obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum, slot), now, obj.more)
+        used = self._stamp_for   # its time of use, as eviction compares across segments (``stamp`` unrolled)
+        if not 0.0 <= now - used < STAMP_S:
+            used = self._stamp_for = now
+        obj = self.objects[obj.key] = Obj(obj.key, with_checksum(obj.packed, checksum, slot), used, obj.more)
         if slot:
             self.count_kept(writer, obj)
         self.pending -= 1
