@@ -9,7 +9,8 @@ scheduler every step and published by the engine's publisher on the engine's top
 * ``BlockStored`` once a block's save is confirmed by every rank that stores a share of it
   (``Namespace.ranks``: all TP/PP ranks, TP rank 0 only for MLA's one shared copy), so one
   announcement per block, never one per rank. It carries vLLM's hash of the block (at the engine's
-  block size, ``maybe_convert_block_hash``: an int when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``),
+  block size, ``maybe_convert_block_hash``: an int, its last 8 bytes, unless
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``),
   its parent's hash (None for a prompt's first block), its token ids, the engine's block size,
   ``lora_id``/``lora_name`` and the extra keys vLLM hashed, and ``medium`` ``CPU``
   (``MEDIUM_CPU``): the pool is host memory the engine loads from, the tier vLLM's CPU offloading

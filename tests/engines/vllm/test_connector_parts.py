@@ -459,6 +459,13 @@ def test_pool_events_announce_a_block_once_every_rank_saved_it() -> None:
     ev.gone(["b0", "b1", "b9"])
     ev.gone(["b0"])
     assert ev.take() == [BlockRemoved(block_hashes=stored.block_hashes + second.block_hashes, medium=MEDIUM_CPU)]
+    ev.saves_issued(req, 0, ["b0"], [["t0/b0", "t1/b0"]])
+    ev.saves_done(["t0/b0", "t1/b0"], [])
+    ev.saves_issued(req, 1, ["b1"], [["t0/b1", "t1/b1"]])
+    assert ev.take() == [stored], "a block gone from the pool is announced again when saved again"
+    ev.cleared()   # reset_cache
+    ev.saves_done(["t0/b1", "t1/b1"], [])
+    assert ev.take() == [BlockRemoved(block_hashes=stored.block_hashes, medium=MEDIUM_CPU)]
 
 
 def test_pool_events_are_off_without_vllm_kv_events() -> None:
