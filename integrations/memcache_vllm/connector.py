@@ -30,7 +30,10 @@ from memcache_vllm.stats import MemCacheConnectorStats, MemCachePromMetrics, Sta
 from memcache_vllm.worker import MemCacheWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -175,6 +178,10 @@ class MemCacheConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(
             set(connector_output.invalid_block_ids or ()),
             worker_meta if isinstance(worker_meta, MemCacheWorkerMetadata) else None)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        # Drained by vLLM's scheduler every step and published on the engine's KV-event stream.
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         # reset_prefix_cache(reset_connector=True), e.g. after a weight update.

@@ -168,6 +168,7 @@ class LayerSave:
     def __init__(self, store: Any, plan: LayerPlan, block_ids: list[int], keys: list[str],
                  stats: StatsRecorder, pool: ThreadPoolExecutor) -> None:
         self.store, self.plan, self.stats, self.pool = store, plan, stats, pool
+        self.all_keys = list(keys)
         self._t0 = time.perf_counter()
         self.skipped = 0
         self.failed: set[str] = set()
@@ -179,7 +180,8 @@ class LayerSave:
             logger.warning("MemCacheConnector: layer-wise save of %d blocks could not start: %s", len(keys), exc)
             codes = [-1] * len(keys)
         mine = [i for i, c in enumerate(codes) if c == 0]
-        self.skipped = sum(1 for c in codes if c == OBJECT_EXISTS)   # already in the pool: nothing to do
+        self.existing = [k for k, c in zip(keys, codes, strict=False) if c == OBJECT_EXISTS]
+        self.skipped = len(self.existing)   # already in the pool: nothing to do
         self.failed_alloc = len(keys) - len(mine) - self.skipped
         self.block_ids = [block_ids[i] for i in mine]
         self.keys = [keys[i] for i in mine]
@@ -213,9 +215,10 @@ class LayerSave:
         for k in self.keys:
             self.copied[k].add(layer)
 
-    def finish(self, abort_blocks: set[int]) -> None:
+    def finish(self, abort_blocks: set[int]) -> list[str]:
         """Wait for the copies; publish every object all of whose layers arrived, abort the rest (and
-        the blocks in ``abort_blocks``: computed over a block that failed to load)."""
+        the blocks in ``abort_blocks``: computed over a block that failed to load). Returns the keys
+        now in the pool (published here, or already there)."""
         for fut in self.futures:
             fut.result()
         n_layers = len(self.plan.layout.layers)
@@ -228,13 +231,18 @@ class LayerSave:
             except Exception as exc:
                 logger.warning("MemCacheConnector: finishing %d layer-wise saved blocks failed: %s (the pool "
                                "reclaims them)", len(self.keys), exc)
-        saved = sum(1 for r, c in zip(results, codes, strict=True) if r == 0 and c == 0)
+        if len(codes) != len(self.keys):
+            logger.warning("MemCacheConnector: %d codes for %d layer-wise saved blocks", len(codes), len(self.keys))
+            codes = [1] * len(self.keys)
+        published = [k for k, r, c in zip(self.keys, results, codes, strict=True) if r == 0 and c == 0]
+        saved = len(published)
         failed = len(self.keys) - saved + self.failed_alloc
         self.stats.add(save_blocks=saved, save_bytes=saved * self.plan.layout.block_bytes,
                        save_failed_blocks=failed, save_time_s=time.perf_counter() - self._t0)
         if failed:
             logger.info("MemCacheConnector: %d of %d blocks not saved layer by layer", failed,
                         len(self.keys) + self.skipped + self.failed_alloc)
+        return published + self.existing
 
     def abort(self) -> None:
         """The step ended without ``wait_for_save`` (an exception in the forward): abort everything."""
@@ -285,10 +293,14 @@ class LayerwiseWorker:
         load, self.load = self.load, None
         return load.finish() if load is not None else set()
 
-    def finish_save(self, abort_blocks: set[int]) -> None:
+    def finish_save(self, abort_blocks: set[int]) -> tuple[list[str], list[str]]:
+        """The step's save is published; (keys in the pool, keys not saved)."""
         save, self.save = self.save, None
-        if save is not None:
-            save.finish(abort_blocks)
+        if save is None:
+            return [], []
+        saved = save.finish(abort_blocks)
+        done = set(saved)
+        return saved, [k for k in save.all_keys if k not in done]
 
     def abandon(self) -> set[int]:
         """A step that never reached ``wait_for_save``: end its load, abort its save; the block ids

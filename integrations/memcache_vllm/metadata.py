@@ -5,7 +5,8 @@
   under exactly that namespace.
 * ``MemCacheConnectorMetadata`` (scheduler -> workers, every step): loads, saves, preemptions,
   the namespace epoch, acknowledged load failures and keys to remove.
-* ``MemCacheWorkerMetadata`` (workers -> scheduler, every step): each rank's load-failure epoch.
+* ``MemCacheWorkerMetadata`` (workers -> scheduler, every step): each rank's load-failure epoch,
+  and the keys its saves finished with (saved or not), for the scheduler's KV events.
 
 Blocks travel as block names (``keys.block_names``); each worker prefixes them with its own rank's
 namespace.
@@ -76,9 +77,15 @@ class MemCacheConnectorMetadata(KVConnectorMetadata):
 class MemCacheWorkerMetadata(KVConnectorWorkerMetadata):
     failure_epochs: dict[tuple[int, ...], int] = field(default_factory=dict)
     """Per (tp_rank, pp_rank, pcp_rank): the epoch of the last load failure the rank reported."""
+    saved_keys: list[str] = field(default_factory=list)
+    """Keys whose saves ended with the object in the pool (written, or already there)."""
+    unsaved_keys: list[str] = field(default_factory=list)
+    """Keys whose saves ended without it (failed, skipped, fenced)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, MemCacheWorkerMetadata):
             for rank, epoch in other.failure_epochs.items():
                 self.failure_epochs[rank] = max(epoch, self.failure_epochs.get(rank, 0))
+            self.saved_keys.extend(other.saved_keys)
+            self.unsaved_keys.extend(other.unsaved_keys)
         return self

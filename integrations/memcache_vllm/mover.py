@@ -73,10 +73,11 @@ class BlockMover:
                            len(failed), len(block_ids))
         return failed
 
-    def save(self, block_ids: list[int], all_keys: list[str]) -> int:
-        """Save blocks; returns how many failed."""
+    def save(self, block_ids: list[int], all_keys: list[str]) -> list[str]:
+        """Save blocks; returns the keys now in the pool (written, or already there)."""
         t0 = time.perf_counter()
         failed = 0
+        saved: list[str] = []
         bad_codes: set[int] = set()
         for part in self._chunks(len(block_ids)):
             ids = [block_ids[i] for i in part]
@@ -86,10 +87,13 @@ class BlockMover:
             ptrs, sizes = self._pieces("save", ids)
             try:
                 codes = list(self.store.batch_put_from_layers(keys, ptrs, sizes))
+                if len(codes) != len(keys):
+                    raise RuntimeError(f"{len(codes)} codes for {len(keys)} keys")
             except Exception as exc:
                 logger.warning("MemCacheConnector: save of %d blocks failed: %s", len(keys), exc)
                 codes = [-1] * len(keys)
             failed += sum(1 for c in codes if c != 0)
+            saved.extend(k for k, c in zip(keys, codes, strict=True) if c == 0)
             bad_codes.update(c for c in codes if c != 0)
         n_ok = len(block_ids) - failed
         self.stats.add(save_blocks=n_ok, save_bytes=n_ok * self.layout.block_bytes,
@@ -97,4 +101,4 @@ class BlockMover:
         if failed:
             logger.info("MemCacheConnector: %d of %d blocks not saved (codes %s)",
                         failed, len(block_ids), sorted(bad_codes))
-        return failed
+        return saved

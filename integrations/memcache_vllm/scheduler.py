@@ -30,6 +30,10 @@ recomputes. Under ``fail`` (vLLM's default) it ends its request with an error, s
 from the pool between the lookup and the load fails the user's request: a warning at start-up
 says so.
 
+KV events (:mod:`memcache_vllm.events`): with vLLM's KV events on, the blocks whose saves every
+rank confirmed are announced as ``BlockStored`` (medium ``CPU``) through ``take_events``, on the
+engine's own publisher; ``BlockRemoved`` when a lookup finds one gone, or the connector removes it.
+
 ``reset_cache`` (``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update) moves to a
 new random namespace epoch, so no block written before is ever read again, and removes the old
 epochs' keys from the pool.
@@ -43,6 +47,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from memcache_vllm.config import ConnectorConfig, RolePolicy
+from memcache_vllm.events import PoolEvents
 from memcache_vllm.keys import AdapterDigests, Namespace, block_hashes_hex, block_names
 from memcache_vllm.layout import check_kv_cache_config
 from memcache_vllm.metadata import (
@@ -58,6 +63,7 @@ from memcache_vllm.request_state import LOOKUP_REUSE_S, Lookup, SaveTracker
 from memcache_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -97,6 +103,9 @@ class MemCacheScheduler:
         self._pending_removals: dict[str, list[str]] = {}
         self._poisoned = PoisonedBlocks(self.block_size)
         self._block_pool: Any = None
+        kec = getattr(vllm_config, "kv_events_config", None)
+        self.events = PoolEvents(bool(kec is not None and kec.enable_kv_cache_events), self.block_size,
+                                 self._ratio)
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
         if policy.can_load and self.load_failure_policy != "recompute":
@@ -186,6 +195,7 @@ class MemCacheScheduler:
         hit = 0
         while hit < n and all(codes[r * n + hit] == 1 for r in range(len(ranks))):
             hit += 1
+        self.events.gone([names[i] for i in range(n) if any(codes[r * n + i] == 0 for r in range(len(ranks)))])
         errors = int(any(c < 0 for c in codes))
         self._stats.add(lookups=1, lookup_errors=errors, hit_blocks=hit, hit_tokens=hit * self.block_size)
         logger.debug("MemCacheConnector: request %s blocks [%d, %d): %d in the pool",
@@ -236,12 +246,17 @@ class MemCacheScheduler:
                         tracker.next_block = i
                         poisoned = sorted(j for j in tracker.issued if j > i)
                         if poisoned:
-                            self._pending_removals.setdefault(rid, []).extend(
-                                tracker.issued.pop(j) for j in poisoned)
+                            names = [tracker.issued.pop(j) for j in poisoned]
+                            self._pending_removals.setdefault(rid, []).extend(names)
+                            self.events.removed(names)
                         break
         if worker_meta is not None:
             for rank, epoch in worker_meta.failure_epochs.items():
                 self._handled_failures[rank] = max(epoch, self._handled_failures.get(rank, 0))
+            self.events.saves_done(worker_meta.saved_keys, worker_meta.unsaved_keys)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.events.take()
 
     # -- saves -----------------------------------------------------------------------------
 
@@ -339,6 +354,10 @@ class MemCacheScheduler:
             tracker.next_block = limit
             return
         meta.saves.append(SaveJob(rid, block_ids, names, tracker.block_ids[:limit]))
+        if self.events.enabled:
+            assert self.namespace is not None
+            per_rank = [self.namespace.keys(self.epoch, names, *rank) for rank in self.namespace.ranks]
+            self.events.saves_issued(request, start, names, [list(k) for k in zip(*per_rank, strict=True)])
         tracker.issued.update(zip(range(start, limit), names, strict=True))
         tracker.next_block = limit
         tracker.has_saves = True
@@ -369,6 +388,7 @@ class MemCacheScheduler:
         self._stale_heads.append(self.namespace.epoch_head(self.epoch))
         self.epoch = os.urandom(8).hex()
         self._lookups.clear()
+        self.events.cleared()
         self._stats.add(resets=1)
         logger.info("MemCacheConnector: reset_cache: namespace epoch now %s", self.epoch)
         ok = True

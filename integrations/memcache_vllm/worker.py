@@ -103,6 +103,11 @@ class MemCacheWorker:
         self._fence = LoadFailureFence()
         self._begun: MemCacheConnectorMetadata | None = None
         self._layerwise: LayerwiseWorker | None = None
+        self._saves_lock = threading.Lock()
+        self._saved_keys: list[str] = []
+        self._unsaved_keys: list[str] = []
+        """Keys whose saves ended since the last ``worker_meta``, in the pool or not (the
+        scheduler announces a block once every rank's key is in the pool)."""
 
     @property
     def rank(self) -> tuple[int, int, int]:
@@ -291,7 +296,20 @@ class MemCacheWorker:
             n = sum(len(job.block_ids) for job in fenced)
             logger.warning("MemCacheConnector: not saving %d blocks: computed over a block that failed to load", n)
             self._stats.add(save_fenced_blocks=n)
-        lw.finish_save({b for job in fenced for b in job.block_ids})
+        self._saves_ended(*lw.finish_save({b for job in fenced for b in job.block_ids}))
+
+    def _saves_ended(self, saved: list[str], unsaved: list[str]) -> None:
+        with self._saves_lock:
+            self._saved_keys.extend(saved)
+            self._unsaved_keys.extend(unsaved)
+
+    def _save(self, mover: BlockMover, block_ids: list[int], keys: list[str]) -> None:
+        saved: list[str] = []
+        try:
+            saved = mover.save(block_ids, keys)
+        finally:
+            done = set(saved)
+            self._saves_ended(saved, [k for k in keys if k not in done])
 
     def wait_for_save(self, meta: MemCacheConnectorMetadata) -> None:
         if self._layerwise is not None:
@@ -309,16 +327,18 @@ class MemCacheWorker:
                 logger.warning("MemCacheConnector: not saving %d blocks of %s: computed over a block "
                                "that failed to load", len(job.block_ids), job.req_id)
                 self._stats.add(save_fenced_blocks=len(job.block_ids))
+                self._saves_ended([], self.keys(job.names))
                 continue
             if mover is None:
                 self._stats.add(save_failed_blocks=len(job.block_ids))
+                self._saves_ended([], self.keys(job.names))
                 continue
             keys = self.keys(job.names)
             if not self._cfg.save_async or not mover.layout.on_host:
                 # Device caches are copied out through one staging buffer, in the step.
-                mover.save(job.block_ids, keys)
+                self._save(mover, job.block_ids, keys)
                 continue
-            fut = self._save_pool.submit(mover.save, job.block_ids, keys)
+            fut = self._save_pool.submit(self._save, mover, job.block_ids, keys)
             self._save_futures.setdefault(job.req_id, []).append(fut)
 
     def _wait_saves(self, req_id: str) -> None:
@@ -355,9 +375,15 @@ class MemCacheWorker:
         return out
 
     def worker_meta(self) -> MemCacheWorkerMetadata | None:
-        """This rank's latest failure epoch, when it reported failures since the last call."""
+        """This rank's latest failure epoch, when it reported failures since the last call, and the
+        keys its saves ended with since then."""
         epoch = self._fence.take_report()
-        return MemCacheWorkerMetadata({self.rank: epoch}) if epoch is not None else None
+        with self._saves_lock:
+            saved, self._saved_keys = self._saved_keys, []
+            unsaved, self._unsaved_keys = self._unsaved_keys, []
+        if epoch is None and not saved and not unsaved:
+            return None
+        return MemCacheWorkerMetadata({self.rank: epoch} if epoch is not None else {}, saved, unsaved)
 
     def shutdown(self) -> None:
         if self._layerwise is not None:

@@ -38,7 +38,7 @@ if importlib.util.find_spec("vllm") is None:
 # with a long module at the end. A module not listed counts as two lifetimes.
 MODULE_ENGINES = {"test_pool_integrity.py": 17, "test_memcache_connector.py": 9,
                   "test_default_deployment.py": 8, "test_tensor_parallel.py": 8, "test_layerwise.py": 6,
-                  "test_disk_tier.py": 2,
+                  "test_disk_tier.py": 2, "test_kv_routing.py": 6,
                   "test_openai_server.py": 2, "test_connector_parts.py": 0, "test_kv_events_vllm.py": 0}
 
 

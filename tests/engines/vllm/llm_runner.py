@@ -20,7 +20,7 @@ STEP: {"generate": [[token ids], ...], "max_tokens": N, "batch": false}
                                                                preempted or left running, C joins
                                                                (engine_in_process only)
 A STEP with "lora": [name, int id, path] generates with that LoRA adapter.
-SPEC may also carry "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank",
+SPEC may also carry "kv_events_config" (vLLM's KVEventsConfig fields), "hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank",
 "tensor_parallel_size" (each rank's worker bound to its share of this process's CPUs), and
 "engine_in_process": true (vLLM's engine core in this process, not its own: the requests of a batch
 step are then all scheduled together, from the first step on).
@@ -130,6 +130,10 @@ def main() -> None:
     for key in ("hf_overrides", "kv_cache_dtype", "enable_lora", "max_lora_rank", "tensor_parallel_size"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
+    if spec.get("kv_events_config"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     if spec.get("kv_transfer_config"):
         from vllm.config import KVTransferConfig
 

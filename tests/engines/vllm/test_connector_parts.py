@@ -407,6 +407,76 @@ def test_worker_metadata_aggregates_ranks() -> None:
     assert a.failure_epochs == {(0, 0): 2, (1, 0): 1}
 
 
+def test_worker_metadata_aggregates_saved_keys() -> None:
+    a = MemCacheWorkerMetadata({}, ["k0"], [])
+    a.aggregate(MemCacheWorkerMetadata({}, ["k1"], ["k2"]))
+    assert (a.saved_keys, a.unsaved_keys) == (["k0", "k1"], ["k2"])
+
+
+def events_request(n_tokens: int) -> Any:
+    """A real vLLM request whose block hashes vLLM computed (sha256, every 16 tokens)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return Request("r", list(range(100, 100 + n_tokens)), SamplingParams(), None,
+                   block_hasher=get_request_block_hasher(16, hash_fn))
+
+
+def test_pool_events_announce_a_block_once_every_rank_saved_it() -> None:
+    """Scenario: blocks 0 and 1 of a request (32-token blocks over vLLM's 16-token hashes) are saved
+    by two ranks. Block 0 is announced once both ranks' keys are saved, once even when saved again;
+    block 1, which one rank failed to save, never; a block the connector removes before its save
+    ends is not announced; announced blocks a lookup finds gone are announced removed, once."""
+    from memcache_vllm.events import PoolEvents
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    req = events_request(100)
+    ev = PoolEvents(True, 32, 2)
+    ev.saves_issued(req, 0, ["b0", "b1"], [["t0/b0", "t1/b0"], ["t0/b1", "t1/b1"]])
+    ev.saves_done(["t0/b0", "t0/b1"], [])
+    assert ev.take() == [], "announced before every rank saved it"
+    ev.saves_done(["t1/b0"], ["t1/b1"])
+    (stored,) = ev.take()
+    assert isinstance(stored, BlockStored) and stored.medium == MEDIUM_CPU and stored.block_size == 32
+    assert stored.block_hashes == [maybe_convert_block_hash(req.block_hashes[1])]
+    assert stored.parent_block_hash is None and stored.token_ids == list(range(100, 132))
+    ev.saves_issued(req, 0, ["b0"], [["t0/b0", "t1/b0"]])
+    ev.saves_done(["t0/b0", "t1/b0", "t1/b1"], [])
+    assert ev.take() == [], "announced twice, or after a rank failed to save it"
+    ev.saves_issued(req, 2, ["b2"], [["t0/b2", "t1/b2"]])
+    ev.removed(["b2"])
+    ev.saves_done(["t0/b2", "t1/b2"], [])
+    assert ev.take() == [], "a block removed before its save ended was announced"
+    ev.saves_issued(req, 1, ["b1"], [["t0/b1", "t1/b1"]])
+    ev.saves_done(["t0/b1", "t1/b1"], [])
+    (second,) = ev.take()
+    assert second.parent_block_hash == stored.block_hashes[0] and second.token_ids == list(range(132, 164))
+    ev.gone(["b0", "b1", "b9"])
+    ev.gone(["b0"])
+    assert ev.take() == [BlockRemoved(block_hashes=stored.block_hashes + second.block_hashes, medium=MEDIUM_CPU)]
+    ev.saves_issued(req, 0, ["b0"], [["t0/b0", "t1/b0"]])
+    ev.saves_done(["t0/b0", "t1/b0"], [])
+    ev.saves_issued(req, 1, ["b1"], [["t0/b1", "t1/b1"]])
+    assert ev.take() == [stored], "a block gone from the pool is announced again when saved again"
+    ev.cleared()   # reset_cache
+    ev.saves_done(["t0/b1", "t1/b1"], [])
+    assert ev.take() == [BlockRemoved(block_hashes=stored.block_hashes, medium=MEDIUM_CPU)]
+
+
+def test_pool_events_are_off_without_vllm_kv_events() -> None:
+    from memcache_vllm.events import PoolEvents
+
+    ev = PoolEvents(False, 16, 1)
+    ev.saves_issued(events_request(40), 0, ["b0"], [["k"]])
+    ev.saves_done(["k"], [])
+    assert ev.take() == []
+
+
 def test_block_hashes_at_a_coarser_block_size_use_the_last_sub_hash() -> None:
     hashes = [bytes([i]) * 4 for i in range(6)]
     assert block_hashes_hex(hashes, 0, 3, 1) == [h.hex() for h in hashes[:3]]

@@ -81,9 +81,12 @@ def test_layerwise_save_and_load_through_a_real_pool(store: DistributedObjectSto
         jobs = [([3, 5], ["k3", "k5"]), ([7, 8], ["k7", "fenced"])]
         for name in src:
             lw.save_layer(name, lambda: jobs)
-        lw.finish_save({8})
+        assert lw.finish_save({8}) == (["k3", "k5", "k7"], ["fenced"])   # what the scheduler announces
         lw.save_layer("l0", lambda: [([9], ["half"])])   # the forward stopped after layer 0
-        lw.finish_save(set())
+        assert lw.finish_save(set()) == ([], ["half"])
+        for name in src:   # saved again: already in the pool, so in it
+            lw.save_layer(name, lambda: [([3], ["k3"])])
+        assert lw.finish_save(set()) == (["k3"], [])
         assert store.batch_is_exist(["k3", "k5", "k7", "fenced", "half"]) == [1, 1, 1, 0, 0]
         assert store.batch_alloc(["half", "fenced"], [lay_s.block_bytes] * 2) == [0, 0]   # aborted: free
         assert store.batch_write_finish(["half", "fenced"], [1, 1]) == [0, 0]

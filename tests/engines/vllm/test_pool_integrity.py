@@ -35,6 +35,7 @@ from vllm_harness import (
     full_hit,
     metric,
     tokens,
+    write_adapter,
 )
 
 from memcache_core.testing import wait_for
@@ -289,30 +290,6 @@ def test_reset_cache_after_a_weight_update(pool: Pool, engines, baseline, tmp_pa
     assert again[0]["token_ids"] == after[0]["token_ids"]
     keys = [k for k in pool.keys() if k.startswith("mc@reset-test@")]
     assert keys and not [k for k in keys if "@e0@" in k], keys[:3]
-
-
-def write_adapter(path: Path, model: str, seed: int) -> None:
-    """A rank-8 LoRA adapter on v_proj (it changes the V cache) of the tiny model, PEFT format."""
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    v_out = cfg["num_key_value_heads"] * (hidden // cfg["num_attention_heads"])
-    gen_ = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(layers):
-        base = f"base_model.model.model.layers.{i}.self_attn.v_proj"
-        tensors[f"{base}.lora_A.weight"] = torch.randn(8, hidden, generator=gen_) * 0.2
-        tensors[f"{base}.lora_B.weight"] = torch.randn(v_out, 8, generator=gen_) * 0.2
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16,
-        "lora_dropout": 0.0, "target_modules": ["v_proj"], "bias": "none",
-        "base_model_name_or_path": model, "fan_in_fan_out": False, "modules_to_save": None}))
 
 
 def test_lora_adapter_contents_are_part_of_the_key(pool: Pool, engines, tiny_model: str,
