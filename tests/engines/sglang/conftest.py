@@ -142,7 +142,7 @@ def wait_for_new_keys(meta: harness.MetaHandle, before: set[str], count: int,
 # a long module at the end. A module not listed counts as one start.
 MODULE_STARTS = {"test_default_deployment.py": 6, "test_namespace.py": 4, "test_layouts.py": 5,
                  "test_npu_memcache_backend.py": 3, "test_start_without_pool.py": 2,
-                 "test_provider_restart.py": 2, "test_disk_tier.py": 1, "test_stock_backend.py": 1,
+                 "test_provider_restart.py": 2, "test_restart_first_request.py": 2, "test_disk_tier.py": 1, "test_stock_backend.py": 1,
                  "test_identity.py": 0, "test_keys_and_config.py": 0}
 
 
