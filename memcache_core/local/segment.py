@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^memcache-(\d+)-([0-9a-f]+)$")
 STALE_AFTER_S = 5.0
+MAX_REMOVED = 4096
+# Paths of segment files this process removed as left by dead owners: once joined, it tells the
+# MetaService of any segment the pool still lists at one of them (membership.py, _sweep_dead_owners).
+removed_here: set[str] = set()
 
 
 def create_segment(size: int) -> Mapping:
@@ -70,6 +74,8 @@ def cleanup_stale_segments() -> int:
                 continue   # the owner is alive
             os.unlink(path)
             n += 1
+            if len(removed_here) < MAX_REMOVED:
+                removed_here.add(path)
         except OSError:
             pass
         finally:

@@ -49,8 +49,6 @@ def live(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
-@pytest.mark.xfail(strict=True, reason="a restarted server's segment stays listed until heartbeat_timeout_ms: "
-                   "nothing reports a same-host owner that is gone (needs OwnerGone on the join/read path)")
 def test_a_restarted_server_stores_and_restores_what_it_computes(model: str, tmp_path: Path) -> None:
     """Scenario: a server with its own segment serves a prompt, is stopped and started again within
     the heartbeat timeout -> the dead segment leaves the pool at once, the first request (a miss:
