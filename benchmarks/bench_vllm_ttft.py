@@ -146,7 +146,7 @@ def main() -> int:
                                        name="local", env=env)
         try:
             ktc = {"kv_connector": "MemCacheConnector", "kv_connector_module_path": "memcache_vllm",
-                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                   "kv_role": "kv_both",
                    "kv_connector_extra_config": {"meta_service_url": meta.meta_service_url,
                                                  "config_store_url": meta.config_store_url,
                                                  "protocol": "host_shm", "dram_size": "0"}}

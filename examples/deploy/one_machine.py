@@ -201,7 +201,7 @@ def print_engine_lines(urls: dict[str, str]) -> None:
         The pool is up (Ctrl-C stops it). Real engines join as clients, e.g.:
           vllm serve MODEL --kv-transfer-config '{json.dumps({
               "kv_connector": "MemCacheConnector", "kv_connector_module_path": "memcache_vllm",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_role": "kv_both",
               "kv_connector_extra_config": {**client, "dram_size": "0"}})}'
           python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
               --hicache-storage-backend npu_memcache \\

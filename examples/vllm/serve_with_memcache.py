@@ -112,7 +112,7 @@ def main() -> int:
             started, meta_url, store_url = start_pool(workdir, args.pool_dram)
             children.extend(started)
         ktc = {"kv_connector": "MemCacheConnector", "kv_connector_module_path": "memcache_vllm",
-               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+               "kv_role": "kv_both",
                "kv_connector_extra_config": {"meta_service_url": meta_url, "config_store_url": store_url,
                                              "protocol": "host_shm", "dram_size": "0",
                                              "load_async": args.load_async}}

@@ -89,6 +89,12 @@ class ConnectorConfig:
     to other hosts without its modification times then still shares blocks."""
     lookup_retry_s: float = 5.0
     """After the pool could not be reached, lookups answer "miss" at once for this long."""
+    load_failure_policy: str = "recompute"
+    """What vLLM does with a block that was looked up but does not load (evicted or lost between
+    lookup and load): ``recompute`` (a miss; the connector sets vLLM's ``kv_load_failure_policy`` to
+    it, whatever kv_transfer_config says, since for a cache a miss is never an error) or ``fail``
+    (vLLM's own ``kv_load_failure_policy`` is left as it is: its default ends such requests with an
+    error)."""
     store_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The store's own keys (``memcache_core.LocalConfig`` fields)."""
 
@@ -113,6 +119,11 @@ class ConnectorConfig:
                 cfg.layerwise_prefetch_layers = int(_as_float(key, value, 1))
             elif key == "lookup_retry_s":
                 cfg.lookup_retry_s = _as_float(key, value, 0.0)
+            elif key == "load_failure_policy":
+                if value not in ("recompute", "fail"):
+                    raise ValueError(f"kv_connector_extra_config.load_failure_policy: expected 'recompute' or "
+                                     f"'fail', got {value!r}")
+                cfg.load_failure_policy = str(value)
             elif key in store_fields:
                 cfg.store_config[key] = value
             elif key in _COMPAT_ONLY_KEYS:

@@ -107,6 +107,13 @@ class MemCacheScheduler:
         self.events = PoolEvents(bool(kec is not None and kec.enable_kv_cache_events), self.block_size,
                                  self._ratio)
         ktc = getattr(vllm_config, "kv_transfer_config", None)
+        if (policy.can_load and cfg.load_failure_policy == "recompute" and ktc is not None
+                and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute"):
+            # vLLM's scheduler reads it right after making this connector (vllm/v1/core/sched/scheduler.py)
+            ktc.kv_load_failure_policy = "recompute"
+            logger.info("MemCacheConnector: kv_load_failure_policy set to 'recompute': a block that left the "
+                        "pool between lookup and load is a miss to recompute, never an error "
+                        "(kv_connector_extra_config.load_failure_policy='fail' keeps vLLM's policy)")
         self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
         if policy.can_load and self.load_failure_policy != "recompute":
             logger.warning("MemCacheConnector: kv_load_failure_policy is %r: a block evicted from "

@@ -41,7 +41,7 @@ def meta() -> Iterator[Any]:
 
 def own_segment_config(meta: Any) -> dict[str, Any]:
     return {"kv_connector": "MemCacheConnector", "kv_connector_module_path": "memcache_vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_role": "kv_both",
             "kv_connector_extra_config": {"meta_service_url": meta.meta_service_url,
                                           "config_store_url": meta.config_store_url,
                                           "protocol": "host_shm", "dram_size": "1GB"}}

@@ -154,11 +154,13 @@ def test_failed_blocks_are_never_hit_again_after_abort_preemption_or_sharing(
 
 
 def test_load_failure_policy_fail_ends_the_request_and_is_warned_about(pool: Pool, engines) -> None:
-    """Scenario (issue 21, item 4): vLLM's default kv_load_failure_policy is "fail". The connector
-    warns at start-up that a block evicted between lookup and load then fails the user's request,
-    naming the remedy; and so it does: the request whose load fails ends with an error instead of
-    an answer (under "recompute", the other tests here, it is recomputed)."""
-    kv = pool.kv_transfer_config(module="faulty_connector", cache_prefix="policy-fail")
+    """Scenario (issue 21, item 4): vLLM's default kv_load_failure_policy is "fail", which the
+    connector replaces with "recompute" (every other test here sets no policy and has its failed
+    loads recomputed) unless ``load_failure_policy: "fail"`` in its extra config keeps it. Kept, the
+    connector warns at start-up that a block evicted between lookup and load then fails the user's
+    request, naming the remedy; and so it does: the request whose load fails ends with an error
+    instead of an answer."""
+    kv = pool.kv_transfer_config(module="faulty_connector", cache_prefix="policy-fail", load_failure_policy="fail")
     kv["kv_load_failure_policy"] = "fail"
     e = engines("policy_fail", [gen(P1), {"reset_prefix_cache": {"reset_connector": False}}, gen(P1)],
                 kv, enable_prefix_caching=True, engine_in_process=True)

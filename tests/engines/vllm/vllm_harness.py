@@ -133,9 +133,8 @@ class Pool:
         module = extra.pop("module", "memcache_vllm")
         connector_extra.update(extra)
         return {"kv_connector": "MemCacheConnector", "kv_connector_module_path": module,
-                "kv_role": connector_extra.pop("kv_role", "kv_both"),
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": connector_extra}
+                "kv_role": connector_extra.pop("kv_role", "kv_both"),   # no kv_load_failure_policy: the
+                "kv_connector_extra_config": connector_extra}           # connector makes it "recompute"
 
 
 class Engine:
