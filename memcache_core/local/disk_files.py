@@ -135,23 +135,22 @@ def _lstat_at(fd: int, name: str, here: str) -> os.stat_result:
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         pass
+    _mkdir_at(fd, name, here)
+    return os.stat(name, dir_fd=fd, follow_symlinks=False)
+
+
+def _mkdir_at(fd: int, name: str, here: str) -> None:
     try:
         os.mkdir(name, 0o700, dir_fd=fd)
     except FileExistsError:
         pass
     except OSError as e:
         raise ConfigError(f"disk_path: cannot create {here}: {e.strerror}") from e
-    return os.stat(name, dir_fd=fd, follow_symlinks=False)
 
 
 def _open_child(fd: int, name: str, here: str, create: bool) -> int:
     if create:
-        try:
-            os.mkdir(name, 0o700, dir_fd=fd)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise ConfigError(f"disk_path: cannot create {here}: {e.strerror}") from e
+        _mkdir_at(fd, name, here)
     try:
         return os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError as e:

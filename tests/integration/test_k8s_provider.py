@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from memcache_core.testing import free_port, start_local_service, terminate, wait_for
+from tests.unit.test_deploy_files import pod_env
 
 pytestmark = pytest.mark.integration
 
@@ -31,19 +32,6 @@ def manifest(kind: str, name: str) -> dict[str, Any]:
     import yaml  # PyYAML comes with kubernetes-validate (the test extra)
     return next(d for p in K8S.glob("*.yaml") for d in yaml.safe_load_all(p.read_text(encoding="utf-8"))
                 if d and d["kind"] == kind and d["metadata"]["name"] == name)
-
-
-def pod_env(container: dict[str, Any], pod: str, node: str, pod_ip: str) -> dict[str, str]:
-    """The container's variables as the kubelet sets them: downward-API fields, then $(VAR) replaced
-    by the variables defined before it."""
-    fields = {"metadata.name": pod, "spec.nodeName": node, "status.podIP": pod_ip}
-    env: dict[str, str] = {}
-    for e in container["env"]:
-        if "valueFrom" in e:
-            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:
-            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e["value"])
-    return env
 
 
 def with_hostname(name: str) -> Callable[[], None]:
