@@ -184,3 +184,21 @@ class RolePolicy:
         if kv_role in ("kv_producer", "kv_both"):
             return cls(can_load=True, can_save=True)
         raise ValueError(f"kv_role: expected kv_producer, kv_consumer or kv_both, got {kv_role!r}")
+
+
+def apply_load_failure_policy(ktc: Any, cfg: ConnectorConfig, can_load: bool) -> str:
+    """vLLM's ``kv_load_failure_policy`` as the connector leaves it (returned): ``recompute``, set here
+    unless ``load_failure_policy`` is ``fail`` (vLLM's scheduler reads it right after making the
+    connector: vllm/v1/core/sched/scheduler.py); a warning where a failed load would fail its request."""
+    if (can_load and cfg.load_failure_policy == "recompute" and ktc is not None
+            and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute"):
+        ktc.kv_load_failure_policy = "recompute"
+        logger.info("MemCacheConnector: kv_load_failure_policy set to 'recompute': a block that left the pool "
+                    "between lookup and load is a miss to recompute, never an error "
+                    "(kv_connector_extra_config.load_failure_policy='fail' keeps vLLM's policy)")
+    effective = str(getattr(ktc, "kv_load_failure_policy", "fail"))
+    if can_load and effective != "recompute":
+        logger.warning("MemCacheConnector: kv_load_failure_policy is %r: a block evicted from the pool between "
+                       "lookup and load ends its request with an error; set kv_load_failure_policy='recompute' "
+                       "in kv_transfer_config to recompute it instead", effective)
+    return effective

@@ -181,7 +181,7 @@ class MemCacheConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         # Drained by vLLM's scheduler every step and published on the engine's KV-event stream.
-        return self._scheduler.take_events() if self._scheduler is not None else ()
+        return self._scheduler.events.take() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         # reset_prefix_cache(reset_connector=True), e.g. after a weight update.

@@ -212,6 +212,11 @@ class Namespace:
                 raise ValueError(f"pool key too long ({len(key)} bytes): {key[:80]}...")
         return out
 
+    def rank_keys(self, epoch: str, names: Sequence[str]) -> list[list[str]]:
+        """Per block of ``names``, its key on every rank (``ranks``), in that order."""
+        per_rank = [self.keys(epoch, names, *rank) for rank in self.ranks]
+        return [list(k) for k in zip(*per_rank, strict=True)]
+
 
 def block_hashes_hex(request_hashes: Sequence[bytes], start: int, end: int, ratio: int) -> list[str]:
     """Hex hashes of blocks ``[start, end)`` of a request.

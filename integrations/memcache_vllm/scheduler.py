@@ -1,34 +1,31 @@
 """Scheduler side of the MemCache connector (runs in vLLM's EngineCore process).
 
-It holds a pure pool client (:mod:`memcache_vllm.pool_client`: no pool memory, no payload) and
-answers "how many more prompt tokens can be loaded" with one batched existence call per lookup,
-covering every rank's key of every candidate block (one key for all TP ranks of an MLA model,
-``Namespace.ranks``). The hit is the longest run of blocks, starting
-right after vLLM's local hit, whose keys exist for all ranks; it never includes the last prompt
-token (vLLM must compute it to sample).
+It holds a pure pool client (:mod:`memcache_vllm.pool_client`: no pool memory, no payload) and answers
+"how many more prompt tokens can be loaded" with one batched existence call per lookup, covering every
+rank's key of every candidate block (one key for all TP ranks of an MLA model, ``Namespace.ranks``). The
+hit is the longest run of blocks, starting right after vLLM's local hit, whose keys exist for all
+ranks; it never includes the last prompt token (vLLM must compute it to sample).
 
 Keys use the namespace the workers computed from the KV caches they hold (``MemCacheHandshake``,
 received once before serving); until it arrives every lookup is a miss.
 
-Each step it tells the workers which blocks to load (from ``update_state_after_alloc``) and which
-newly filled blocks to save. Save bookkeeping keeps the source blocks alive: a request with
-saves issued is freed only when the workers report its saves done (``request_finished`` returns
-True), and preempted requests are passed on so the workers finish their in-flight saves before
-the next forward can overwrite the freed blocks.
+Each step it tells the workers which blocks to load (from ``update_state_after_alloc``) and which newly
+filled blocks to save. Save bookkeeping keeps the source blocks alive: a request with saves issued is
+freed only when the workers report its saves done (``request_finished`` returns True), and preempted
+requests are passed on so the workers finish their in-flight saves before the next forward can
+overwrite the freed blocks.
 
 Load failures: when workers report blocks that did not load, vLLM reschedules every request whose
-computed blocks include one; afterwards (``update_connector_output``) this side acknowledges the
-ranks' failure epochs (lifting their save fences), rewinds those requests' saves to the first
-failed block, and names the blocks already handed to saves after it for removal. The failed
-blocks and every block computed over them are poisoned (:mod:`memcache_vllm.poison`) until they
-are rewritten: they are evicted from vLLM's prefix cache at once (vLLM keeps them there under
-``recompute``, and a request that is aborted or preempted before recomputing them would leave
-them to the next request with that prefix), and no save is issued over them.
+computed blocks include one; afterwards (``update_connector_output``) this side acknowledges the ranks'
+failure epochs (lifting their save fences), rewinds those requests' saves to the first failed block, and
+names the blocks already handed to saves after it for removal. The failed blocks and every block
+computed over them are poisoned (:mod:`memcache_vllm.poison`) until they are rewritten: they are evicted
+from vLLM's prefix cache at once (vLLM keeps them there under ``recompute``, and a request that is
+aborted or preempted before recomputing them would leave them to the next request with that prefix),
+and no save is issued over them.
 
-``kv_load_failure_policy``: under ``recompute`` a block that does not load is a miss that vLLM
-recomputes. Under ``fail`` (vLLM's default) it ends its request with an error, so a block evicted
-from the pool between the lookup and the load fails the user's request: a warning at start-up
-says so.
+``kv_load_failure_policy``: the connector makes it ``recompute`` (a block that does not load is a miss
+vLLM recomputes) unless its ``load_failure_policy`` is ``fail`` (``config.apply_load_failure_policy``).
 
 KV events (:mod:`memcache_vllm.events`): with vLLM's KV events on, the blocks whose saves every
 rank confirmed are announced as ``BlockStored`` (medium ``CPU``) through ``take_events``, on the
@@ -46,7 +43,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from memcache_vllm.config import ConnectorConfig, RolePolicy
+from memcache_vllm.config import ConnectorConfig, RolePolicy, apply_load_failure_policy
 from memcache_vllm.events import PoolEvents
 from memcache_vllm.keys import AdapterDigests, Namespace, block_hashes_hex, block_names
 from memcache_vllm.layout import check_kv_cache_config
@@ -63,7 +60,6 @@ from memcache_vllm.request_state import LOOKUP_REUSE_S, Lookup, SaveTracker
 from memcache_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -104,22 +100,9 @@ class MemCacheScheduler:
         self._poisoned = PoisonedBlocks(self.block_size)
         self._block_pool: Any = None
         kec = getattr(vllm_config, "kv_events_config", None)
-        self.events = PoolEvents(bool(kec is not None and kec.enable_kv_cache_events), self.block_size,
-                                 self._ratio)
-        ktc = getattr(vllm_config, "kv_transfer_config", None)
-        if (policy.can_load and cfg.load_failure_policy == "recompute" and ktc is not None
-                and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute"):
-            # vLLM's scheduler reads it right after making this connector (vllm/v1/core/sched/scheduler.py)
-            ktc.kv_load_failure_policy = "recompute"
-            logger.info("MemCacheConnector: kv_load_failure_policy set to 'recompute': a block that left the "
-                        "pool between lookup and load is a miss to recompute, never an error "
-                        "(kv_connector_extra_config.load_failure_policy='fail' keeps vLLM's policy)")
-        self.load_failure_policy = str(getattr(ktc, "kv_load_failure_policy", "fail"))
-        if policy.can_load and self.load_failure_policy != "recompute":
-            logger.warning("MemCacheConnector: kv_load_failure_policy is %r: a block evicted from "
-                           "the pool between lookup and load ends its request with an error; set "
-                           "kv_load_failure_policy='recompute' in kv_transfer_config to recompute "
-                           "it instead", self.load_failure_policy)
+        self.events = PoolEvents(bool(getattr(kec, "enable_kv_cache_events", False)), self.block_size, self._ratio)
+        self.load_failure_policy = apply_load_failure_policy(getattr(vllm_config, "kv_transfer_config", None), cfg,
+                                                             policy.can_load)
         logger.info("MemCacheConnector scheduler: load=%s save=%s load_async=%s save_async=%s",
                     policy.can_load, policy.can_save, cfg.load_async, cfg.save_async)
 
@@ -262,9 +245,6 @@ class MemCacheScheduler:
                 self._handled_failures[rank] = max(epoch, self._handled_failures.get(rank, 0))
             self.events.saves_done(worker_meta.saved_keys, worker_meta.unsaved_keys)
 
-    def take_events(self) -> list[KVCacheEvent]:
-        return self.events.take()
-
     # -- saves -----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MemCacheConnectorMetadata:
@@ -361,10 +341,8 @@ class MemCacheScheduler:
             tracker.next_block = limit
             return
         meta.saves.append(SaveJob(rid, block_ids, names, tracker.block_ids[:limit]))
-        if self.events.enabled:
-            assert self.namespace is not None
-            per_rank = [self.namespace.keys(self.epoch, names, *rank) for rank in self.namespace.ranks]
-            self.events.saves_issued(request, start, names, [list(k) for k in zip(*per_rank, strict=True)])
+        if self.events.enabled and self.namespace is not None:
+            self.events.saves_issued(request, start, names, self.namespace.rank_keys(self.epoch, names))
         tracker.issued.update(zip(range(start, limit), names, strict=True))
         tracker.next_block = limit
         tracker.has_saves = True

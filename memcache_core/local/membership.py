@@ -34,6 +34,7 @@ from . import recovery, tier
 from . import segment as segment_files
 from .arena import ArenaWriter
 from .background_join import BackgroundJoin
+from .dead_owners import report_dead_owners
 from .drain import Drainer
 from .metrics import LocalMetrics
 from .session import Pieces as Pieces
@@ -139,14 +140,10 @@ class Membership:
         self._sweep_dead_owners()
 
     def _sweep_dead_owners(self) -> None:
-        """Report the segments of this host whose owner is dead, once joined: those the pool lists at a
-        file this process removed as left by a dead owner (``segment.removed_here``), and those whose
-        owner lock is gone (``owners_gone``). An engine restarted on this host finds its previous self's
-        segment still listed (it died without a ``Leave``, by a signal), and until the MetaService drops
-        it every page it held answers ``exist`` but fails its read, and a put of the recomputed page
-        is a no-op. Reported now, it is dropped before the first request: its pages are misses,
-        computed once and stored again. Never fails the join (a MetaService that does not answer finds
-        out when the heartbeats stop)."""
+        """Once joined, report the segments of this host whose owner is dead: those listed at a file this
+        process removed as a dead owner's (``segment.removed_here``: an engine restarted on this host
+        finds its previous self's segment, dropped now rather than a heartbeat timeout later, design.md
+        "Failure of a LocalService"), and those whose owner lock is free. Never fails the join."""
         try:
             self._refresh_segments()
             with self._lock:
@@ -154,7 +151,7 @@ class Membership:
             s = self.session
             removed = [seg for seg in segs.values() if seg.host_id == self.host_id and seg.segment_id != s.client_id
                        and seg.shm_path in segment_files.removed_here]
-            self._report_gone(s, removed)
+            report_dead_owners(self.rpc, s, removed)
             self.owners_gone(s, {sid: seg for sid, seg in segs.items() if seg not in removed})
         except MemCacheError as e:
             logger.info("could not look for dead owners of this host's segments after joining (%s)", e)
@@ -347,18 +344,8 @@ class Membership:
         if self.engine is None or not segs:
             return set()
         gone = self.engine.owners_gone(list(segs.values()))
-        self._report_gone(s, gone)
+        report_dead_owners(self.rpc, s, gone)
         return {seg.segment_id for seg in gone}
-
-    def _report_gone(self, s: Session, gone: list[p.SegmentInfo]) -> None:
-        for seg in gone:
-            logger.warning("the owner of segment %d (%s) is dead: puts copied there fail, and the MetaService "
-                           "is told", seg.segment_id, seg.shm_path)
-            try:
-                expect(self.rpc.call(p.OwnerGone(s.client_id, s.token, seg.segment_id, seg.shm_path)), p.Ok)
-            except MemCacheError as e:
-                logger.warning("could not tell the MetaService that segment %d's owner is dead (%s); it "
-                               "finds out when the heartbeats stop", seg.segment_id, e)
 
     def segment_info(self, sid: int) -> p.SegmentInfo:
         seg = self._segments.get(sid)

@@ -180,8 +180,9 @@ def count_outcomes(outcomes: collections.Counter[tuple[str, str]], req: object, 
             _count_codes(outcomes, "put", map(_CODE, results))
         case p.Commit(), p.Codes(codes=codes):
             _count_codes(outcomes, "commit", codes)
-        case p.ArenaCommit(), p.ArenaReply(codes=codes):   # a small put is decided at its commit
-            _count_codes(outcomes, "put", codes)
+        case p.ArenaCommit(), p.ArenaReply(codes=codes):   # a small put is decided at its commit; a key
+            # stored already goes on to the two-phase put, whose Alloc counts it (local/arena.py)
+            _count_codes(outcomes, "put", (c for c in codes if c != errors.OBJECT_ALREADY_EXISTS))
         case p.Remove(), p.Codes(codes=codes):
             _count_codes(outcomes, "remove", codes)
         case p.Info(), p.InfoReply(results=results):

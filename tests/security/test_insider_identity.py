@@ -26,7 +26,7 @@ def test_a_data_server_serves_no_read_naming_segment_0(meta: MetaServiceProcess,
     provider = stores(protocol="host_tcp", dram_size="8MB")
     size = 64 << 10
     assert provider("put", keys=["k"], layout=[size])["codes"] == [0]
-    (seg,) = meta.http("/api/v1/segments/status")["segments"]
+    (seg,) = meta.http("/api/v1/segments")["segments"]
     sid, addr = seg["segment_id"], seg["data_addr"]
     want = pattern("k", size).tobytes()
     client = TcpClient(10.0, secret())
