@@ -197,9 +197,19 @@ def metric(res: dict[str, Any], name: str) -> float:
     return m.get(f"vllm:{name}", m.get(f"vllm:{name}_total", 0.0))
 
 
-def assert_same_output(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+# Logprobs of one prompt computed in other shapes (alone against a batch, a prefill over cached blocks
+# against a cold one) differ in their last digits on hosts whose CPU kernels are not batch-invariant:
+# seen on a Xeon with AMX, 2e-4 between vLLM's own prefix-cache hit and its cold computation, 0.03 for
+# a prompt run alone against the batched baseline. Wrong KV (stale, another rank's, garbage) changes
+# the tokens and moves logprobs by far more.
+ACROSS_SHAPES_ABS = 0.05
+
+
+def assert_same_output(got: dict[str, Any], want: dict[str, Any], what: str, *, across_shapes: bool = False) -> None:
+    """The same tokens, and logprobs equal to 1e-6 (to ``ACROSS_SHAPES_ABS`` where ``got`` and ``want``
+    were computed in other shapes)."""
     assert got["token_ids"] == want["token_ids"], f"{what}: tokens differ from the baseline"
-    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-6), \
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=ACROSS_SHAPES_ABS if across_shapes else 1e-6), \
         f"{what}: logprobs differ from the baseline"
 
 
