@@ -58,9 +58,10 @@ def test_a_key_neither_role_knows_is_still_named_warned_and_refused_in_strict_mo
     assert "'evict_threshold_hgih' (did you mean 'evict_threshold_high'?)" in caplog.text
     assert "'dram_szie' (did you mean 'dram_size'?)" in caplog.text
     assert "metrics_url" not in caplog.text and "lease_ttl_ms" not in caplog.text
-    for cls in (LocalConfig, MetaConfig):
+    for load in (lambda: load_file(LocalConfig, str(pool_file), strict=True),
+                 lambda: load_file(MetaConfig, str(pool_file), strict=True)):
         with pytest.raises(ConfigError, match=r"unknown \w+Config keys: 'dram_szie'.*'evict_threshold_hgih'.*strict"):
-            load_file(cls, str(pool_file), strict=True)
+            load()
 
 
 def test_the_other_roles_keys_are_checked_by_that_role(pool_file):
