@@ -1,6 +1,7 @@
 """The ``memcache`` command: ``memcache meta-service --config_path F``, ``memcache local-service --config_path F``;
 ``memcache status [--watch | --json]``, ``memcache keys --prefix P``, ``memcache remove --prefix P``,
-``memcache drain SEGMENT``, ``memcache token`` (cli_status.py)."""
+``memcache drain SEGMENT``, ``memcache token`` (cli_status.py); ``memcache secrets``, ``memcache forget-pool
+--pool-name X`` (cli_secrets.py)."""
 
 from __future__ import annotations
 
@@ -67,11 +68,14 @@ def main(argv: list[str] | None = None) -> int:
                         ("local-service", "run a standalone LocalService (memory provider)")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--config_path", "--config-path", required=True, help="JSON config file")
-    from . import cli_status
+    from . import cli_secrets, cli_status
     cli_status.add_parsers(sub)
+    cli_secrets.add_parsers(sub)
     args = ap.parse_args(argv)
     if args.cmd in ("status", "keys", "remove", "drain", "token"):
         return int(getattr(cli_status, args.cmd)(args))
+    if args.cmd in ("secrets", "forget-pool"):
+        return int(getattr(cli_secrets, args.cmd.replace("-", "_"))(args))
     if args.cmd == "meta-service":
         from .meta_service import run_from_file
         return run_from_file(args.config_path)

@@ -1,5 +1,6 @@
 """``memcache status [--watch | --json]``, ``memcache keys --prefix P``, ``memcache remove --prefix P``,
-``memcache drain SEGMENT``, ``memcache token``.
+``memcache drain SEGMENT``, ``memcache token`` (``memcache secrets`` and ``memcache forget-pool``:
+``cli_secrets.py``).
 
 Admin clients of a MetaService's HTTP admin port (``metrics_url``). They authenticate with the
 pool's admin token, derived from the pool secret (``--secret-path``, else the default secret file)
@@ -24,6 +25,7 @@ from typing import Any
 import msgspec
 
 from .auth import SECRET_ENV, default_secret_path
+from .cli_secrets import named_pools
 from .meta.stats import Snapshot, rates
 from .meta.status_page import human
 
@@ -62,24 +64,13 @@ def add_parsers(sub: Any) -> None:
 
 def token(args: argparse.Namespace) -> int:
     if not args.secret_path and not args.pool_name and not os.environ.get(SECRET_ENV):
-        others = _named_pools()
+        others = named_pools()
         if others:   # the unnamed pool's token, where the operator may have meant a named pool's
             print(f"memcache: warning: no --pool-name: this is the token of the pool without a pool_name "
                   f"(secret {default_secret_path()}); this host also holds the secrets of the pools named "
                   f"{', '.join(others)}: pass --pool-name NAME for one of them", file=sys.stderr)
     print(_admin_token(args.secret_path, args.pool_name))
     return 0
-
-
-def _named_pools() -> list[str]:
-    """The pool names whose default secret files (``pool-<name>.secret``) this user has."""
-    folder = os.path.dirname(default_secret_path())
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    return sorted(n[len("pool-"):-len(".secret")] for n in names
-                  if n.startswith("pool-") and n.endswith(".secret") and len(n) > len("pool-.secret"))
 
 
 def _admin_token(secret_path: str, pool_name: str = "") -> str:
@@ -135,7 +126,7 @@ def _credential(args: argparse.Namespace) -> str:
         path += f" (of --pool-name {args.pool_name})"
     hint = ""
     if not args.secret_path and not args.pool_name and not os.environ.get(SECRET_ENV):
-        named = _named_pools()
+        named = named_pools()
         hint = ("; a pool with a pool_name has its own secret: pass --pool-name NAME" +
                 (f" (this host has the secrets of the pools {', '.join(named)})" if named else ""))
     return (f"the admin token of the secret file {path}: it is not this pool's secret. Pass the MetaService's "

@@ -298,33 +298,39 @@ class ReplicateConfig:
             raise ConfigError("preferredLocalServiceIDs: ids must be unique and at most replicaNum")
 
 
-
-
 C = TypeVar("C", MetaConfig, LocalConfig)
 
 
 def apply_dict(cfg: C, values: dict[str, Any], source: str = "config", strict: bool | None = None) -> C:
     """Set known fields from ``values``; then validate. An unknown key is named with the nearest known
-    one: a warning, or with ``strict`` (default: ``$MEMCACHE_CONFIG_STRICT``) a ConfigError.
+    one: a warning, or with ``strict`` (default: ``$MEMCACHE_CONFIG_STRICT``) a ConfigError (``known``).
 
     All or nothing: the values are validated on a copy, and ``cfg`` changes only if they pass."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
-    names = {f.name for f in dataclasses.fields(cfg)}
-    setting = lambda name: values.get(name, getattr(cfg, name, None))  # noqa: E731 - the value it will have
-    unknown = sorted(k for k, v in values.items() if k not in names and not ascend_keys.check(k, v, setting))
-    if unknown:
-        what = "; ".join(_unknown_key(k, names) for k in unknown)
-        refuse = strict if strict is not None else strict_from_env()
-        if refuse:
-            raise ConfigError(f"{source}: unknown {type(cfg).__name__} keys: {what} (strict mode: "
-                              f"{STRICT_ENV} is set; fix or remove them)")
-        logger.warning("%s: ignoring unknown %s keys: %s", source, type(cfg).__name__, what)
-    trial = dataclasses.replace(cfg, **{k: v for k, v in values.items() if k in names})
+    trial = dataclasses.replace(cfg, **known(cfg, values, source, strict))
     trial.validate()
     for f in dataclasses.fields(cfg):
         setattr(cfg, f.name, getattr(trial, f.name))
     return cfg
+
+
+def known(cfg: C, values: dict[str, Any], source: str = "config", strict: bool | None = None) -> dict[str, Any]:
+    """The keys of ``values`` that are fields of ``cfg``. A key of the other role's config is the other
+    role's (one pool file serves the MetaService and its members), skipped; a key neither knows is
+    warned about, or refused in strict mode (``apply_dict``)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
+    names = {f.name for f in dataclasses.fields(cfg)}
+    other = {f.name for f in dataclasses.fields(LocalConfig if isinstance(cfg, MetaConfig) else MetaConfig)}
+    setting = lambda name: values.get(name, getattr(cfg, name, None))  # noqa: E731 - the value it will have
+    unknown = sorted(k for k, v in values.items()
+                     if k not in names and k not in other and not ascend_keys.check(k, v, setting))
+    if unknown:
+        what = "; ".join(_unknown_key(k, names | other) for k in unknown)
+        if strict if strict is not None else strict_from_env():
+            raise ConfigError(f"{source}: unknown {type(cfg).__name__} keys: {what} (strict mode: "
+                              f"{STRICT_ENV} is set; fix or remove them)")
+        logger.warning("%s: ignoring unknown %s keys: %s", source, type(cfg).__name__, what)
+    return {k: v for k, v in values.items() if k in names}
 
 
 def _unknown_key(key: Any, names: set[str]) -> str:
@@ -362,9 +368,10 @@ def env_overrides(cls: type[C]) -> dict[str, Any]:
     return out
 
 
-def load_file(cls: type[C], path: str, strict: bool | None = None) -> C:
-    """Build a config from a JSON file over the environment's overrides; a missing file or bad JSON
-    raises ConfigError."""
+def file_values(cls: type[C], path: str, strict: bool | None = None) -> dict[str, Any]:
+    """The keys of ``cls`` set by the JSON file ``path`` (a pool file may hold both roles' keys:
+    ``known``) over the environment's overrides; a missing file or bad JSON raises ConfigError naming
+    ``config_path``. Engines lay the keys they are given inline over these."""
     try:
         with open(path, encoding="utf-8") as f:
             values = json.load(f)
@@ -373,10 +380,14 @@ def load_file(cls: type[C], path: str, strict: bool | None = None) -> C:
     except json.JSONDecodeError as e:
         raise ConfigError(f"config_path: {path} is not valid JSON: {e}") from e
     if not isinstance(values, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(values).__name__}")
-    # one validation of both together: a pair of keys checked as one (hcom_url with hcom_advertise_url)
-    # may come half from the environment, half from the file
-    return apply_dict(cls(), {**env_overrides(cls), **values}, source=path, strict=strict)
+        raise ConfigError(f"config_path: {path}: expected a JSON object, got {type(values).__name__}")
+    return known(cls(), {**env_overrides(cls), **values}, path, strict)
+
+
+def load_file(cls: type[C], path: str, strict: bool | None = None) -> C:
+    """Build a config from a JSON file over the environment's overrides (``file_values``), validated
+    as one: a pair of keys checked together (hcom_url, hcom_advertise_url) may come half from each."""
+    return apply_dict(cls(), file_values(cls, path, strict), source=path, strict=strict)
 
 
 def meta_config_from_env() -> MetaConfig:

@@ -23,11 +23,20 @@ SECRET_ENV = "MEMCACHE_SECRET_PATH"
 MIN_SECRET_BITS = 256    # 32 random bytes' worth
 
 
+def secret_folder() -> str:
+    """The folder of the user's default secret files: ``pool.secret`` and ``pool-<pool_name>.secret``."""
+    return os.path.join(os.path.expanduser("~"), ".config", "memcache")
+
+
+def pool_secret_file(pool_name: str = "") -> str:
+    """The user's default secret file of the pool named ``pool_name`` ("": of the unnamed pools)."""
+    return os.path.join(secret_folder(), f"pool-{pool_name}.secret" if pool_name else "pool.secret")
+
+
 def default_secret_path(pool_name: str = "") -> str:
     """$MEMCACHE_SECRET_PATH, else the user's file of the pool named ``pool_name`` (``pool_name``
     setting), else the user's one file for unnamed pools (shared by every unnamed pool of the user)."""
-    name = f"pool-{pool_name}.secret" if pool_name else "pool.secret"
-    return os.environ.get(SECRET_ENV) or os.path.join(os.path.expanduser("~"), ".config", "memcache", name)
+    return os.environ.get(SECRET_ENV) or pool_secret_file(pool_name)
 
 
 def load_secret(path: str, create: bool = False, pool_name: str = "") -> bytes:

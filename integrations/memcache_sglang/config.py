@@ -1,6 +1,8 @@
 """Configuration of the ``npu_memcache`` backend, merged the way SGLang's built-in backend does.
 
-Precedence (later wins): the JSON file named by ``SGLANG_HICACHE_MEMCACHE_CONFIG_PATH``, then
+Precedence (later wins): the ``LocalConfig`` keys of the pool file named by ``config_path`` (the
+one ``memcache meta-service`` and ``memcache local-service`` read, over the ``MEMCACHE_<KEY>``
+environment overrides), then the JSON file named by ``SGLANG_HICACHE_MEMCACHE_CONFIG_PATH``, then
 SGLang's ``--hicache-storage-backend-extra-config``. Keys split into:
 
 * control keys read by the backend itself (:data:`CONTROL_KEYS`);
@@ -84,6 +86,23 @@ def positive_seconds(name: str, raw: Any) -> float:
     return value
 
 
+def pool_file(path: Any) -> dict[str, Any]:
+    """The ``LocalConfig`` keys of the pool file ``config_path`` (none without one); a file that
+    cannot be read, or holds an unknown key in strict mode, fails naming ``config_path``."""
+    from memcache_core.config import LocalConfig, file_values
+
+    if path in (None, ""):
+        return {}
+    if not isinstance(path, str):
+        raise ConfigError(f"config_path: expected the path of the pool's JSON file, got {path!r}")
+    try:
+        values = file_values(LocalConfig, path)
+    except ConfigError as exc:
+        raise ConfigError(str(exc) if str(exc).startswith("config_path") else f"config_path: {exc}") from None
+    logger.info("MemCache store keys read from the pool file %s (config_path)", path)
+    return values
+
+
 @dataclass
 class BackendConfig:
     """The merged configuration: LocalConfig fields and control fields."""
@@ -113,8 +132,9 @@ class BackendConfig:
             merged.update(data)
             logger.info("MemCache backend config loaded from %s", path)
         merged.update(extra_config or {})
+        pool = pool_file(merged.pop("config_path", None))
         ctrl = {k: v for k, v in merged.items() if k in CONTROL_KEYS}
-        local = {k: v for k, v in merged.items() if k not in CONTROL_KEYS and k not in SGLANG_KEYS}
+        local = {**pool, **{k: v for k, v in merged.items() if k not in CONTROL_KEYS and k not in SGLANG_KEYS}}
         scope = ctrl.get("clear_scope", "namespace")
         if scope not in CLEAR_SCOPES:
             raise ValueError(f"clear_scope must be one of {CLEAR_SCOPES}, got {scope!r}")

@@ -6,7 +6,10 @@ One dict carries two kinds of keys:
   ``lookup_rpc_port``, ``load_async``, ``use_layerwise``, ``consumer_is_to_put``,
   ``consumer_is_to_load``, ``discard_partial_chunks``) with the same meaning where it applies;
 * the store's own keys: any field of ``memcache_core.LocalConfig`` (``meta_service_url``,
-  ``protocol``, ``dram_size``, ``client_timeout_seconds``, ...), passed to the LocalService.
+  ``protocol``, ``dram_size``, ``client_timeout_seconds``, ...), passed to the LocalService;
+* ``config_path``: the pool's JSON file (the one ``memcache meta-service`` and ``memcache
+  local-service`` read), whose ``LocalConfig`` keys, over the ``MEMCACHE_<KEY>`` environment
+  overrides, come under the store keys given here (those given here win).
 
 Unknown keys are warned about, never fatal; invalid values fail at start-up naming the key.
 """
@@ -46,6 +49,23 @@ def _as_float(key: str, value: Any, low: float) -> float:
     if out < low:
         raise ValueError(f"kv_connector_extra_config.{key}: must be >= {low}, got {value!r}")
     return out
+
+
+def _pool_file(path: Any) -> dict[str, Any]:
+    """The ``LocalConfig`` keys of the pool file ``config_path`` (none without one); a file that
+    cannot be read, or holds a bad or (in strict mode) unknown key, fails naming ``config_path``."""
+    from memcache_core.config import LocalConfig, file_values
+    from memcache_core.errors import ConfigError
+
+    if path in (None, ""):
+        return {}
+    if not isinstance(path, str):
+        raise ValueError(f"kv_connector_extra_config.config_path: expected the path of a JSON file, got {path!r}")
+    try:
+        return file_values(LocalConfig, path)
+    except ConfigError as exc:
+        raise ValueError(f"kv_connector_extra_config.{exc}" if str(exc).startswith("config_path")
+                         else f"kv_connector_extra_config.config_path: {exc}") from None
 
 
 @dataclasses.dataclass
@@ -105,7 +125,7 @@ class ConnectorConfig:
         extra = dict(extra or {})
         store_fields = {f.name for f in dataclasses.fields(LocalConfig)}
         cfg = cls()
-        cfg.store_config = dict(_STORE_DEFAULTS)
+        cfg.store_config = {**_STORE_DEFAULTS, **_pool_file(extra.pop("config_path", None))}
         for key, value in extra.items():
             if key in ("backend", "cache_prefix"):
                 setattr(cfg, key, str(value))

@@ -201,8 +201,8 @@ def test_transfer_engine_nixl_without_the_package_is_a_config_error(monkeypatch)
 
 @pytest.mark.parametrize(("cls", "key", "value"), [
     (MetaConfig, "lru_type", "lfu"), (MetaConfig, "evict_yield_enable", True), (MetaConfig, "evict_yield_interval_ms", 5),
-    (MetaConfig, "tag_op_info", True), (LocalConfig, "hcom_tls_enable", True), (LocalConfig, "kv_events_enable", True),
-    (MetaConfig, "kv_events_topic_prefix", "m1"), (LocalConfig, "log_output_target", "syslog"),
+    (MetaConfig, "tag_op_info", True), (LocalConfig, "hcom_tls_enable", True), (LocalConfig, "kv_events_topic_prefix", "m1"),
+    (MetaConfig, "kv_events_topic_prefix", "m1"), (LocalConfig, "evict_yield_enable", True),
     (MetaConfig, "config_store_tls_enable", True), (MetaConfig, "config_store_tls_ca_path", "/x/ca.pem"),
     (MetaConfig, "config_store_tls_bogus", 1),
 ])

@@ -27,7 +27,7 @@ CORE = REPO / "memcache_core"
 LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "secret_file", "tls", "logs",
         "checkpoint", "records", "host", "fence"}
 PLUMBING = {"rpc", "endpoints", "etcd", "http_guard"}
-ENTRY = {"__init__", "meta_service", "cli", "cli_status", "testing", "testing_etcd", "testing_kv_events"}
+ENTRY = {"__init__", "meta_service", "cli", "cli_status", "cli_secrets", "testing", "testing_etcd", "testing_kv_events"}
 PACKAGES = {"transfer", "meta", "local"}
 ALLOWED = {
     "leaf": {"leaf"},

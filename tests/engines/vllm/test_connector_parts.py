@@ -68,6 +68,36 @@ def test_bad_values_fail_naming_the_key(extra: dict, key: str) -> None:
         ConnectorConfig.from_extra_config(extra)
 
 
+def test_config_path_reads_the_pool_file_and_inline_keys_win(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scenario: the pool's URLs are written once, in the file the MetaService and the providers read;
+    the connector reads its store keys from it (``config_path``), the MetaService's keys in it are
+    neither used nor warned about, and a key given inline wins over the file's."""
+    pool = tmp_path / "pool.json"
+    pool.write_text(json.dumps({"meta_service_url": "tcp://10.0.0.1:5000", "config_store_url": "tcp://10.0.0.1:6000",
+                                "metrics_url": "http://10.0.0.1:8000", "lease_ttl_ms": 20000, "pool_name": "blue",
+                                "protocol": "host_tcp", "dram_size": "8GB", "client_timeout_seconds": 9}))
+    monkeypatch.setenv("MEMCACHE_CONFIG_STRICT", "true")
+    monkeypatch.setenv("MEMCACHE_HEARTBEAT_INTERVAL_MS", "300")   # an override the file leaves out
+    cfg = ConnectorConfig.from_extra_config({"config_path": str(pool), "dram_size": "0", "load_async": True})
+    local = cfg.local_config()
+    assert (local.meta_service_url, local.config_store_url, local.pool_name, local.protocol,
+            local.client_timeout_seconds, local.heartbeat_interval_ms, local.dram_size) == \
+        ("tcp://10.0.0.1:5000", "tcp://10.0.0.1:6000", "blue", "host_tcp", 9, 300, "0")
+    assert cfg.load_async
+    # without the file's keys the connector's own defaults stay
+    assert ConnectorConfig.from_extra_config({"config_path": ""}).local_config().protocol == "host_shm"
+    for bad, message in ((tmp_path / "missing.json", "config_path: cannot read .*missing.json"),
+                         (tmp_path / "bad.json", "config_path: .*not valid JSON")):
+        if bad.name == "bad.json":
+            bad.write_text("{")
+        with pytest.raises(ValueError, match=f"^kv_connector_extra_config.{message}"):
+            ConnectorConfig.from_extra_config({"config_path": str(bad)})
+    pool.write_text(json.dumps({"dram_szie": "1GB"}))
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config.config_path: .*'dram_szie'.*strict"):
+        ConnectorConfig.from_extra_config({"config_path": str(pool)})
+
+
 def test_disk_keys_give_each_worker_rank_its_own_directory(tmp_path: Path) -> None:
     cfg = ConnectorConfig.from_extra_config({"disk_path": str(tmp_path), "disk_size": "2GB", "dram_size": "64MB",
                                              "disk_write_policy": "write_through"})
