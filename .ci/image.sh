@@ -32,6 +32,9 @@ if ! command -v mmdebstrap >/dev/null || ! command -v buildah >/dev/null; then
 fi
 
 mkdir -p "$cache"
+# one run at a time per cache (a second waits): a run prunes and, on a new base, empties the storage
+exec 9>"$cache/lock"
+flock 9
 work=$(mktemp -d)
 containers=()
 cleanup() {
@@ -108,7 +111,7 @@ step "buildah bud (the Dockerfile, target pool, FROM $base)"
 bud() { bh bud --layers --pull=never --isolation chroot --build-arg "BASE=$base" -f "$repo/Dockerfile" "$@" "$repo"; }
 { bud --target wheel -t memcache-python-wheel:ci && bud --target pool -t "$image"; } > "$work/build.log" 2>&1 \
   || { cat "$work/build.log"; exit 1; }
-echo "  $(grep -c -- '--> Using cache' "$work/build.log") of $(grep -c '] STEP ' "$work/build.log") steps from the layer cache"
+echo "  $(grep -c -- '--> Using cache' "$work/build.log") of $(grep '] STEP ' "$work/build.log" | grep -vc ': FROM ') steps from the layer cache"
 bh rmi --prune >/dev/null 2>&1 || true   # what earlier builds left untagged
 bh images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -F "$image" || true
 
