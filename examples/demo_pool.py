@@ -183,10 +183,14 @@ def main() -> None:
         ms.kill()
         ms.start()
         t = time.monotonic()
-        while not set(mine + theirs) <= set(ms.http("/get_all_keys")["keys"]):   # each rank re-joins on its own
+        # each rank re-joins on its own: the keys come back with their holders' re-joins, and a rank reads
+        # again once its own re-join has answered (until then its calls fail fast: the MetaService was down)
+        while not (set(mine + theirs) <= set(ms.http("/get_all_keys")["keys"])
+                   and len(ms.http("/api/v1/capacity/usage")["segments"]) == len(ranks)):
             time.sleep(0.1)
         print(f"  {len(ms.http('/get_all_keys')['keys'])} keys back in {time.monotonic() - t:.1f}s, "
-              "reported by the LocalServices that hold them (rank 1's segment, rank 0's disk tier)")
+              "reported by the LocalServices that hold them (rank 1's segment, rank 0's disk tier), "
+              f"{len(ranks)} ranks re-joined")
         codes, _, bad = ranks[2]("get", theirs)
         codes0, _, bad0 = ranks[2]("get", mine)
         print(f"  rank 2 reads rank 1's blocks again: {codes.count(0)}/{n} hits, rank 0's {codes0.count(0)}/{n}, "

