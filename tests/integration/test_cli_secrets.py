@@ -112,3 +112,20 @@ def test_secrets_with_none_and_with_the_variable_set(home):
     noted = subprocess.run([sys.executable, "-m", "memcache_core.cli", "secrets"], capture_output=True, text=True,
                            timeout=60, env=env)
     assert noted.returncode == 0 and "$MEMCACHE_SECRET_PATH is set (/somewhere/pool.secret)" in noted.stderr
+
+
+def test_token_without_a_pool_name_warns_of_the_named_pools_and_points_to_memcache_secrets(home):
+    """Scenario: this host holds the unnamed pool's secret and the pool ``blue``'s; the operator runs
+    `memcache token` without --pool-name. It prints the unnamed pool's token (stdout stays the token
+    alone) and warns, naming ``blue`` and the command that lists the secrets; with --pool-name, no
+    warning; with no named pool, none either."""
+    folder = home / ".config" / "memcache"
+    _secret(folder / "pool.secret")
+    out = run(home, "token")
+    assert out.returncode == 0 and out.stderr == "" and len(out.stdout.strip()) == 64, out
+    _secret(folder / "pool-blue.secret")
+    out = run(home, "token")
+    assert out.returncode == 0 and len(out.stdout.strip()) == 64, out
+    assert "pools named blue" in out.stderr and "`memcache secrets` lists them" in out.stderr, out.stderr
+    named = run(home, "token", "--pool-name", "blue")
+    assert named.returncode == 0 and named.stderr == "" and named.stdout != out.stdout, named

@@ -132,3 +132,27 @@ def test_the_sglang_builder_reads_config_path_with_inline_keys_winning(tmp_path,
     pool.write_text(json.dumps({"dram_szie": "1GB"}))
     with pytest.raises(ConfigError, match="^config_path: .*'dram_szie' \\(did you mean 'dram_size'\\?\\).*strict"):
         BackendConfig.from_sources({"config_path": str(pool)})
+
+
+def _read_relative_pool_file(path: str) -> dict[str, Any]:
+    """In a process started the way vLLM starts its engine core and workers (multiprocessing)."""
+    return BackendConfig.from_sources({"config_path": path}).local_fields
+
+
+def test_a_relative_config_path_is_read_from_the_engines_working_directory(tmp_path, monkeypatch):
+    """Scenario: `vllm serve` or SGLang started in the directory of pool.json, with "config_path":
+    "pool.json". The engine and the processes it starts (they inherit its working directory) read
+    that file; started elsewhere, the same setting fails naming the path."""
+    import multiprocessing
+
+    (tmp_path / "pool.json").write_text(json.dumps({"meta_service_url": "tcp://10.0.0.1:5000", "protocol": "host_tcp"}))
+    monkeypatch.chdir(tmp_path)
+    want = {"meta_service_url": "tcp://10.0.0.1:5000", "protocol": "host_tcp"}
+    assert _read_relative_pool_file("pool.json") == want
+    with multiprocessing.get_context("spawn").Pool(1) as workers:
+        assert workers.apply(_read_relative_pool_file, ("pool.json",)) == want
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ConfigError, match="^config_path: cannot read pool.json"):
+        _read_relative_pool_file("pool.json")

