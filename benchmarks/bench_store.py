@@ -93,14 +93,16 @@ class MooncakeMaster:
 def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list[dict[str, Any]]) -> None:
     server_pid: int | None
     spec: dict[str, Any] = {"engine": engine, "protocol": protocol, "max_batch": max(args.batches),
-                            "lease_ms": args.lease_ms, "checksum": args.checksum_now, "auth": args.auth_now}
+                            "lease_ms": args.lease_ms, "checksum": args.checksum_now, "auth": args.auth_now,
+                            "rpc_spin_us": args.rpc_spin_us}
     if engine == "mooncake":
         master = MooncakeMaster()
         spec.update(master.spec)
         stop, server_pid = master.stop, master.proc.pid
     else:
         from memcache_core.testing import running_meta_service
-        ctx = running_meta_service(log_level="warning", lease_ttl_ms=args.lease_ms, auth_enable=args.auth_now)
+        spin = {} if args.poll_spin_us is None else {"poll_spin_us": args.poll_spin_us}
+        ctx = running_meta_service(log_level="warning", lease_ttl_ms=args.lease_ms, auth_enable=args.auth_now, **spin)
         meta = ctx.__enter__()
         spec.update(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url)
         server_pid = meta.pid
@@ -112,9 +114,9 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
         procs.append(writer)
         reader = Proc(spec)
         procs.append(reader)
-        if not args.cold_pool:
+        if not args.cold_pool and not args.small_only:
             warm_up_pool(engine, protocol, writer, reader, spec["lease_ms"])
-        for layout in args.layouts:
+        for layout in [] if args.small_only else args.layouts:
             for batch in args.batches:
                 rows: dict[str, list[dict[str, Any]]] = {"put": [], "put>peer": [], "get": []}
                 for rep in range(args.warmup + args.reps):
@@ -149,9 +151,9 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
                         row["cold_get_gbps"] = round(batch * OBJ_BYTES / cold / 1e9, 3)
                     out.append(row)
                     print_row(row)
-        if args.checksum == "both" and engine == "memcache":
+        if args.checksum == "both" and engine == "memcache" and not args.small_only:
             checksum_cost(protocol, args, writer, reader, out)
-        if len(args.replicas) > 1 and engine == "memcache":
+        if len(args.replicas) > 1 and engine == "memcache" and not args.small_only:
             replica_cost(protocol, args, writer, reader, out)
         small_ops(engine, protocol, args, writer, reader, server_pid, out)
     finally:
@@ -295,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
                          "so a 1 GB segment holds only a few batches of 32 in flight (default 2000)")
     ap.add_argument("--cold-pool", action="store_true",
                     help="skip the pool warm-up: measure fresh segments (first-touch page faults)")
+    ap.add_argument("--small-only", action="store_true",
+                    help="only the small-object figures (4 KiB put, get, is_exist; batch_is_exist), on a pool "
+                         "without the warm-up")
+    ap.add_argument("--poll-spin-us", type=int, default=None,
+                    help="the MetaService's poll_spin_us (polling after a request; default: its default)")
+    ap.add_argument("--rpc-spin-us", type=int, default=None,
+                    help="the clients' rpc_spin_us (polling for a reply; default: its default)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
     ap.add_argument("--checksum", choices=("on", "off", "both"), default="on",
                     help="payload checksums (computed by writers, verified by readers); 'both': figures with "

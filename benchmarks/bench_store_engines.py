@@ -41,6 +41,8 @@ class CoreClient:
         cfg.hcom_url = "tcp://127.0.0.1:0"
         cfg.checksum = spec.get("checksum", True)
         cfg.auth_enable = spec.get("auth", True)
+        if spec.get("rpc_spin_us") is not None:
+            cfg.rpc_spin_us = spec["rpc_spin_us"]
         self._rc = ReplicateConfig
         self.store = DistributedObjectStore()
         if self.store.setup(cfg) != 0 or self.store.init(0, init_bm=True) != 0:
