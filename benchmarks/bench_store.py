@@ -91,17 +91,21 @@ class MooncakeMaster:
 
 
 def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list[dict[str, Any]]) -> None:
+    server_pid: int | None
     spec: dict[str, Any] = {"engine": engine, "protocol": protocol, "max_batch": max(args.batches),
-                            "lease_ms": args.lease_ms, "checksum": args.checksum_now, "auth": args.auth_now}
+                            "lease_ms": args.lease_ms, "checksum": args.checksum_now, "auth": args.auth_now,
+                            "rpc_spin_us": args.rpc_spin_us}
     if engine == "mooncake":
         master = MooncakeMaster()
         spec.update(master.spec)
-        stop = master.stop
+        stop, server_pid = master.stop, master.proc.pid
     else:
         from memcache_core.testing import running_meta_service
-        ctx = running_meta_service(log_level="warning", lease_ttl_ms=args.lease_ms, auth_enable=args.auth_now)
+        spin = {} if args.poll_spin_us is None else {"poll_spin_us": args.poll_spin_us}
+        ctx = running_meta_service(log_level="warning", lease_ttl_ms=args.lease_ms, auth_enable=args.auth_now, **spin)
         meta = ctx.__enter__()
         spec.update(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url)
+        server_pid = meta.pid
         def stop() -> None:
             ctx.__exit__(None, None, None)
     procs: list[Proc] = []
@@ -110,9 +114,9 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
         procs.append(writer)
         reader = Proc(spec)
         procs.append(reader)
-        if not args.cold_pool:
+        if not args.cold_pool and not args.small_only:
             warm_up_pool(engine, protocol, writer, reader, spec["lease_ms"])
-        for layout in args.layouts:
+        for layout in [] if args.small_only else args.layouts:
             for batch in args.batches:
                 rows: dict[str, list[dict[str, Any]]] = {"put": [], "put>peer": [], "get": []}
                 for rep in range(args.warmup + args.reps):
@@ -147,26 +151,38 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
                         row["cold_get_gbps"] = round(batch * OBJ_BYTES / cold / 1e9, 3)
                     out.append(row)
                     print_row(row)
-        if args.checksum == "both" and engine == "memcache":
+        if args.checksum == "both" and engine == "memcache" and not args.small_only:
             checksum_cost(protocol, args, writer, reader, out)
-        if len(args.replicas) > 1 and engine == "memcache":
+        if len(args.replicas) > 1 and engine == "memcache" and not args.small_only:
             replica_cost(protocol, args, writer, reader, out)
-        small = f"{engine}/{protocol}/small"
-        res = {"put": writer.call("small_ops", op="put", prefix=small, n=max(args.small_n, 1000)),
-               "get": reader.call("small_ops", op="get", prefix=small, n=args.small_n),
-               "is_exist": reader.call("small_ops", op="exist", prefix=small, n=args.small_n),
-               "batch_is_exist(1000)": reader.call("batch_exist", prefix=small, n=1000, reps=args.exist_reps)}
-        for op, r in res.items():
-            ns = sorted(r["ns"])
-            row = {"engine": engine, "protocol": protocol, "op": op, "n": len(ns),
-                   "p50_us": round(ns[len(ns) // 2] / 1e3, 1),
-                   "p99_us": round(ns[min(len(ns) - 1, int(len(ns) * 0.99))] / 1e3, 1)}
-            out.append(row)
-            print_row(row)
+        small_ops(engine, protocol, args, writer, reader, server_pid, out)
     finally:
         for p in procs:
             p.close()
         stop()
+
+
+def small_ops(engine: str, protocol: str, args: argparse.Namespace, writer: Proc, reader: Proc,
+              server_pid: int | None, out: list[dict[str, Any]]) -> None:
+    """4 KiB put (writer), get and is_exist (reader), batch_is_exist of 1,000 keys (reader): latency
+    p50/p99, and CPU time per op of every process of the pool (the MetaService or mooncake_master,
+    the writer, the reader: all their threads), read right before and after each loop."""
+    pool = {"meta" if engine == "memcache" else "master": server_pid or 0,
+            "writer": writer.proc.pid or 0, "reader": reader.proc.pid or 0}
+    small = f"{engine}/{protocol}/small"
+    res = {"put": writer.call("small_ops", op="put", prefix=small, n=args.small_n, pool=pool),
+           "get": reader.call("small_ops", op="get", prefix=small, n=args.small_n, pool=pool),
+           "is_exist": reader.call("small_ops", op="exist", prefix=small, n=args.small_n, pool=pool),
+           "batch_is_exist(1000)": reader.call("batch_exist", prefix=small, n=1000, reps=args.exist_reps,
+                                               pool=pool)}
+    for op, r in res.items():
+        ns = sorted(r["ns"])
+        row = {"engine": engine, "protocol": protocol, "op": op, "n": len(ns),
+               "p50_us": round(ns[len(ns) // 2] / 1e3, 1),
+               "p99_us": round(ns[min(len(ns) - 1, int(len(ns) * 0.99))] / 1e3, 1),
+               "cpu_us": r["cpu_us"]}
+        out.append(row)
+        print_row(row)
 
 
 def warm_up_pool(engine: str, protocol: str, writer: Proc, reader: Proc, lease_ms: int) -> None:
@@ -281,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
                          "so a 1 GB segment holds only a few batches of 32 in flight (default 2000)")
     ap.add_argument("--cold-pool", action="store_true",
                     help="skip the pool warm-up: measure fresh segments (first-touch page faults)")
+    ap.add_argument("--small-only", action="store_true",
+                    help="only the small-object figures (4 KiB put, get, is_exist; batch_is_exist), on a pool "
+                         "without the warm-up")
+    ap.add_argument("--poll-spin-us", type=int, default=None,
+                    help="the MetaService's poll_spin_us (polling after a request; default: its default)")
+    ap.add_argument("--rpc-spin-us", type=int, default=None,
+                    help="the clients' rpc_spin_us (polling for a reply; default: its default)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
     ap.add_argument("--checksum", choices=("on", "off", "both"), default="on",
                     help="payload checksums (computed by writers, verified by readers); 'both': figures with "
@@ -315,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = args.batches or ([1, 8] if args.quick else [1, 2, 4, 8, 16, 32])
     args.reps = args.reps or (3 if args.quick else 7)
     args.warmup = 1
-    args.small_n = 300 if args.quick else 2000
-    args.exist_reps = 50 if args.quick else 300
+    args.small_n = 2000 if args.quick else 5000   # >= 2,000 ops: CPU per op steady to a few percent
+    args.exist_reps = 300 if args.quick else 1000
     protocols = ["host_tcp"] if args.engine == "mooncake" else (
         ["host_shm", "host_tcp"] if args.protocol == "all" else [args.protocol])
     if args.transfer_engine == "nixl" and args.engine == "memcache":

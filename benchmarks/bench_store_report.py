@@ -39,9 +39,17 @@ def print_row(row: dict[str, Any]) -> None:
               + (f"  [{row['off_path_reps']} of {row['reps']} reps not all through {_path(row['protocol'], row['op'])}:"
                  " the writer's segment was full]" if row.get("off_path_reps") else ""), flush=True)
     else:
+        cpu = row.get("cpu_us")
+        split = (f"  cpu {cpu['all']:7.1f} us/op ("
+                 + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items() if k != "all") + ")") if cpu else ""
         print(f"{row['engine']:8} {row['protocol']:8} {'4KiB' if 'batch' not in row['op'] else '1000 keys':10}"
-              f"     {row['op']:21} p50 {row['p50_us']:8.1f} us  p99 {row['p99_us']:8.1f} us  (n={row['n']})",
+              f"     {row['op']:21} p50 {row['p50_us']:8.1f} us  p99 {row['p99_us']:8.1f} us{split}  (n={row['n']})",
               flush=True)
+
+
+def cpu_cell(cpu: dict[str, float]) -> str:
+    """CPU µs per op over the pool, then its split in the pool's order (server/writer/reader)."""
+    return f"{cpu['all']:4.0f} ({'/'.join(f'{v:.0f}' for k, v in cpu.items() if k != 'all')})"
 
 
 def print_table(paths: list[str]) -> None:
@@ -63,11 +71,17 @@ def print_table(paths: list[str]) -> None:
                 cells.setdefault(key, {})[col] = f"{r['gbps']:5.2f} GB/s x{r['ratio']:.2f}"
             else:
                 cells.setdefault(("small", 0, r["op"]), {})[col] = f"{r['p50_us']:6.0f} / {r['p99_us']:<6.0f}us"
+                if r.get("cpu_us"):
+                    cells.setdefault(("cpu", 0, r["op"]), {})[col] = cpu_cell(r["cpu_us"])
     head = f"{'layout':10} {'batch':>5} {'op':21}" + "".join(f" | {e + ' ' + p:19}" for e, p in cols)
     print(head + "\n" + "-" * len(head))
     for (layout, batch, op), row in cells.items():
-        label = f"{layout:10} {batch:>5} {op:21}" if layout != "small" else f"{'p50 / p99':10} {'':>5} {op:21}"
+        label = (f"{layout:10} {batch:>5} {op:21}" if layout not in ("small", "cpu") else
+                 f"{'p50 / p99' if layout == 'small' else 'cpu us/op':10} {'':>5} {op:21}")
         print(label + "".join(f" | {row.get(c, '-'):19}" for c in cols))
+    if any(layout == "cpu" for layout, _, _ in cells):
+        print("cpu us/op: on-CPU time per op summed over the pool's processes (server/writer/reader: the "
+              "MetaService or mooncake_master, the writer, the reader; all their threads), from each process's CPU clock")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> str:

@@ -1,12 +1,12 @@
-"""``bench_store.py``'s worker processes: the engine adapters (memcache_core, Mooncake Store), the worker
-that times operations, and ``Proc``, the parent's handle on one worker (spawned)."""
+"""``bench_store.py``'s worker processes: the worker that times operations (through the engine adapters
+of ``bench_store_engines.py``), and ``Proc``, the parent's handle on one worker (spawned)."""
 
 from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,174 +14,19 @@ from bench_store_common import (
     OBJ_BYTES,
     OUT_OF_SPACE,
     SEED,
-    SEGMENT,
     SMALL,
     BenchError,
     OpFailed,
-    free_port,
-    load_bench_nixl,
+    cpu_split,
     memcpy_s,
     minor_faults,
     page_aligned,
     piece_memcpy_s,
     pieces_of,
+    pool_cpu_ns,
     stamp,
 )
-
-# ---- engine adapters (run inside the worker processes) ----------------------------------------------
-
-class Layers(list[list[tuple[int, int]]]):
-    """A batch's pieces, (pointer, size) per piece per object, with the pointer and size lists the
-    stores' calls take built once, before any clock starts (they are the caller's work)."""
-
-    def __init__(self, pieces: Iterable[list[tuple[int, int]]]) -> None:
-        super().__init__(pieces)
-        self.lists = _split(self)
-
-
-def _lists(pieces: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
-    return pieces.lists if isinstance(pieces, Layers) else _split(pieces)
-
-
-def _split(pieces: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
-    return [[p for p, _ in ps] for ps in pieces], [[s for _, s in ps] for ps in pieces]
-
-
-class CoreClient:
-    """memcache_core's DistributedObjectStore."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        from memcache_core import DistributedObjectStore, LocalConfig, ReplicateConfig
-        cfg = LocalConfig()
-        cfg.meta_service_url = spec["meta_service_url"]
-        cfg.config_store_url = spec["config_store_url"]
-        load_bench_nixl().configure(cfg, spec["protocol"])
-        cfg.dram_size = SEGMENT
-        cfg.log_level = "warning"
-        cfg.hcom_url = "tcp://127.0.0.1:0"
-        cfg.checksum = spec.get("checksum", True)
-        cfg.auth_enable = spec.get("auth", True)
-        self._rc = ReplicateConfig
-        self.store = DistributedObjectStore()
-        if self.store.setup(cfg) != 0 or self.store.init(0, init_bm=True) != 0:
-            raise BenchError("LocalService did not start")
-        self.ident = self.store.get_local_service_id()
-
-    def register(self, ptr: int, size: int) -> None:
-        if self.store.register_buffer(ptr, size) != 0:
-            raise BenchError("register_buffer failed")
-
-    def set_checksum(self, on: bool) -> None:
-        """Checksums on or off for this process's next puts (computed) and gets (verified)."""
-        cfg = self.store._service().config
-        cfg.checksum, cfg.checksum_verify_ratio = on, 1.0 if on else 0.0
-
-    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
-        rc = None
-        if peer is not None or replicas != 1:
-            rc = self._rc(replicas)
-            rc.preferredLocalServiceIDs = [peer] if peer is not None else []
-        return self.store.batch_put_from_layers(keys, *_lists(pieces), replicateConfig=rc)
-
-    def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
-        return self.store.batch_get_into_layers(keys, *_lists(pieces))
-
-    def put1(self, key: str, ptr: int, size: int) -> int:
-        return self.store.put_from(key, ptr, size)
-
-    def paths(self) -> dict[str, float]:
-        """Payload bytes moved so far per transfer path and direction (e.g. ``nixl/read``)."""
-        reg = self.store._service().metrics.registry
-        return {f"{x.labels['path']}/{x.labels['direction']}": x.value for m in reg.collect()
-                if m.name == "memcache_local_transfer_bytes" for x in m.samples if x.name.endswith("_total")}
-
-    def get1(self, key: str, ptr: int, size: int) -> int:
-        return self.store.get_into(key, ptr, size)
-
-    def exist1(self, key: str) -> int:
-        return self.store.is_exist(key)
-
-    def exist(self, keys: list[str]) -> list[int]:
-        return self.store.batch_is_exist(keys)
-
-    def remove(self, keys: list[str]) -> None:
-        self.store.remove_batch(keys)
-
-    def close(self) -> None:
-        self.store.close()
-
-
-class MooncakeClient:
-    """Mooncake Store's MooncakeDistributedStore over its TCP transport (its only CPU transport)."""
-
-    def set_checksum(self, on: bool) -> None:
-        """Mooncake Store has no payload checksums: there is nothing to switch."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-        self._rc = ReplicateConfig
-        self.store = MooncakeDistributedStore()
-        self.ident = f"127.0.0.1:{free_port()}"
-        rc = self.store.setup(self.ident, spec["metadata_url"], SEGMENT, 64 << 20, "tcp", "",
-                              spec["master_addr"])
-        if rc != 0:
-            raise BenchError(f"Mooncake setup failed ({rc})")
-
-    def register(self, ptr: int, size: int) -> None:
-        if self.store.register_buffer(ptr, size) != 0:
-            raise BenchError("register_buffer failed")
-
-    def _config(self, segment: str | None, replicas: int = 1) -> Any:
-        rc = self._rc()
-        rc.replica_num = replicas
-        rc.preferred_segment = segment or self.ident
-        return rc
-
-    def put(self, keys: list[str], pieces: list[list[tuple[int, int]]], peer: Any, replicas: int = 1) -> list[int]:
-        cfg = self._config(peer, replicas)
-        ptrs, sizes = _lists(pieces)
-        if all(len(ps) == 1 for ps in pieces):
-            return self.store.batch_put_from(keys, [p[0] for p in ptrs], [s[0] for s in sizes], cfg)
-        return self.store.batch_put_from_multi_buffers(keys, ptrs, sizes, cfg)
-
-    def get(self, keys: list[str], pieces: list[list[tuple[int, int]]]) -> list[int]:
-        ptrs, sizes = _lists(pieces)
-        if all(len(ps) == 1 for ps in pieces):
-            got = self.store.batch_get_into(keys, [p[0] for p in ptrs], [s[0] for s in sizes])
-        else:
-            got = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes)
-        return [0 if g == sum(s for _, s in ps) else (g if g < 0 else -1) for g, ps in zip(got, pieces, strict=True)]
-
-    def put1(self, key: str, ptr: int, size: int) -> int:
-        return self.store.put_from(key, ptr, size, self._config(None))
-
-    def paths(self) -> dict[str, float]:
-        """Mooncake Store does not say which path its bytes took."""
-        return {}
-
-    def get1(self, key: str, ptr: int, size: int) -> int:
-        got = self.store.get_into(key, ptr, size)
-        return 0 if got == size else -1
-
-    def exist1(self, key: str) -> int:
-        return self.store.is_exist(key)
-
-    def exist(self, keys: list[str]) -> list[int]:
-        return self.store.batch_is_exist(keys)
-
-    def remove(self, keys: list[str]) -> None:
-        for k in keys:
-            self.store.remove(k, True)
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def _moved(before: dict[str, float], after: dict[str, float], direction: str) -> list[str]:
-    """The transfer paths that moved bytes in ``direction`` between two ``paths()`` readings."""
-    return sorted(k.split("/")[0] for k, v in after.items()
-                  if k.endswith("/" + direction) and v > before.get(k, 0))
-
+from bench_store_engines import CoreClient, Layers, MooncakeClient, moved
 
 # ---- worker process -------------------------------------------------------------------------------
 
@@ -231,7 +76,7 @@ class Worker:
             return {"error": f"put {prefix}: codes {sorted(set(codes))}", "codes": True}
         return {"s": dt, "faults": f, "memcpy_s": memcpy_s(self.scratch, self.expected, batch * OBJ_BYTES),
                 "piece_memcpy_s": piece_memcpy_s(pieces, self.scratch.ctypes.data, gather=True),
-                "paths": _moved(before, self.client.paths(), "write")}
+                "paths": moved(before, self.client.paths(), "write")}
 
     def get(self, layout: str, batch: int, rep: int, prefix: str) -> dict[str, Any]:
         keys, pieces = self._batch(layout, batch, prefix)
@@ -239,7 +84,7 @@ class Worker:
         f, t = minor_faults(), time.perf_counter()
         codes = self.client.get(keys, pieces)
         dt, f = time.perf_counter() - t, minor_faults() - f
-        paths = _moved(before, self.client.paths(), "read")
+        paths = moved(before, self.client.paths(), "read")
         if any(c != 0 for c in codes):
             return {"error": f"get {prefix}: codes {sorted(set(codes))}", "codes": True}
         n = batch * OBJ_BYTES
@@ -331,9 +176,12 @@ class Worker:
                     return {"error": f"paired replicas get {prefix} n{n}: bytes differ from what was written"}
         return {"s": times}
 
-    def small_ops(self, op: str, prefix: str, n: int) -> dict[str, Any]:
+    def small_ops(self, op: str, prefix: str, n: int, pool: dict[str, int] | None = None) -> dict[str, Any]:
+        """``n`` 4 KiB puts, gets or is_exist calls, one at a time: each one's latency, and the CPU time
+        per op of every process of ``pool`` (name -> pid), read right before and after the loop."""
         lat, c = [], self.client
         ptr_s, ptr_d = self.small.ctypes.data, self.small_dst.ctypes.data
+        cpu0 = pool_cpu_ns(pool or {})
         for i in range(n):
             key = f"{prefix}/{i}"
             t = time.perf_counter_ns()
@@ -342,19 +190,21 @@ class Worker:
             lat.append(time.perf_counter_ns() - t)
             if rc != 0:
                 return {"error": f"small {op} {key}: {rc}"}
+        cpu = cpu_split(cpu0, pool_cpu_ns(pool or {}), n)
         if op == "get" and not np.array_equal(self.small, self.small_dst):
             return {"error": "small get: bytes differ from what was written"}
-        return {"ns": lat}
+        return {"ns": lat, "cpu_us": cpu}
 
-    def batch_exist(self, prefix: str, n: int, reps: int) -> dict[str, Any]:
+    def batch_exist(self, prefix: str, n: int, reps: int, pool: dict[str, int] | None = None) -> dict[str, Any]:
         keys, lat = [f"{prefix}/{i}" for i in range(n)], []
+        cpu0 = pool_cpu_ns(pool or {})
         for _ in range(reps):
             t = time.perf_counter_ns()
             flags = self.client.exist(keys)
             lat.append(time.perf_counter_ns() - t)
             if list(flags) != [1] * n:
                 return {"error": f"batch_is_exist: {sum(f == 1 for f in flags)} of {n} keys found"}
-        return {"ns": lat}
+        return {"ns": lat, "cpu_us": cpu_split(cpu0, pool_cpu_ns(pool or {}), reps)}
 
 
 def serve(conn: Any, make: Callable[[dict[str, Any]], Any], spec: dict[str, Any]) -> None:
