@@ -1,27 +1,34 @@
-"""The write fence of a segment: no copy granted by an earlier MetaService life (or leader term) lands
-in it once its owner has re-joined (docs/design.md, "Failure of the MetaService").
+"""The write fence of a segment: no copy granted before its owner's latest join lands in it once the
+owner has (re-)joined: not one granted by an earlier MetaService life or leader term, nor one granted
+by the same MetaService before the owner was declared dead and re-joined it (docs/design.md,
+"Failure of the MetaService").
 
 Every segment file ends with one page past its announced size (``FENCE_BYTES``); its first 8 bytes
-hold the *fence*: the epoch of the MetaService the owner is joined to, or 0 while it is (re-)joining.
-A write into the segment carries the epoch its space was granted in (``CopyOp.epoch``), and may copy
-only while the fence holds that same epoch. The check and the copy are one step for the owner's
-re-join, through an open-file-description lock (``F_OFD_SETLK``) on the fence page:
+hold the *fence*: the *token* of the owner's current join, or 0 while it is (re-)joining. The
+MetaService draws a fresh token (``new_token``: random, 63 bits, never 0) at every ``Join`` of a
+segment and answers it in ``Joined.fence``; every grant of space in the segment carries the token
+of the join it was made in (``AllocResult.fences``, ``DrainMove.fence``, ``InfoReply.fences``). A
+write into the segment carries its grant's token (``CopyOp.epoch``), and may copy only while the
+fence holds that same token. (A MetaService of a build before join tokens answers none: the owner
+fences by its epoch and writers carry the epoch, as they did then; ``tokens``.) The check and the
+copy are one step for the owner's re-join, through an open-file-description lock (``F_OFD_SETLK``)
+on the fence page:
 
 * a writer (any process: shared-memory copies, the owner's data server for TCP writes, the owner's
   own copies) takes the lock *shared*, reads the fence, and holds the lock until its copy ended; a
-  fence of another epoch refuses the write before a byte moves (a fence of 0, an owner re-joining,
+  fence of another token refuses the write before a byte moves (a fence of 0, an owner re-joining,
   is waited for up to ``OPEN_WAIT_S`` first);
-* the owner, before it re-joins (and so before a new MetaService can allocate its space again),
-  sets the fence to 0 and takes the lock *exclusive*, which waits until every write in flight has
-  ended; once joined it sets the fence to the new epoch.
+* the owner, before every join (a re-join after a MetaService restart, or after it was declared dead,
+  and so before the MetaService can allocate its space again), sets the fence to 0 and takes the
+  lock *exclusive*, which waits until every write in flight has ended; once joined it sets the fence
+  to the new join's token.
 
 So a write granted before the re-join either ended before the owner's Join was sent, or is refused:
 no timing is involved (a writer frozen in the middle of its copy holds the owner's re-join until it
 ends). The threads of one process share one lock holding (a count), since one open file
-description's locks are one lock however many threads take it. Epoch 0 means not fenced (reads,
+description's locks are one lock however many threads take it. Token 0 means not fenced (reads,
 tools): such a write is never refused.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -29,22 +36,41 @@ import ctypes
 import fcntl
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
 from collections.abc import Iterator
 
-from .errors import StateMismatch
+from .errors import InvalidParameter, StateMismatch
 
 logger = logging.getLogger(__name__)
 
 FENCE_BYTES = 4096     # the page after a segment's payload space: the fence word, and the lock's range
 OPEN_WAIT_S = 2.0      # a writer finding the owner re-joining (fence 0) waits this long for the new epoch
 WAIT_LOG_S = 5.0       # the owner says why its re-join waits, every this often
+MAX_TOKEN = (1 << 63) - 1
+
+
+def new_token() -> int:
+    """A fresh fence token for one join of a segment (the MetaService's): random, so that no two
+    joins share one across MetaService lives and leader terms either (odds 2^-63 a pair)."""
+    return secrets.randbits(63) or 1
+
+
+def tokens(fences: list[int], n: int, epoch: int, what: str) -> list[int]:
+    """The fence tokens a grant of ``n`` places carries (one per place), as a writer puts them in
+    ``CopyOp.epoch``; a grant with none (a MetaService before join tokens): the ``epoch`` of the
+    session it came in. A token out of bounds, or a list of another length, is refused."""
+    if not fences:
+        return [epoch] * n
+    if len(fences) != n or not all(0 < f <= MAX_TOKEN for f in fences):
+        raise InvalidParameter(f"{what}: the MetaService answered fence tokens {fences[:4]} for {n} places")
+    return list(fences)
 
 
 class StaleGrant(StateMismatch):
-    """A write granted by another MetaService life than the segment's owner is joined to."""
+    """A write granted before the segment's owner (re-)joined (another join token than its fence's)."""
 
 
 def _lock(fd: int, kind: int, start: int, wait: bool) -> bool:
@@ -74,6 +100,7 @@ class Fence:
 
     @property
     def epoch(self) -> int:
+        """The token of the owner's current join (0: joining)."""
         return self._word.value
 
     def _fd_for_writes(self) -> int:
@@ -83,8 +110,8 @@ class Fence:
 
     @contextlib.contextmanager
     def writing(self, epoch: int, what: str = "write") -> Iterator[None]:
-        """Hold the fence open for a write granted in ``epoch`` until the block ends (0: unfenced);
-        ``StaleGrant`` if the segment's owner is joined to another MetaService life."""
+        """Hold the fence open for a write granted under join token ``epoch`` until the block ends (0:
+        unfenced); ``StaleGrant`` if the segment's owner has (re-)joined since that grant."""
         if not epoch:
             yield
             return
@@ -106,9 +133,9 @@ class Fence:
                     return
                 self._release()
             if now != 0 or time.monotonic() >= deadline:
-                raise StaleGrant(f"{what} refused: granted by MetaService epoch {epoch}, and the segment's owner "
-                                 f"is joined to {'none yet' if now == 0 else f'epoch {now}'} (re-joined since: its "
-                                 f"space may hold another object now)")
+                raise StaleGrant(f"{what} refused: granted under fence token {epoch}, and the segment's owner "
+                                 f"is in {'no join yet' if now == 0 else f'the join of token {now}'} (re-joined "
+                                 f"since: its space may hold another object now)")
             time.sleep(0.005)
 
     def leave(self) -> None:
@@ -121,8 +148,9 @@ class Fence:
             _lock(self._fd, fcntl.F_UNLCK, self._start, wait=False)
 
     def move(self, epoch: int) -> None:
-        """The owner: set the fence to ``epoch`` and return once no write of any other epoch is in flight
-        (every process's shared holding has ended). It waits as long as that takes, saying so."""
+        """The owner: set the fence to ``epoch`` (a join's token, or 0) and return once no write of another
+        token is in flight (every process's shared holding has ended). It waits as long as that takes,
+        saying so."""
         self._word.value = epoch
         fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
@@ -130,9 +158,8 @@ class Fence:
             while not _lock(fd, fcntl.F_WRLCK, self._start, wait=False):
                 if time.monotonic() - said >= WAIT_LOG_S:
                     said = time.monotonic()
-                    logger.warning("segment %s: waiting %.0f s for writes granted by the previous MetaService to "
-                                   "end before re-joining (a writer frozen mid-copy holds them)", self.path,
-                                   said - t0)
+                    logger.warning("segment %s: waiting %.0f s for writes granted before this re-join to "
+                                   "end (a writer frozen mid-copy holds them)", self.path, said - t0)
                 time.sleep(0.002)
             _lock(fd, fcntl.F_UNLCK, self._start, wait=False)
         finally:

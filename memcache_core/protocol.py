@@ -28,6 +28,7 @@ class Join(msgspec.Struct, tag=True):
     disk_objects: Reports = []     # records in the member's disk tier (``offset`` unused)
     generation_ceiling: int = 0    # the highest generation ceiling this member heard (meta/generations.py)
     more: bool = False             # more reports (past MAX_KEYS of either list) follow in ``Report``s
+    fences: bool = False           # the owner sets its fence to ``Joined.fence`` (an older one: to the epoch)
 
 
 class Report(msgspec.Struct, tag=True):
@@ -94,7 +95,6 @@ class Abort(msgspec.Struct, tag=True):
     token: bytes
     keys: Keys
     generations: list[int]
-
 
 class OwnerGone(msgspec.Struct, tag=True):
     """A member found the owner of a segment of its host dead (``memory.owner_alive``; meta/members.py)."""
@@ -163,8 +163,8 @@ class DrainNext(msgspec.Struct, tag=True):
 
 
 class _Copied(msgspec.Struct):
-    """Copies a member made of its objects: ``ok`` per move, the payload checksum it computed while
-    copying, and the new generations the moves were planned with."""
+    """Copies a member made of its objects: ``ok`` per move, the payload checksum it computed while copying,
+    and the new generations the moves were planned with."""
 
     client_id: int
     token: bytes
@@ -281,7 +281,6 @@ Request = (Join | Leave | Heartbeat | Alloc | Commit | ArenaCommit | Abort | Own
            | RemoveAll | RemovePrefix | Confirmed | Corrupt | GetSegments | ConfigPut | ConfigGet | DrainNext | DrainDone
            | RepairNext | RepairDone | DiskSync | Promote | Promoted | Demote | Info | Lease | Grant | Report)
 
-
 # ---- replies ----------------------------------------------------------------------------------
 
 class _Reply(msgspec.Struct, tag=True, kw_only=True):
@@ -308,6 +307,7 @@ class Joined(_Reply):
     pending_timeout_ms: int
     token: bytes = b""             # the member's token: requests acting as this member must carry it
     generation_ceiling: int = 0    # generations are issued at or below it (the member carries it)
+    fence: int = 0                 # this join's fence token: the owner sets its segment's fence to it (fence.py)
 
 
 class HeartbeatReply(_Reply):
@@ -354,6 +354,7 @@ class LookupReply(_Reply):
 class InfoReply(_Reply):
     results: list[Found | None]
     pending: list[bool]            # allocated by the caller, not finished yet (its bytes are being written)
+    fences: list[list[int]] = []   # per pending result: its locations' fence tokens (as ``AllocResult.fences``)
 
 
 class Granted(_Reply):

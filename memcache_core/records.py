@@ -82,6 +82,8 @@ class DrainMove(msgspec.Struct, array_like=True, frozen=True):
     checksum: int
     new_generation: int
     target: Location
+    fence: int = 0                 # the fence token of the target segment's join the space was reserved in
+    #                                (fence.py; 0: a MetaService before join tokens)
 
 
 class AllocResult(msgspec.Struct, array_like=True):
@@ -89,6 +91,8 @@ class AllocResult(msgspec.Struct, array_like=True):
     #                                locations), or a negative error code
     generation: int = 0
     locations: list[Location] = []
+    fences: list[int] = []         # allocated: per location, the fence token of its segment's join (fence.py;
+    #                                a write there carries it); none from a MetaService before join tokens
 
 
 class Found(msgspec.Struct, array_like=True):

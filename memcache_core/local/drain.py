@@ -27,6 +27,7 @@ import time
 
 from .. import protocol as p
 from ..errors import MemCacheError, TransferFailed
+from ..fence import tokens
 from ..layout import footprint, payload_offset
 from ..rpc import Backoff, expect
 from ..transfer import CopyOp, TransferEngine
@@ -149,8 +150,8 @@ class Drainer:
 
     def _copy(self, engine: TransferEngine, moves: list[p.DrainMove], planned: float,
               report: type[p.DrainDone] | type[p.RepairDone], epoch: int) -> None:
-        """Copy the moves planned by MetaService ``epoch`` (a target whose owner re-joined since refuses
-        them: ``fence.py``) and report them."""
+        """Copy the moves planned in session ``epoch``, each under its target's join token (a target whose
+        owner re-joined since refuses them: ``fence.py``) and report them."""
         what = "drain" if report is p.DrainDone else "repair"
         ops = [self._op(m, epoch) for m in moves]
         if time.monotonic() - planned >= self.svc.session.pending_timeout_s / 2:
@@ -175,17 +176,19 @@ class Drainer:
             self.failed += sum(c != 0 for c in codes)
 
     def _op(self, m: p.DrainMove, epoch: int) -> CopyOp:
-        """The write of one move: from our segment's payload to the target's reserved space."""
+        """The write of one move: from our segment's payload to the target's reserved space, under the
+        fence token of the target's join it was planned in (none: ``epoch``, the session's)."""
         own = self.svc.segment
         assert own is not None
         try:
             if m.source_offset < 0 or m.source_offset + footprint(m.size) > own.size:
                 raise MemCacheError(f"move of {m.key!r} names offset {m.source_offset} outside the segment")
             seg = self.svc.segment_info(m.target.segment_id)
+            fence = tokens([m.fence] if m.fence else [], 1, epoch, f"move of {m.key!r}")[0]
         except MemCacheError as e:
             return CopyOp(_NOWHERE, 0, [], m.size, m.key, m.new_generation, error=e)
         return CopyOp(seg, m.target.offset, [(own.addr + payload_offset(m.source_offset), m.size)], m.size,
-                      m.key, m.new_generation, hash=True, epoch=epoch)
+                      m.key, m.new_generation, hash=True, epoch=fence)
 
 
 _NOWHERE = p.SegmentInfo(0, 0, "", "", "")

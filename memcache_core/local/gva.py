@@ -28,8 +28,9 @@ round trip) until half the pending timeout after the request left: the MetaServi
 object only at its deadline, and quarantines its space after that. A read is granted at
 ``batch_add_lease`` until the lease's end. Both are capped at ``lease_ttl_ms`` after the request left
 (a reclaimed object's space is quarantined at least that long; a restarted MetaService knows no pending
-object and no lease, and a write granted before it is refused by the target segment's write fence,
-``fence.py``, once its owner re-joined: each copy carries the epoch of the session it was granted in), and void
+object and no lease, and a write granted before it, or before the target's owner was declared dead and
+re-joined, is refused by the target segment's write fence, ``fence.py``, once its owner re-joined: each
+copy carries the fence token of the target's join its space was granted in), and void
 once the client opened a new MetaService connection (the sign of a restart) or the session changed.
 Past that, one ``Grant`` round trip renews them. Removing a lease, finishing or aborting an object, or
 describing a key again drops what was granted for it.
@@ -52,6 +53,7 @@ import xxhash
 from .. import errors
 from .. import protocol as p
 from ..errors import InvalidParameter, MemCacheError, check_keys
+from ..fence import tokens
 from ..layout import HEADER_BYTES, pack_header
 from ..rpc import expect
 from ..transfer import CopyOp
@@ -83,8 +85,8 @@ class Gva(Membership):
             return 0
 
     def _grant_cap(self, t0: float) -> float:
-        """No grant outlives this: reclaimed space is quarantined at least that long (a write granted by
-        a MetaService that restarted since is refused by the target segment's fence: ``fence.py``)."""
+        """No grant outlives this: reclaimed space is quarantined at least that long (a write granted
+        before the target's owner re-joined is refused by the target segment's fence: ``fence.py``)."""
         return t0 + self.session.lease_ttl_s
 
     @in_batches(aligned=1)
@@ -112,7 +114,13 @@ class Gva(Membership):
             if r.code != errors.SUCCESS:
                 out.append(errors.error_from_code(r.code, f"batch_alloc of {k!r} ({n} bytes) refused"))
                 continue
-            objs = [GvaObject(k, r.generation, loc.segment_id, loc.offset, n, True) for loc in r.locations]
+            try:
+                fences = tokens(r.fences, len(r.locations), book.session.epoch, f"batch_alloc of {k!r}")
+            except MemCacheError as e:
+                out.append(e)
+                continue
+            objs = [GvaObject(k, r.generation, loc.segment_id, loc.offset, n, True, fence)
+                    for loc, fence in zip(r.locations, fences, strict=True)]
             book.add(objs)
             book.grant(objs, True, [until] * len(objs), [t0 + pending_s] * len(objs), connects)
             out.append(None)
@@ -126,14 +134,20 @@ class Gva(Membership):
         reply = expect(self.member_call(lambda s: p.Info(s.client_id, s.token, list(keys))), p.InfoReply)
         book = self._book()
         out: list[tuple[p.Found | None, list[int]]] = []
-        for k, f, pending in zip(keys, reply.results, reply.pending, strict=True):
+        fences = reply.fences or [[] for _ in keys]   # (none: a MetaService before join tokens)
+        if len(fences) != len(keys):
+            raise InvalidParameter(f"the MetaService answered {len(fences)} fence lists for {len(keys)} keys")
+        for k, f, pending, fs in zip(keys, reply.results, reply.pending, fences, strict=True):
             if f is None:
                 book.forget([k])
                 out.append((None, []))
                 continue
+            marks = dict(zip(f.locations, tokens(fs, len(f.locations), book.session.epoch, f"gva_info of {k!r}")
+                             if pending else [0] * len(f.locations), strict=True))
             f.locations = self._replica_order(f.locations)
             known = book.objects(k)
-            objs = [GvaObject(k, f.generation, loc.segment_id, loc.offset, f.size, pending) for loc in f.locations]
+            objs = [GvaObject(k, f.generation, loc.segment_id, loc.offset, f.size, pending, marks[loc])
+                    for loc in f.locations]
             if known == objs:   # described again as it was: keep its GVAs, grants and digests
                 out.append((f, [book.gva_of(o) for o in objs]))
             else:
@@ -186,10 +200,9 @@ class Gva(Membership):
         if left_s is None:
             left_s = self._grant(book, spans, sizes, writing)
         hashing = writing and self.config.checksum
-        epoch = book.session.epoch   # every grant of this book came from that MetaService life
         ops = [CopyOp(self.segment_info(o.segment_id), o.offset, list(ps), n, o.key, o.generation,
                       hash=hashing and start == 0 and n == o.size, start=start, with_header=False,
-                      epoch=epoch if writing else 0)
+                      epoch=o.fence if writing else 0)   # the token of the join its space was granted in
                for (o, start), ps, n in zip(spans, pieces, sizes, strict=True)]
         t0 = time.monotonic()
         (self.engine.write if writing else self.engine.read)(ops)
@@ -295,7 +308,7 @@ class Gva(Membership):
                    for o in reps if o.key not in errs]
         ops = [CopyOp(self.segment_info(o.segment_id), o.offset, [(h.ctypes.data, HEADER_BYTES)], HEADER_BYTES, o.key,
                       o.generation, start=-HEADER_BYTES, with_header=False,   # the header's place, after the payload
-                      epoch=book.session.epoch)
+                      epoch=o.fence)
                for o, h in zip([o for o in reps if o.key not in errs], headers, strict=True)]
         self.engine.write(ops)
         for op in ops:

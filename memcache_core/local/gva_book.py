@@ -31,6 +31,7 @@ class GvaObject:
     offset: int            # where the object's header starts in the segment
     size: int
     pending: bool          # allocated by this client, not finished
+    fence: int = 0         # pending: the fence token its space was granted under (a write carries it: fence.py)
 
     @property
     def lo(self) -> int:

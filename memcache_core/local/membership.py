@@ -26,6 +26,7 @@ from .. import protocol as p
 from ..auth import AuthMismatch, default_secret_path, is_auth_mismatch
 from ..config import LocalConfig
 from ..errors import ConfigError, InvalidParameter, MemCacheError, MetaServiceUnavailable
+from ..fence import tokens
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
 from ..transfer import TransferEngine
@@ -201,8 +202,9 @@ class Membership:
         # MetaService may hand that space out, and the scan sees every header of a put that succeeds
         with self.arenas.lock if self.arenas is not None else contextlib.nullcontext():
             if self.segment is not None:
-                # close our segment's fence and wait out every write in flight into it: none granted by
-                # a MetaService before this Join lands once the new one may give its space away (fence.py)
+                # close our segment's fence and wait out every write in flight into it: none granted before
+                # this Join (by an earlier MetaService, or by this one before it declared us dead) lands
+                # once the MetaService may give its space away (fence.py)
                 self.segment.fence.move(0)
             objects = recovery.scan(self.segment) if recover and self.segment is not None else []
             old = self.session
@@ -214,7 +216,7 @@ class Membership:
             parts = max(1, -(-len(objects) // k), -(-len(on_disk) // k))
             reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
                                          objects[:k], old.token, on_disk[:k], self.generation_ceiling,
-                                         more=parts > 1), probe=True)
+                                         more=parts > 1, fences=True), probe=True)
             j = expect(reply, p.Joined)
             for i in range(1, parts):
                 expect(self.rpc.call(p.Report(j.client_id, j.token, objects[i * k:(i + 1) * k],
@@ -223,8 +225,8 @@ class Membership:
             seg = None
             if self._segment_template is not None:
                 seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
-            if self.segment is not None:
-                self.segment.fence.move(j.meta_epoch)   # writes granted by this MetaService land from now on
+            if self.segment is not None:   # writes granted in this join land from now on (none: by its epoch)
+                self.segment.fence.move(tokens([j.fence] if j.fence else [], 1, j.meta_epoch, "Joined")[0])
             if self.data_server is not None:
                 self.data_server.serve_segment(j.client_id)   # requests for any other segment are refused
             with self._lock:
@@ -305,7 +307,8 @@ class Membership:
 
     def member_call_in(self, make: Callable[[Session], p.Request]) -> tuple[p.Reply, Session]:
         """``member_call``, and the session it was answered in: a write into space that reply granted
-        carries that session's epoch (``CopyOp.epoch``), never a later one's."""
+        carries the reply's fence tokens, or (none: a MetaService before them) that session's epoch
+        (``CopyOp.epoch``, ``fence.tokens``), never a later one's."""
         s = self.session
         try:
             return self.rpc.call(make(s)), s

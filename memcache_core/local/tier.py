@@ -28,6 +28,7 @@ from .. import protocol as p
 from ..auth import disk_record_key
 from ..config import parse_size
 from ..errors import ChecksumMismatch, KeyNotFound, MemCacheError
+from ..fence import tokens
 from ..layout import pack_header, payload_offset
 from ..memory import view_at
 from ..rpc import expect
@@ -202,14 +203,19 @@ class DiskTier:
             off = r.locations[0].offset
             # as a put: once half the pending timeout has passed, the space may be given back; do not write
             late = time.monotonic() - t0 >= self.svc.session.pending_timeout_s / 2
-            ok = not late and self._copy_in(key, size, checksum, r.generation, off, granted_in.epoch)
+            try:
+                fence = tokens(r.fences, 1, granted_in.epoch, f"promotion of {key!r}")[0]
+            except MemCacheError as e:
+                logger.info("%s", e)
+                late, fence = True, 0
+            ok = not late and self._copy_in(key, size, checksum, r.generation, off, fence)
             done.append((key, off, ok))
             codes.append(errors.SUCCESS if ok else errors.DISK_IO_ERROR)
         return self._report_promoted(done, codes, items)
 
     def _copy_in(self, key: str, size: int, checksum: int, generation: int, off: int, epoch: int) -> bool:
-        """Copy a record into the space MetaService ``epoch`` granted in our segment (refused by the
-        segment's fence if we re-joined since: ``fence.py``)."""
+        """Copy a record into the space granted in our segment under fence token ``epoch`` (refused by
+        the segment's fence if we re-joined since: ``fence.py``)."""
         seg = self.svc.segment
         assert seg is not None
         try:

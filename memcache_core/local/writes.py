@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from .. import errors
 from .. import protocol as p
 from ..errors import MemCacheError, valid_key
+from ..fence import tokens
 from ..rpc import Backoff, expect
 from ..transfer import CopyOp
 from .arena import ArenaWriter
@@ -45,7 +46,7 @@ class Writes(Membership):
             sizes = {k: sizes[k] for k in todo}   # what is left for the two-phase put
         else:
             stored = False
-        epochs: dict[str, int] = {}   # key -> the MetaService epoch its space was granted in
+        epochs: dict[str, list[int]] = {}   # key -> per location, the fence token its space was granted under
         allocated = self._alloc(sizes, replicas, preferred, results, todo, epochs) if todo else {}
         self._note_partial(allocated, replicas)
         s = self.session   # the session the allocation was made in (a re-join may have replaced it)
@@ -70,9 +71,9 @@ class Writes(Membership):
 
     def _alloc(self, sizes: dict[str, int], replicas: int, preferred: Sequence[int],
                results: list[MemCacheError | None], todo: dict[str, int],
-               epochs: dict[str, int]) -> dict[str, p.AllocResult]:
+               epochs: dict[str, list[int]]) -> dict[str, p.AllocResult]:
         """Allocate space; wait out other writers' pending puts of the same keys (bounded). ``epochs``:
-        filled with the MetaService epoch each key's space was granted in."""
+        filled with the fence tokens each key's space was granted under (``fence.py``)."""
         allocated: dict[str, p.AllocResult] = {}
         want = list(sizes)
         deadline = time.monotonic() + min(self.session.pending_timeout_s / 2, self.config.client_timeout_seconds)
@@ -90,8 +91,12 @@ class Writes(Membership):
             busy, existing = [], {}
             for k, res in zip(want, reply.results, strict=True):
                 if res.code == errors.SUCCESS:
+                    try:
+                        epochs[k] = tokens(res.fences, len(res.locations), granted_in.epoch, f"put of {k!r}")
+                    except MemCacheError as e:
+                        results[todo[k]] = e
+                        continue
                     allocated[k] = res
-                    epochs[k] = granted_in.epoch
                 elif res.code == errors.WRITE_IN_PROGRESS:
                     busy.append(k)
                 elif res.code == errors.OBJECT_ALREADY_EXISTS:   # existing: these bytes are stored...
@@ -140,7 +145,8 @@ class Writes(Membership):
                            len(short), short[0], len(allocated[short[0]].locations), replicas)
 
     def _copy(self, s: Session, allocated: dict[str, p.AllocResult], pieces: Sequence[Pieces],
-              results: list[MemCacheError | None], todo: dict[str, int], epochs: dict[str, int]) -> list[CopyOp]:
+              results: list[MemCacheError | None], todo: dict[str, int], epochs: dict[str, list[int]],
+              ) -> list[CopyOp]:
         """Write every allocated replica; a copy that cannot start in time fails instead, and one whose
         segment's owner re-joined since its space was granted is refused by the segment's fence."""
         t_alloc = time.monotonic()
@@ -158,19 +164,20 @@ class Writes(Membership):
         return ops
 
     def _write_ops(self, allocated: dict[str, p.AllocResult], pieces: Sequence[Pieces],
-                   results: list[MemCacheError | None], todo: dict[str, int], epochs: dict[str, int]) -> list[CopyOp]:
+                   results: list[MemCacheError | None], todo: dict[str, int], epochs: dict[str, list[int]],
+                   ) -> list[CopyOp]:
         ops: list[CopyOp] = []
         for key, res in allocated.items():
             i = todo[key]
             size = sum(n for _, n in pieces[i])
-            for loc in res.locations:
+            for loc, fence in zip(res.locations, epochs[key], strict=True):
                 try:
                     seg = self.segment_info(loc.segment_id)
                 except MemCacheError as e:
                     results[i] = e
                     break
                 ops.append(CopyOp(seg, loc.offset, list(pieces[i]), size, key, res.generation,
-                                  hash=self.config.checksum, epoch=epochs[key]))
+                                  hash=self.config.checksum, epoch=fence))
         return ops
 
     def _finish_put(self, s: Session, allocated: dict[str, p.AllocResult], ops: list[CopyOp],

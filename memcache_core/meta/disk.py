@@ -168,7 +168,7 @@ def promote(t: ObjectTable, sid: int, keys: list[str], now: float) -> list[p.All
                 out.append(p.AllocResult(errors.OUT_OF_MEMORY))
                 continue
             t.promoting[(k, sid)] = (obj.generation, off, now + t.pending_timeout_s, obj.size)
-            out.append(p.AllocResult(errors.SUCCESS, obj.generation, [p.Location(sid, off)]))
+            out.append(p.AllocResult(errors.SUCCESS, obj.generation, [p.Location(sid, off)], [seg.fence]))
     return out
 
 

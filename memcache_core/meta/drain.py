@@ -203,7 +203,7 @@ class Drains:
                      now + self.move_timeout_s)
             d.moves[key] = m
             out.append(p.DrainMove(key, obj.size, src.offset, obj.generation, obj.checksum, m.new_generation,
-                                   p.Location(target.info.segment_id, off)))
+                                   p.Location(target.info.segment_id, off), target.fence))
         return out
 
     def _room_may_come(self, now: float) -> bool:

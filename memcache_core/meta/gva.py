@@ -33,12 +33,16 @@ def info(t: ObjectTable, cid: int, keys: list[str]) -> p.InfoReply:
     """Committed objects, and the caller's own unfinished ones (flagged ``pending``); no lease."""
     results: list[p.Found | None] = []
     pending: list[bool] = []
+    fences: list[list[int]] = []   # a pending object's places: their segments' join tokens (fence.py)
     for k in keys:
         obj = t.objects.get(k)
         mine = obj is not None and not obj.committed and obj.owner == cid
-        results.append(obj.found() if obj is not None and (obj.committed or mine) else None)
+        f = obj.found() if obj is not None and (obj.committed or mine) else None
+        results.append(f)
         pending.append(mine)
-    return p.InfoReply(results, pending)
+        fences.append([t.segments[loc.segment_id].fence if loc.segment_id in t.segments else 0
+                       for loc in f.locations] if mine and f is not None else [])
+    return p.InfoReply(results, pending, fences)
 
 
 def add_lease(t: ObjectTable, cid: int, keys: list[str], generations: list[int], ttl_s: float,

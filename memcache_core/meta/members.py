@@ -90,18 +90,21 @@ class Membership:
         self.table.bump_generation(req.generation_ceiling)
         if cid in self.members:
             self._drop_member(cid, "re-joined")
-        seg_id = None
+        seg_id, fence = None, 0
         if req.segment is not None:
             seg_id = cid
             info = msgspec.structs.replace(req.segment, segment_id=cid)
             # Reads leased by a previous MetaService (or before this member was declared dead) may
             # still be copying out of the reported objects' neighbourhood: no new object goes into a
-            # re-joined segment until such a lease would have ended. (Writers granted by a previous
-            # MetaService need no grace: the owner's write fence refuses them from its re-join on, fence.py.)
+            # re-joined segment until such a lease would have ended. (Writers granted before this join, by
+            # a previous MetaService or by this one, need no grace: each join has a fresh fence token,
+            # and the owner's write fence refuses every other from its re-join on, fence.py.)
             grace = now + self.config.lease_ttl_ms / 1000.0 if req.objects or req.more else 0.0
             refused = self.table.add_segment(info, req.objects, alloc_after=grace,   # more: ``Report``s follow
                                              recovering=self.repairs.settling(now), now=now, more=req.more)
             seg = self.table.segments[seg_id]
+            # this join's fence token: fresh at every join (fence.py); an owner of an older build fences by our epoch
+            seg.fence = fence = seg.fence if req.fences else self.epoch
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)
             if req.objects:
@@ -117,7 +120,7 @@ class Membership:
         self.member_events["joins"] += 1
         self.members[cid] = Member(cid, req.host_id, req.pid, seg_id, now, token, req.token)
         return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token,
-                        generation_ceiling=self.table.gen_ceiling)
+                        generation_ceiling=self.table.gen_ceiling, fence=fence)
 
     def _heartbeat(self, cid: int, token: bytes, ack: int, now: float, moved: list[p.SegmentBytes]) -> p.Reply:
         m = self.members.get(cid)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from ..fence import new_token
 from ..records import Found, JournalEntry, Location, ObjectReport, SegmentInfo
 from .allocator import Allocator
 from .lru import OUT, Links, Lru
@@ -223,6 +224,7 @@ class Segment:
         self.serial = 0                 # this incarnation of the segment (``ObjectTable.add_segment``)
         self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
         self.arena: Any = None          # the owner's allocation arena (meta/arena.py), if it holds one
+        self.fence = new_token()        # this join's fence token: every grant of space here carries it (fence.py)
 
     def record_removed(self, report: ObjectReport, disk: bool = False) -> None:
         """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header;

@@ -75,7 +75,8 @@ class Copy:
 
     def move(self) -> p.DrainMove:
         return p.DrainMove(self.key, self.size, self.source_offset, self.generation, self.checksum,
-                           self.generation, p.Location(self.target.info.segment_id, self.target_offset))
+                           self.generation, p.Location(self.target.info.segment_id, self.target_offset),
+                           self.target.fence)
 
 
 @dataclasses.dataclass

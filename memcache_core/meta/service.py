@@ -194,6 +194,12 @@ class MetaServiceCore(Membership):
                 return self._disk_request(req, self._member(req.client_id, req.token, now), now)
         return p.Error(errors.INVALID_PARAM, f"unsupported request {type(req).__name__}")
 
+    def _granted(self, code: int, gen: int, locs: list[p.Location]) -> p.AllocResult:
+        """An Alloc's result; space granted carries its segments' join tokens (fence.py)."""
+        if code != errors.SUCCESS:
+            return p.AllocResult(code, gen, locs)
+        return p.AllocResult(code, gen, locs, [self.table.segments[loc.segment_id].fence for loc in locs])
+
     def _member_request(self, req: p.Request, member: Member, now: float) -> p.Reply:
         """Requests that act as a member: only with that member's token (issued at Join)."""
         t, cid = self.table, member.client_id
@@ -202,8 +208,8 @@ class MetaServiceCore(Membership):
                 validate.alloc(req)
                 pref = self._preferred(preferred)
                 policy, own, segs, rng = self.config.placement_policy, member.segment_id, t.segments, self.rng
-                return p.AllocReply([p.AllocResult(*t.alloc(cid, k, s, replicas,
-                                                             placement.order(policy, segs, own, rng), now, pref))
+                return p.AllocReply([self._granted(*t.alloc(cid, k, s, replicas,
+                                                            placement.order(policy, segs, own, rng), now, pref))
                                      if self._within_quota(cid, s, replicas, now) else REFUSED
                                      for k, s in zip(keys, sizes, strict=True)])
             case p.Commit(keys=keys, generations=gens, checksums=sums):

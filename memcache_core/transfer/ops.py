@@ -23,8 +23,9 @@ class CopyOp:
     object is finished, after all its bytes); such ops carry no hash.
     A read with ``fallback`` (another replica or a disk record can serve it) waits on a TCP peer at
     most ``tcp.Deadline(stall_s, bytes)``, not the whole client timeout.
-    A write's ``epoch`` is the MetaService life its space was granted in: it lands only while the
-    segment's owner is joined to that same life (``fence.py``); 0: not fenced.
+    A write's ``epoch`` is the fence token of the segment's join its space was granted in (or, from a
+    MetaService before join tokens, its epoch): it lands only while the owner's fence holds that same
+    value, i.e. the owner has not re-joined since (``fence.py``); 0: not fenced.
     """
 
     segment: SegmentInfo
@@ -39,7 +40,7 @@ class CopyOp:
     start: int = 0
     with_header: bool = True
     fallback: bool = False    # a read with somewhere else to go: a peer that stalls gets ``stall_s``, not the timeout
-    epoch: int = 0            # a write's: the MetaService epoch that granted its space (0: not fenced)
+    epoch: int = 0            # a write's: the fence token its space was granted under (0: not fenced)
 
     @property
     def payload_offset(self) -> int:

@@ -12,13 +12,13 @@ against the segment before anything is read from or written to it), ``IDLE_TIMEO
 Wire format (little endian). Request: ``b"MCD2"``, op (1 read, 2 write, 5 fenced write; 3 and 4 are
 ``disk_wire.py``'s), range count, the segment id the request is for (no wildcard: a joined provider's
 server refuses any id it was not given, 0 included; only a bare server, whose owner has not joined,
-serves any), for a fenced write the MetaService epoch that granted its space (u64), then
+serves any), for a fenced write the fence token its space was granted under (u64), then
 ``(offset, length)`` per range, then the session's MAC of all that (``auth.Session``: a relay that
 forwarded the handshake cannot inject a request); a write is followed by the ranges' bytes back to
 back. Answer: ``(status, length)`` and its MAC; a successful read is followed by the bytes. A server
 that serves another segment (a provider restarted on the address of a dead one a reader still
 lists) answers ``WRONG_SEGMENT`` and moves nothing: the reader gets ``PeerUnavailable``. A fenced
-write lands only while the owner is joined to that epoch (``fence.py``); otherwise the answer is
+write lands only while the owner's fence holds that token (``fence.py``); otherwise the answer is
 ``STALE_GRANT`` and nothing is written (the writer gets ``StaleGrant``). The
 payload bytes carry no MAC (it would cost more than the copy: docs/security.md): every object's
 checksum, verified by its readers, makes altered bytes a miss. The server sends from and receives
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"MCD2"
 OP_READ, OP_WRITE, OP_WRITE_FENCED = 1, 2, 5   # (3 and 4: disk_wire.py)
 HEAD = struct.Struct("<4sBIQ")     # magic, op, count, segment id
-EPOCH = struct.Struct("<Q")        # a fenced write's: the MetaService epoch that granted its space
+EPOCH = struct.Struct("<Q")        # a fenced write's: the fence token its space was granted under
 WRONG_SEGMENT = LOCAL_NOT_CONNECTED   # the answer's status: this server serves another segment
 STALE_GRANT = STATE_MISMATCH          # the answer's status: the write's epoch is not the owner's
 RANGE = struct.Struct("<QQ")
@@ -280,7 +280,7 @@ class TcpClient:
                 raise PeerUnavailable(f"data server {addr} does not serve segment {peer[1]} (it left; another "
                                       f"process listens there now): nothing moved")
             if status == STALE_GRANT:
-                raise StaleGrant(f"data server {addr} refused a write granted by MetaService epoch {epoch}: its "
+                raise StaleGrant(f"data server {addr} refused a write granted under fence token {epoch}: its "
                                  f"owner re-joined since (the space may hold another object now); nothing written")
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
@@ -315,8 +315,8 @@ class TcpClient:
         return self._once_more_if_stale(attempt)
 
     def write(self, addr: str, ops: list[Op], segment_id: int = 0, epoch: int = 0) -> None:
-        """Write ``ops`` into segment ``segment_id``; ``epoch``: the MetaService epoch that granted the
-        space (the server refuses the write if its owner is joined to another; 0: not fenced)."""
+        """Write ``ops`` into segment ``segment_id``; ``epoch``: the fence token the space was granted
+        under (the server refuses the write if its owner's fence holds another; 0: not fenced)."""
         self._request((addr, segment_id), OP_WRITE, ops, epoch=epoch)
 
     def forget(self, addr: str, segment_id: int = 0) -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 
-from memcache_core.fence import StaleGrant
+from memcache_core import protocol as p
+from memcache_core.errors import InvalidParameter
+from memcache_core.fence import MAX_TOKEN, StaleGrant, new_token, tokens
 from memcache_core.local.segment import create_segment
 from memcache_core.memory import Mapping
 from memcache_core.testing import wait_for
@@ -38,7 +41,7 @@ def test_a_write_lands_only_under_the_owners_epoch(pair):
     with peer.fence.writing(5):
         pass
     for stale in (4, 6):
-        with pytest.raises(StaleGrant, match=f"granted by MetaService epoch {stale}"):
+        with pytest.raises(StaleGrant, match=f"granted under fence token {stale}"):
             with peer.fence.writing(stale):
                 pytest.fail("a write of another epoch started")
     with peer.fence.writing(0):
@@ -103,3 +106,44 @@ def test_threads_of_one_process_share_its_holding(pair):
         peer.fence.leave()
     wait_for(moved.is_set, 5, "the owner's move once the second copy ended")
     t.join()
+
+
+def test_every_join_gets_a_fresh_token():
+    """Join tokens (the MetaService's, one per Join of a segment) are 63-bit, never 0, and differ from
+    join to join (a re-join of the same MetaService gets another: docs/design.md)."""
+    drawn = {new_token() for _ in range(10_000)}
+    assert len(drawn) == 10_000
+    assert all(0 < t <= MAX_TOKEN for t in drawn)
+
+
+def test_a_grants_tokens_are_validated():
+    """A writer takes the fence tokens of a grant only when there is one per place, each in
+    [1, 2^63 - 1] (a value it would otherwise write into a fence or a TCP request); a grant with none
+    (a MetaService of a build before join tokens) falls back on the session's epoch."""
+    assert tokens([], 2, 77, "put") == [77, 77]
+    assert tokens([5, 9], 2, 77, "put") == [5, 9]
+    for bad in ([5], [5, 9, 1], [0, 9], [-1, 9], [5, MAX_TOKEN + 1]):
+        with pytest.raises(InvalidParameter, match="fence tokens"):
+            tokens(bad, 2, 77, "put")
+
+
+def test_the_tokens_ride_the_replies_and_an_older_peer_decodes_them():
+    """``AllocResult.fences``, ``DrainMove.fence`` and ``Joined.fence`` round-trip; an array-like
+    record of an older build (no such field) decodes to no token, and one with the field decodes
+    in an older build's reader (trailing fields are ignored)."""
+    res = p.AllocResult(0, 3, [p.Location(1, 64)], [12345])
+    wire = msgspec.msgpack.encode(p.AllocReply([res]))
+    assert p.reply_decoder.decode(wire) == p.AllocReply([res])
+    old = msgspec.msgpack.encode([0, 3, [[1, 64]]])   # an older MetaService's result
+    assert msgspec.msgpack.decode(old, type=p.AllocResult).fences == []
+
+    class OldAllocResult(msgspec.Struct, array_like=True):
+        code: int
+        generation: int = 0
+        locations: list[p.Location] = []
+
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(res), type=OldAllocResult).locations == [p.Location(1, 64)]
+    move = p.DrainMove("k", 10, 0, 3, 0, 4, p.Location(2, 128), 999)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(move), type=p.DrainMove).fence == 999
+    joined = p.Joined(7, 11, 1000, 2000, b"t", fence=424242)
+    assert p.reply_decoder.decode(msgspec.msgpack.encode(joined)) == joined
