@@ -64,8 +64,9 @@ class MooncakeMaster:
         rpc, meta, metrics = free_port(), free_port(), free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [exe, f"--rpc_port={rpc}", "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={meta}", f"--metrics_port={metrics}"],
+            [exe, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+             "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={meta}",
+             "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.spec = {"master_addr": f"127.0.0.1:{rpc}", "metadata_url": f"http://127.0.0.1:{meta}/metadata"}
         deadline = time.monotonic() + 30

@@ -3,6 +3,7 @@ DistributedObjectStore and Mooncake Store's MooncakeDistributedStore behind the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -100,6 +101,10 @@ class MooncakeClient:
         """Mooncake Store has no payload checksums: there is nothing to switch."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
+        # its servers on loopback: the client's RPC port on local_hostname's address (127.0.0.1) rather
+        # than every address, and the TCP transport's listening socket (benchmarks/README.md, Mooncake)
+        os.environ.setdefault("MC_LEGACY_RPC_PORT_BINDING", "1")
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         self._rc = ReplicateConfig
         self.store = MooncakeDistributedStore()

@@ -51,9 +51,14 @@ class LocalMetrics:
                               "LocalService's segment through its data server (the serving side of host_tcp: a "
                               "provider's traffic), per path and direction (read: peers read from it).", labels,
                               registry=self.registry)
+        # the labelled children, looked up once each (``labels()`` takes a lock and hashes its labels on
+        # every call); created on first use as before, so the exported series are the same
+        self._moves: dict[tuple[str, bool], tuple[Any, Any]] = {}       # (path, read?) -> (bytes, seconds)
+        self._serves: dict[tuple[str, bool], Any] = {}                  # (path, read?) -> served
+        self._early: dict[str, Any] = {}                                # outcome -> early_reads
         for path in ("host_shm", "host_tcp"):   # present from the start: an idle provider shows 0
             for d in ("read", "write"):
-                self.served.labels(path, d)
+                self._serves[path, d == "read"] = self.served.labels(path, d)
         self._moved: dict[int, list[int]] = {}   # segment -> [read, written] through shm, for the heartbeat
         self._moved_lock = threading.Lock()
         self.meta_restarts = Counter("memcache_local_meta_restarts", "MetaService restarts this LocalService "
@@ -74,11 +79,22 @@ class LocalMetrics:
                                      registry=self.registry)
 
     def transfer(self, path: str, reading: bool, nbytes: int, seconds: float, failed: int) -> None:
-        d = "read" if reading else "write"
-        self.bytes.labels(path, d).inc(nbytes)
-        self.seconds.labels(path, d).observe(seconds)
+        children = self._moves.get((path, reading))
+        if children is None:
+            d = "read" if reading else "write"
+            children = self._moves[path, reading] = (self.bytes.labels(path, d), self.seconds.labels(path, d))
+        children[0].inc(nbytes)
+        children[1].observe(seconds)
         if failed:
-            self.failures.labels(path, d).inc(failed)
+            self.failures.labels(path, "read" if reading else "write").inc(failed)
+
+    def early_read(self, used: int, discarded: int) -> None:
+        """Objects of a Lookup's early copies that were used, and discarded (``local/reads.py``)."""
+        early = self._early
+        if not early:
+            early.update(used=self.early_reads.labels("used"), discarded=self.early_reads.labels("discarded"))
+        early["used"].inc(used)
+        early["discarded"].inc(discarded)
 
     def moved_shm(self, reading: bool, per_segment: list[tuple[int, int]]) -> None:
         """Bytes this LocalService copied out of / into segments through shared memory."""
@@ -93,7 +109,10 @@ class LocalMetrics:
         return [SegmentBytes(sid, r, w) for sid, (r, w) in moved.items()]
 
     def serve(self, path: str, reading: bool, nbytes: int) -> None:
-        self.served.labels(path, "read" if reading else "write").inc(nbytes)
+        child = self._serves.get((path, reading))
+        if child is None:
+            child = self._serves[path, reading] = self.served.labels(path, "read" if reading else "write")
+        child.inc(nbytes)
 
     def watch_disk(self, counters: Callable[[], dict[str, int]]) -> None:
         """Export this provider's disk tier (``local/tier.py`` ``DiskTier.counters``) at each scrape."""

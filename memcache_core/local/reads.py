@@ -137,8 +137,7 @@ class Reads(Membership):
                     suspect.add(i)
         discarded = len(early.ops) - len(done)
         self.hints.outcome(len(done), discarded)
-        self.metrics.early_reads.labels("used").inc(len(done))
-        self.metrics.early_reads.labels("discarded").inc(discarded)
+        self.metrics.early_read(len(done), discarded)
         return ([i for i in todo if i not in done] if done else todo), suspect
 
     def _lookup(self, keys: Sequence[str], valid: list[int], early: _Early | None

@@ -28,23 +28,34 @@ _ANSWER = struct.Struct("<iQ")
 Item = tuple[str, int, int, list[tuple[int, int]]]   # key, size, checksum, destination pieces
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_exact(sock, memoryview(buf))
-    return bytes(buf)
+class _Reader:
+    """A request's bytes: first those the data server already received with its head, then the socket's."""
+
+    def __init__(self, sock: socket.socket, pre: bytes | bytearray) -> None:
+        self.sock, self.pre = sock, bytes(pre)
+
+    def __call__(self, n: int) -> bytes:
+        take, self.pre = self.pre[:n], self.pre[n:]
+        if len(take) == n:
+            return take
+        buf = bytearray(n)
+        buf[:len(take)] = take
+        recv_exact(self.sock, memoryview(buf)[len(take):])
+        return bytes(buf)
 
 
 def read_items(conn: socket.socket, session: Session, head: bytes | bytearray,
-               n: int) -> list[tuple[str, int, int]] | None:
+               n: int, pre: bytes | bytearray = b"") -> list[tuple[str, int, int]] | None:
     """The (key, size, checksum) a peer asks for, or None when the request is malformed or fails
-    the session's MAC."""
+    the session's MAC; ``pre``: the request's bytes after ``head`` the data server already received."""
+    _recv = _Reader(conn, pre)
     items, raw = [], bytearray(head)
     for _ in range(n):
-        item = _recv(conn, _ITEM.size)
+        item = _recv(_ITEM.size)
         size, checksum, klen = _ITEM.unpack(item)
         if not 0 < klen < MAX_KEY_BYTES or not 0 < size <= MAX_OBJECT_BYTES:
             return None
-        name = _recv(conn, klen)
+        name = _recv(klen)
         raw += item
         raw += name
         try:
@@ -52,16 +63,16 @@ def read_items(conn: socket.socket, session: Session, head: bytes | bytearray,
         except UnicodeDecodeError:
             return None
         items.append((key, size, checksum))
-    if not session.check(_recv(conn, session.size), raw):
+    if not session.check(_recv(session.size), raw):
         return None
     return items
 
 
 def serve(conn: socket.socket, session: Session, head: bytes | bytearray, op: int, n: int, disk: Any,
-          refused: int = 0) -> bool:
+          refused: int = 0, pre: bytes | bytearray = b"") -> bool:
     """Answer one disk request (``refused``: a code answered for every object instead); False when it
-    was malformed (the connection is then closed)."""
-    items = read_items(conn, session, head, n)
+    was malformed (the connection is then closed). ``pre``: its bytes after ``head`` already received."""
+    items = read_items(conn, session, head, n, pre)
     if items is None:
         return False
     if disk is None or refused:

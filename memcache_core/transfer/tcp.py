@@ -59,6 +59,7 @@ WRONG_SEGMENT = LOCAL_NOT_CONNECTED   # the answer's status: this server serves 
 STALE_GRANT = STATE_MISMATCH          # the answer's status: the write's epoch is not the owner's
 RANGE = struct.Struct("<QQ")
 ANSWER = struct.Struct("<iQ")
+SCATTER_MAX = 64   # pieces moved with one sendmsg / recvmsg_into (below the kernel's IOV_MAX of 1,024)
 
 Op = tuple[int, list[tuple[int, int]]]   # (segment offset, [(local pointer, size), ...])
 
@@ -101,6 +102,28 @@ def _recv_by(sock: socket.socket, view: memoryview, deadline: Deadline | None) -
         if r == 0:
             raise ConnectionError("peer closed the connection")
         got += r
+
+
+def _answer(sock: socket.socket, session: Session, dest: list[memoryview], deadline: Deadline | None,
+            addr: str) -> tuple[int, int]:
+    """The answer's status, and how many bytes of the read's payload came with it into ``dest``: one
+    ``recvmsg_into`` takes the answer and what of the payload is there (a small read: all of it) where
+    the socket has it (not TLS). A payload reaches ``dest`` only behind an answer of status 0."""
+    if not dest or len(dest) >= SCATTER_MAX or isinstance(sock, ssl.SSLSocket):
+        return ANSWER.unpack(recv_sealed(sock, session, ANSWER.size, f"the answer of {addr}"))[0], 0
+    got = bytearray(ANSWER.size + session.size)
+    n = sock.recvmsg_into([got, *dest])[0]
+    if n == 0:
+        raise ConnectionError("peer closed the connection")
+    if n < len(got):
+        _recv_by(sock, memoryview(got)[n:], deadline)
+        n = len(got)
+    if not session.check(memoryview(got)[ANSWER.size:], memoryview(got)[:ANSWER.size]):
+        raise TransferFailed(f"the answer of {addr} failed the connection's MAC (a relay's or altered bytes)")
+    status = ANSWER.unpack_from(got)[0]
+    if status != 0 and n > len(got):
+        raise TransferFailed(f"data server {addr} sent bytes behind a refusal (status {status})")
+    return status, n - len(got)
 
 
 def tune(sock: socket.socket) -> None:
@@ -272,9 +295,10 @@ class TcpClient:
                 for _, pieces in ops:
                     for ptr, size in pieces:
                         s.sendall(view_at(ptr, size))
+            dest = [view_at(ptr, size) for _, pieces in ops for ptr, size in pieces] if op == OP_READ else []
             if deadline is not None:
                 deadline.arm(s)     # the answer is a few bytes: one receive
-            status, _total = ANSWER.unpack(recv_sealed(s, link.session, ANSWER.size, f"the answer of {addr}"))
+            status, landed = _answer(s, link.session, dest, deadline, addr)
             link.answered = True
             if status == WRONG_SEGMENT:
                 raise PeerUnavailable(f"data server {addr} does not serve segment {peer[1]} (it left; another "
@@ -284,10 +308,12 @@ class TcpClient:
                                  f"owner re-joined since (the space may hold another object now); nothing written")
             if status != 0:
                 raise TransferFailed(f"data server {addr} refused the request (status {status})")
-            if op == OP_READ:
-                for _, pieces in ops:
-                    for ptr, size in pieces:
-                        _recv_by(s, view_at(ptr, size), deadline)
+            for v in dest:   # (a read's) what did not come with the answer
+                if landed >= len(v):
+                    landed -= len(v)
+                    continue
+                _recv_by(s, v[landed:], deadline)
+                landed = 0
             if deadline is not None:
                 s.settimeout(self.timeout_s)   # back in the pool: the next request sets its own
 

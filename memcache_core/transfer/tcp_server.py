@@ -30,6 +30,7 @@ from .tcp import (
     OP_WRITE,
     OP_WRITE_FENCED,
     RANGE,
+    SCATTER_MAX,
     STALE_GRANT,
     WRONG_SEGMENT,
     tune,
@@ -180,48 +181,63 @@ class DataServer:
                 self._forget_preauth(pending)
 
     def _serve(self, conn: socket.socket, pending: _Handshaking) -> None:
-        head = bytearray(HEAD.size)
         try:
             conn, session = self._handshake(conn, pending)
             if session is None:
                 return
             conn.settimeout(self.idle_timeout_s)
-            tag = bytearray(session.size)
+            # the smallest request (one range) is read with one receive; every request is at least that long,
+            # so the bytes read belong to this request whatever it turns out to be
+            first = bytearray(HEAD.size + RANGE.size + session.size)
+            scatter = self.tls is None   # an SSL socket has no sendmsg
             while True:
-                recv_exact(conn, memoryview(head))
-                magic, op, n, sid = HEAD.unpack(head)
+                got = conn.recv_into(first)
+                if got == 0:
+                    return
+                if got < HEAD.size:
+                    recv_exact(conn, memoryview(first)[got:HEAD.size])
+                    got = HEAD.size
+                magic, op, n, sid = HEAD.unpack_from(first)
                 if magic != MAGIC or op not in (OP_READ, OP_WRITE, OP_WRITE_FENCED, *DISK_OPS) or not 0 < n <= MAX_RANGES:
                     if magic != MAGIC and magic[:3] == MAGIC[:3]:
                         self._other_version(bytes(magic))
                     return
                 if op in DISK_OPS:
-                    if not disk_wire.serve(conn, session, head, op, n, self.disk,
-                                           WRONG_SEGMENT if self._refuses(sid) else 0):
+                    if not disk_wire.serve(conn, session, first[:HEAD.size], op, n, self.disk,
+                                           WRONG_SEGMENT if self._refuses(sid) else 0, first[HEAD.size:got]):
                         return
                     continue
                 fenced = op == OP_WRITE_FENCED
-                raw = bytearray(n * RANGE.size + (EPOCH.size if fenced else 0))
-                recv_exact(conn, memoryview(raw))
-                recv_exact(conn, memoryview(tag))
-                if not session.check(tag, head, raw):
+                end = HEAD.size + n * RANGE.size + (EPOCH.size if fenced else 0)   # where the MAC starts
+                req = first
+                if got < end + session.size:
+                    if end + session.size > len(first):
+                        req = bytearray(end + session.size)
+                        req[:got] = first[:got]
+                    recv_exact(conn, memoryview(req)[got:])
+                view = memoryview(req)
+                if not session.check(view[end:], view[:end]):
                     logger.warning("data server %s: a request failed the connection's MAC (injected or altered); "
                                    "closing the connection", self.addr)
                     return
-                epoch = EPOCH.unpack_from(raw)[0] if fenced else 0
-                at = EPOCH.size if fenced else 0
-                ranges = [RANGE.unpack_from(raw, at + i * RANGE.size) for i in range(n)]
+                at = HEAD.size + (EPOCH.size if fenced else 0)
+                if n == 1:
+                    ranges = [RANGE.unpack_from(req, at)]
+                else:
+                    ranges = [RANGE.unpack_from(req, at + i * RANGE.size) for i in range(n)]
                 total = sum(length for _, length in ranges)
                 if self._refuses(sid):
                     conn.sendall(sealed(session, ANSWER.pack(WRONG_SEGMENT, 0)))
                     return  # the write payload (if any) is not drained: close the connection
-                if any(off + length > self.mapping.size for off, length in ranges):
+                size = self.mapping.size
+                if any(off + length > size for off, length in ranges):
                     conn.sendall(sealed(session, ANSWER.pack(-1, 0)))
                     return  # the write payload (if any) is not drained: close the connection
                 if op == OP_READ:
-                    conn.sendall(sealed(session, ANSWER.pack(0, total)))
-                    for off, length in ranges:
-                        conn.sendall(self.mapping.view(off, length))
-                elif not self._write(conn, session, ranges, total, epoch):
+                    _send_read(conn, sealed(session, ANSWER.pack(0, total)),
+                               [self.mapping.view(off, length) for off, length in ranges], scatter)
+                elif not self._write(conn, session, ranges, total,
+                                     EPOCH.unpack_from(req, HEAD.size)[0] if fenced else 0):
                     continue   # refused (nothing written, the payload read and dropped)
                 if self.served is not None:
                     self.served("host_tcp", op == OP_READ, total)
@@ -269,6 +285,25 @@ class DataServer:
             except OSError:
                 pass
             c.close()
+
+
+def _send_read(conn: socket.socket, answer: bytes, views: list[memoryview], scatter: bool) -> None:
+    """The answer and the ranges' bytes, with one ``sendmsg`` when it takes them all (the usual small read);
+    what it did not take, and anything on a TLS socket, with ``sendall``."""
+    if scatter and len(views) < SCATTER_MAX:
+        sent = conn.sendmsg([answer, *views])
+        if sent == len(answer) + sum(len(v) for v in views):
+            return
+        for part in (memoryview(answer), *views):
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            conn.sendall(part[sent:])
+            sent = 0
+        return
+    conn.sendall(answer)
+    for v in views:
+        conn.sendall(v)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
