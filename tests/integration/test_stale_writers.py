@@ -148,13 +148,12 @@ def test_two_phase_put_across_a_restart_never_overwrites_a_new_object(meta, stor
 
 
 
-@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
-def test_repair_copy_across_a_restart_never_overwrites_a_new_object(meta, stores, protocol):
-    """Scenario: holder H (in this process) holds the one replica of a 2-replica object; target T
-    joins empty and H is asked to copy the object there (a repair); before H's copy starts, the
-    MetaService is killed and restarted, T re-joins with 0 objects and N's 4 MiB put lands in T at
-    the same offset and is acknowledged; then H's copy runs. It is refused, and reader R
-    (``checksum_verify_ratio: 0``) reads N's bytes exactly. (A drain's move is the same copy.)"""
+def stalled_repair_copy(meta, stores, protocol, put_new) -> StoreProcess:
+    """Holder H (in this process) holds the one replica of a 2-replica object; target T joins empty
+    and H is asked to copy the object there (a repair); before H's copy starts, ``put_new(t, t_id,
+    n)`` disrupts T's join and has N's 4 MiB put ``new`` land in T, returning its offset there; then
+    H's copy runs. Asserts both were at the same place; returns reader R (``checksum_verify_ratio:
+    0``) for the caller to read ``new`` with. (A drain's move is the same copy.)"""
     h = DistributedObjectStore()
     assert h.setup(LocalConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
                                protocol=protocol, dram_size="32MB", client_timeout_seconds=5,
@@ -166,7 +165,7 @@ def test_repair_copy_across_a_restart_never_overwrites_a_new_object(meta, stores
         assert h.put_from("old", buf.ctypes.data, SIZE, replicateConfig=ReplicateConfig(2, [])) == 0
         stalled = threading.Event()
         places: list[tuple[int, int]] = []   # (the new object's offset in T, the repair copy's)
-        drainer = h._service().drainer   # fault injection: the repair's copy starts only after the restart
+        drainer = h._service().drainer   # fault injection: the repair's copy starts only after put_new
         make_engine = drainer._engine
 
         def late_engine(timeout_s):
@@ -176,8 +175,7 @@ def test_repair_copy_across_a_restart_never_overwrites_a_new_object(meta, stores
             def late_write(ops):
                 if ops and not stalled.is_set():
                     stalled.set()
-                    places.append((restart_and_put_anew(meta, t_id, n, ["new"], preferred=[t_id], segments=2)[0],
-                                   ops[0].offset))
+                    places.append((put_new(t, t_id, n), ops[0].offset))
                 return real_write(ops)
 
             engine.write = late_write   # type: ignore[method-assign]
@@ -191,7 +189,18 @@ def test_repair_copy_across_a_restart_never_overwrites_a_new_object(meta, stores
         wait_for(stalled.is_set, 30, "H's repair copy to T")
         wait_for(lambda: not [th for th in threading.enumerate() if th.name == "memcache-repair"], 30,
                  "H's repair copy to end")
-        assert len(places) == 1 and places[0][0] == places[0][1]   # the same place
-        assert assert_new_bytes_or_miss(r, "new", "after the stale repair copy")
+        assert len(places) == 1 and places[0][0] == places[0][1], f"not the same place: {places}"
+        return r
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_repair_copy_across_a_restart_never_overwrites_a_new_object(meta, stores, protocol):
+    """Scenario: a repair copy to T is granted; before it starts, the MetaService is killed and
+    restarted, T re-joins with 0 objects and N's put lands in T at the same offset, acknowledged;
+    then the copy runs. It is refused, and a reader without checksum verification reads N's bytes
+    exactly (``stalled_repair_copy``)."""
+    r = stalled_repair_copy(meta, stores, protocol, lambda t, t_id, n: restart_and_put_anew(
+        meta, t_id, n, ["new"], preferred=[t_id], segments=2)[0])
+    assert assert_new_bytes_or_miss(r, "new", "after the stale repair copy")

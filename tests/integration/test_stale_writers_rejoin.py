@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import numpy as np
 import pytest
 
-from memcache_core import H2G, DistributedObjectStore, LocalConfig, ReplicateConfig
+from memcache_core import H2G, DistributedObjectStore, LocalConfig
 from memcache_core.layout import payload_offset
 from memcache_core.testing import running_meta_service, started, wait_for
 from tests.integration.stores import StoreProcess
+from tests.integration.test_stale_writers import stalled_repair_copy
 
 pytestmark = pytest.mark.integration
 
@@ -156,53 +156,16 @@ def test_gva_writer_across_a_provider_rejoin_never_overwrites_a_new_object(long_
 
 @pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
 def test_repair_copy_across_a_target_rejoin_never_overwrites_a_new_object(meta, stores, protocol):
-    """Scenario: holder H (in this process) holds the one replica of a 2-replica object; target T
-    joins empty and H is asked to copy the object there (a repair); before H's copy starts, T is
-    declared dead and re-joins the same MetaService with 0 objects, and N's 4 MiB put lands in T at
-    the same offset and is acknowledged; then H's copy runs. It is refused, and reader R
-    (``checksum_verify_ratio: 0``) reads N's bytes exactly. (A drain's move is the same copy.)"""
-    h = DistributedObjectStore()
-    assert h.setup(LocalConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
-                               protocol=protocol, dram_size="32MB", client_timeout_seconds=5,
-                               heartbeat_interval_ms=200)) == 0
-    assert h.init(0, init_bm=True) == 0
-    try:
-        buf = np.full(SIZE, OLD_FILL, np.uint8)
-        assert h.register_buffer(buf.ctypes.data, buf.nbytes) == 0
-        assert h.put_from("old", buf.ctypes.data, SIZE, replicateConfig=ReplicateConfig(2, [])) == 0
-        stalled = threading.Event()
-        places: list[tuple[int, int]] = []   # (the new object's offset in T, the repair copy's)
-        drainer = h._service().drainer   # fault injection: the repair's copy starts only after T's re-join
-        make_engine = drainer._engine
+    """Scenario: a repair copy to T is granted; before it starts, T is declared dead and re-joins the
+    same MetaService with 0 objects, and N's put lands in T at the same offset, acknowledged; then the
+    copy runs. It is refused, and a reader without checksum verification reads N's bytes exactly
+    (``stalled_repair_copy``)."""
+    def rejoin_and_put_anew(t: StoreProcess, t_id: int, n: StoreProcess) -> int:
+        declare_dead_and_rejoin(meta, t, t_id)
+        wait_for(lambda: n("put", keys=["new"], layout=LAYOUT, preferred=[t_id])["codes"] == [0], 20, "the put into T")
+        at = meta.http("/query_key?key=new")["locations"]
+        return int(at[0]["offset"]) if at[0]["segment"] == t_id else -1
 
-        def late_engine(timeout_s):
-            engine = make_engine(timeout_s)
-            real_write = engine.write
-
-            def late_write(ops):
-                if ops and not stalled.is_set():
-                    stalled.set()
-                    declare_dead_and_rejoin(meta, t, t_id)
-                    wait_for(lambda: n("put", keys=["new"], layout=LAYOUT, preferred=[t_id])["codes"] == [0], 20,
-                             "the put into T")
-                    at = meta.http("/query_key?key=new")["locations"]
-                    places.append((int(at[0]["offset"]) if at[0]["segment"] == t_id else -1, ops[0].offset))
-                return real_write(ops)
-
-            engine.write = late_write   # type: ignore[method-assign]
-            return engine
-
-        drainer._engine = late_engine   # type: ignore[method-assign]
-        t = stores(protocol=protocol, dram_size="32MB")
-        t_id = t("id")["id"]
-        n = stores(protocol=protocol, init_bm=False)
-        r = stores(protocol=protocol, init_bm=False, checksum_verify_ratio=0)
-        wait_for(stalled.is_set, 30, "H's repair copy to T")
-        wait_for(lambda: not [th for th in threading.enumerate() if th.name == "memcache-repair"], 30,
-                 "H's repair copy to end")
-        assert len(places) == 1 and places[0][0] == places[0][1], f"not the same place: {places}"
-        got = r("get", keys=["new"], layout=LAYOUT)
-        assert got["mismatches"] == [], "a reader got the stale repair copy's bytes with success"
-        assert got["codes"] == [0]
-    finally:
-        h.close()
+    got = stalled_repair_copy(meta, stores, protocol, rejoin_and_put_anew)("get", keys=["new"], layout=LAYOUT)
+    assert got["mismatches"] == [], "a reader got the stale repair copy's bytes with success"
+    assert got["codes"] == [0]
