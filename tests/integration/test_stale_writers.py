@@ -110,20 +110,26 @@ def test_gva_writer_of_an_earlier_meta_service_life_never_overwrites_a_new_objec
     assert hits == ROUNDS   # the new objects were read, not merely missed
 
 
-@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
-def test_two_phase_put_across_a_restart_never_overwrites_a_new_object(meta, stores, protocol):
-    """Scenario: writer W (in this process) allocates a 4 MiB put in P; before its copy starts, the
-    MetaService is killed and restarted, P re-joins with 0 objects and N's 4 MiB put lands at the same
-    offset and is acknowledged; then W's copy runs. W's put fails (nothing of it is visible), and
-    reader R (``checksum_verify_ratio: 0``) reads N's bytes exactly."""
+def two_phase_parties(meta, stores, protocol):
+    """Provider P (its segment id), N (puts the new object), reader R (``checksum_verify_ratio: 0``)
+    and writer W, a pure client in this process."""
     p = stores(protocol=protocol, dram_size="32MB")
-    p_id = p("id")["id"]
     n = stores(protocol=protocol, init_bm=False)
     r = stores(protocol=protocol, init_bm=False, checksum_verify_ratio=0)
     w = DistributedObjectStore()
     assert w.setup(LocalConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
                                protocol=protocol, client_timeout_seconds=5)) == 0
     assert w.init(0, init_bm=False) == 0
+    return p, p("id")["id"], n, r, w
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_two_phase_put_across_a_restart_never_overwrites_a_new_object(meta, stores, protocol):
+    """Scenario: writer W (in this process) allocates a 4 MiB put in P; before its copy starts, the
+    MetaService is killed and restarted, P re-joins with 0 objects and N's 4 MiB put lands at the same
+    offset and is acknowledged; then W's copy runs. W's put fails (nothing of it is visible), and
+    reader R (``checksum_verify_ratio: 0``) reads N's bytes exactly."""
+    p, p_id, n, r, w = two_phase_parties(meta, stores, protocol)
     try:
         engine = w._service().engine   # fault injection: the copy starts only after the restart
         assert engine is not None

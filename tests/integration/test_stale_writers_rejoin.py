@@ -18,11 +18,11 @@ import signal
 import numpy as np
 import pytest
 
-from memcache_core import H2G, DistributedObjectStore, LocalConfig
+from memcache_core import H2G
 from memcache_core.layout import payload_offset
 from memcache_core.testing import running_meta_service, started, wait_for
 from tests.integration.stores import StoreProcess
-from tests.integration.test_stale_writers import stalled_repair_copy
+from tests.integration.test_stale_writers import stalled_repair_copy, two_phase_parties
 
 pytestmark = pytest.mark.integration
 
@@ -74,14 +74,7 @@ def test_two_phase_put_across_a_provider_rejoin_never_overwrites_a_new_object(me
     the same MetaService with 0 objects, and N's 4 MiB put lands at the same offset and is
     acknowledged; then W's copy runs. W's put fails, and reader R (``checksum_verify_ratio: 0``)
     reads N's bytes exactly."""
-    p = stores(protocol=protocol, dram_size="32MB")
-    p_id = p("id")["id"]
-    n = stores(protocol=protocol, init_bm=False)
-    r = stores(protocol=protocol, init_bm=False, checksum_verify_ratio=0)
-    w = DistributedObjectStore()
-    assert w.setup(LocalConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
-                               protocol=protocol, client_timeout_seconds=5)) == 0
-    assert w.init(0, init_bm=False) == 0
+    p, p_id, n, r, w = two_phase_parties(meta, stores, protocol)
     try:
         engine = w._service().engine   # fault injection: the copy starts only after P's re-join
         assert engine is not None
