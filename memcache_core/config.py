@@ -12,8 +12,8 @@ or from the environment) > defaults. Environment variables are read in this modu
 Each setting is declared by its annotation (``config_check.py``: a range with ``Meta(ge=, le=)``, a
 choice with ``Literal``); ``validate()`` holds every field to its declaration, then runs the rules that
 read several fields or parse a value (sizes, URLs), each a small function in ``LOCAL_RULES`` /
-``META_RULES``. ``MetaConfig`` lives in ``config_meta.py``; the parsers of single values live in
-``values.py``; both are re-exported here.
+``META_RULES``. ``MetaConfig`` lives in ``config_meta.py``; the parsers of single values and a put's
+``ReplicateConfig`` live in ``values.py``; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from .values import FALSE_WORDS as FALSE_WORDS  # re-exported: integrations and 
 from .values import TRUE_WORDS as TRUE_WORDS
 from .values import WILDCARD_HOSTS, check_cluster_id, check_log_level, parse_meta_target, parse_size
 from .values import MetaTarget as MetaTarget
+from .values import ReplicateConfig as ReplicateConfig  # (a put's placement: values.py)
 from .values import parse_bool as parse_bool
 from .values import parse_etcd_endpoints as parse_etcd_endpoints
 from .values import parse_url as parse_url
@@ -116,6 +117,9 @@ class LocalConfig:
     """Free-form label of this LocalService, shown in /get_all_segments."""
     heartbeat_interval_ms: Annotated[int, Meta(ge=10, le=600_000), NUMBER] = 1000
     """How often this LocalService tells the MetaService it is alive."""
+    fence_wait_ms: Annotated[int, Meta(ge=0, le=600_000), NUMBER] = 3000
+    """Before a re-join, wait this long for writes in flight into the segment to end; past it, re-join
+    with the segment *held* (no new object placed in it until they have: docs/design.md, fence.py)."""
     rpc_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 50
     """A control-plane call polls for its reply this long before it sleeps (0: sleep at once)."""
     location_hints: Annotated[int, Meta(ge=0, le=1 << 24)] = 16384
@@ -278,24 +282,6 @@ def _no_ssd_tier(cfg: LocalConfig) -> None:
 LOCAL_RULES: tuple[Callable[[LocalConfig], None], ...] = (
     _urls, lambda cfg: check_log_level(cfg.log_level), _memory, _metrics, _transfer_engine, tls.check,
     _advertised, _disk, _no_ssd_tier)
-
-
-@dataclasses.dataclass
-class ReplicateConfig:
-    """Replica placement of a put (memcache_hybrid field names)."""
-
-    replicaNum: int = 1  # noqa: N815 - memcache_hybrid's name
-    """Copies of the object, each in a different segment (at most 8)."""
-    preferredLocalServiceIDs: list[int] = dataclasses.field(default_factory=list)  # noqa: N815
-    """LocalService ids to place replicas on first (unique, at most replicaNum)."""
-
-    def validate(self) -> None:
-        if isinstance(self.replicaNum, bool) or not isinstance(self.replicaNum, int) \
-                or not 1 <= self.replicaNum <= 8:
-            raise ConfigError(f"replicaNum: expected 1..8, got {self.replicaNum!r}")
-        ids = list(self.preferredLocalServiceIDs)
-        if len(set(ids)) != len(ids) or len(ids) > self.replicaNum:
-            raise ConfigError("preferredLocalServiceIDs: ids must be unique and at most replicaNum")
 
 
 C = TypeVar("C", MetaConfig, LocalConfig)

@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 FENCE_BYTES = 4096     # the page after a segment's payload space: the fence word, and the lock's range
 OPEN_WAIT_S = 2.0      # a writer finding the owner re-joining (fence 0) waits this long for the new epoch
-WAIT_LOG_S = 5.0       # the owner says why its re-join waits, every this often
 MAX_TOKEN = (1 << 63) - 1
 
 
@@ -147,23 +146,44 @@ class Fence:
         if self._holders == 0 and self._fd is not None:
             _lock(self._fd, fcntl.F_UNLCK, self._start, wait=False)
 
-    def move(self, epoch: int) -> None:
-        """The owner: set the fence to ``epoch`` (a join's token, or 0) and return once no write of another
-        token is in flight (every process's shared holding has ended). It waits as long as that takes,
-        saying so."""
+    def move(self, epoch: int, wait_s: float | None = None) -> bool:
+        """The owner: set the fence to ``epoch`` (a join's token, or 0) and wait until no write of another
+        token is in flight (every process's shared holding has ended): True once none is, False if
+        ``wait_s`` passed first (None: no bound). The fence holds ``epoch`` either way."""
         self._word.value = epoch
+        return self.drained(wait_s)
+
+    def open(self, epoch: int) -> None:
+        """The owner, once the fence was 0 and ``drained``: let the writes of join token ``epoch`` in. (No
+        wait: a writer of another token that took its lock since saw 0 or ``epoch``, and lands never.)"""
+        self._word.value = epoch
+
+    def drained(self, wait_s: float | None = None, poll_s: float = 0.002) -> bool:
+        """True once this process had the lock exclusive (no shared holding was left), dropped at once;
+        False if ``wait_s`` passed first (None: no bound)."""
         fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            t0 = said = time.monotonic()
+            deadline = None if wait_s is None else time.monotonic() + wait_s
             while not _lock(fd, fcntl.F_WRLCK, self._start, wait=False):
-                if time.monotonic() - said >= WAIT_LOG_S:
-                    said = time.monotonic()
-                    logger.warning("segment %s: waiting %.0f s for writes granted before this re-join to "
-                                   "end (a writer frozen mid-copy holds them)", self.path, said - t0)
-                time.sleep(0.002)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(poll_s)
             _lock(fd, fcntl.F_UNLCK, self._start, wait=False)
+            return True
         finally:
             os.close(fd)
+
+    def holders(self) -> list[int]:
+        """The processes holding a lock on the fence byte, as far as this kernel names them (its
+        ``/proc/locks``: an OFD lock's process is the one that took it; some kernels name none)."""
+        try:
+            ino = os.stat(self.path).st_ino
+            with open("/proc/locks", encoding="ascii") as f:
+                rows = [line.split() for line in f]
+        except OSError:
+            return []
+        return sorted({int(r[4]) for r in rows if len(r) >= 8 and r[1] == "OFDLCK" and r[5].endswith(f":{ino}")
+                       and r[6] == str(self._start) and int(r[4]) > 0})
 
     def close(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ import msgspec
 
 from .records import MAX_KEYS as MAX_KEYS  # (bounds checked by the decoder: records.py)
 from .records import AllocResult, DrainMove, Found, JournalEntry, ObjectReport, SegmentBytes, SegmentInfo
+from .records import Copied as Copied  # (the fields of DrainDone and RepairDone)
 from .records import Keys as Keys
 from .records import Location as Location  # no message here holds one directly; read as p.Location
 from .records import Reports as Reports
@@ -28,6 +29,7 @@ class Join(msgspec.Struct, tag=True):
     disk_objects: Reports = []     # records in the member's disk tier (``offset`` unused)
     generation_ceiling: int = 0    # the highest generation ceiling this member heard (meta/generations.py)
     more: bool = False             # more reports (past MAX_KEYS of either list) follow in ``Report``s
+    held: bool = False             # writes of an earlier join still in flight: place nothing new in the segment
     fences: bool = False           # the owner sets its fence to ``Joined.fence`` (an older one: to the epoch)
 
 
@@ -52,6 +54,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     token: bytes
     journal_ack: int = 0
     moved: list[SegmentBytes] = []
+    held: bool = False             # as ``Join.held``, sent at every beat until the hold is over (fence.py)
 
 
 class Alloc(msgspec.Struct, tag=True):
@@ -162,19 +165,7 @@ class DrainNext(msgspec.Struct, tag=True):
     timeout_ms: int = 0
 
 
-class _Copied(msgspec.Struct):
-    """Copies a member made of its objects: ``ok`` per move, the payload checksum it computed while copying,
-    and the new generations the moves were planned with."""
-
-    client_id: int
-    token: bytes
-    keys: list[str]
-    generations: list[int]
-    checksums: list[int]
-    ok: list[bool]
-
-
-class DrainDone(_Copied, tag=True):
+class DrainDone(Copied, tag=True):
     """The copies of ``DrainNext``'s moves."""
 
 
@@ -186,7 +177,7 @@ class RepairNext(msgspec.Struct, tag=True):
     token: bytes
 
 
-class RepairDone(_Copied, tag=True):
+class RepairDone(Copied, tag=True):
     """The copies of ``RepairNext``'s moves."""
 
 

@@ -109,3 +109,16 @@ Keys = Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_K
                  msgspec.Meta(max_length=MAX_KEYS)]
 # A segment's objects (or disk records) a Join or a Report carries: at most MAX_KEYS a request
 Reports = Annotated[list[ObjectReport], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+class Copied(msgspec.Struct):
+    """Copies a member made of its objects (the fields of ``DrainDone`` and ``RepairDone``, protocol.py):
+    ``ok`` per move, the payload checksum it computed while copying, and the new generations the moves
+    were planned with."""
+
+    client_id: int
+    token: bytes
+    keys: list[str]
+    generations: list[int]
+    checksums: list[int]
+    ok: list[bool]

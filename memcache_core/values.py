@@ -1,5 +1,6 @@
 """Parsers and checks of single setting values, a leaf below ``config.py``: sizes, URLs, booleans, the
-MetaService target, etcd endpoints, cluster ids. Each raises ``ConfigError`` naming the key it was given."""
+MetaService target, etcd endpoints, cluster ids, and a put's ``ReplicateConfig``. Each raises
+``ConfigError`` naming the key it was given."""
 
 from __future__ import annotations
 
@@ -113,3 +114,20 @@ def check_log_level(level: str) -> None:
     if str(level).lower() not in ("debug", "info", "warning", "warn", "error", "critical"):
         raise ConfigError(f"log_level: expected debug, info, warning or error, got {level!r}")
 
+
+@dataclasses.dataclass
+class ReplicateConfig:
+    """Replica placement of a put (memcache_hybrid field names)."""
+
+    replicaNum: int = 1  # noqa: N815 - memcache_hybrid's name
+    """Copies of the object, each in a different segment (at most 8)."""
+    preferredLocalServiceIDs: list[int] = dataclasses.field(default_factory=list)  # noqa: N815
+    """LocalService ids to place replicas on first (unique, at most replicaNum)."""
+
+    def validate(self) -> None:
+        if isinstance(self.replicaNum, bool) or not isinstance(self.replicaNum, int) \
+                or not 1 <= self.replicaNum <= 8:
+            raise ConfigError(f"replicaNum: expected 1..8, got {self.replicaNum!r}")
+        ids = list(self.preferredLocalServiceIDs)
+        if len(set(ids)) != len(ids) or len(ids) > self.replicaNum:
+            raise ConfigError("preferredLocalServiceIDs: ids must be unique and at most replicaNum")

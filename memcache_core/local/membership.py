@@ -37,6 +37,7 @@ from .arena import ArenaWriter
 from .background_join import BackgroundJoin
 from .dead_owners import report_dead_owners
 from .drain import Drainer
+from .hold import Hold
 from .metrics import LocalMetrics
 from .session import Pieces as Pieces
 from .session import Session
@@ -81,6 +82,7 @@ class Membership:
     rpc: RpcClient
     session: Session
     segment: Mapping | None
+    hold: Hold | None               # our segment's fence across joins (hold.py)
     engine: TransferEngine | None
     data_server: DataServer | None
     disk: tier.DiskTier | None
@@ -192,6 +194,11 @@ class Membership:
             notify(err)
 
     @property
+    def held(self) -> bool:
+        """Our segment is held: writes of an earlier join may be in flight, nothing new goes there (hold.py)."""
+        return self.hold is not None and self.hold.held
+
+    @property
     def joined(self) -> bool:
         """In the pool (the first join done); False while it waits for the MetaService."""
         return self.metrics.joined
@@ -201,11 +208,11 @@ class Membership:
         # under the arena lock: no small put copies into an arena of the old session once the new
         # MetaService may hand that space out, and the scan sees every header of a put that succeeds
         with self.arenas.lock if self.arenas is not None else contextlib.nullcontext():
-            if self.segment is not None:
+            if self.hold is not None:
                 # close our segment's fence and wait out every write in flight into it: none granted before
                 # this Join (by an earlier MetaService, or by this one before it declared us dead) lands
-                # once the MetaService may give its space away (fence.py)
-                self.segment.fence.move(0)
+                # once the MetaService may give its space away; past fence_wait_ms, join held (hold.py)
+                self.hold.close()
             objects = recovery.scan(self.segment) if recover and self.segment is not None else []
             old = self.session
             on_disk = self.disk.store.reports() if self.disk is not None else []
@@ -216,7 +223,7 @@ class Membership:
             parts = max(1, -(-len(objects) // k), -(-len(on_disk) // k))
             reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
                                          objects[:k], old.token, on_disk[:k], self.generation_ceiling,
-                                         more=parts > 1, fences=True), probe=True)
+                                         more=parts > 1, fences=True, held=self.held), probe=True)
             j = expect(reply, p.Joined)
             for i in range(1, parts):
                 expect(self.rpc.call(p.Report(j.client_id, j.token, objects[i * k:(i + 1) * k],
@@ -225,8 +232,8 @@ class Membership:
             seg = None
             if self._segment_template is not None:
                 seg = p.SegmentInfo(j.client_id, *_fields(self._segment_template)[1:])
-            if self.segment is not None:   # writes granted in this join land from now on (none: by its epoch)
-                self.segment.fence.move(tokens([j.fence] if j.fence else [], 1, j.meta_epoch, "Joined")[0])
+            if self.hold is not None:   # writes granted in this join land from now on (none: by its epoch)
+                self.hold.open(tokens([j.fence] if j.fence else [], 1, j.meta_epoch, "Joined")[0])
             if self.data_server is not None:
                 self.data_server.serve_segment(j.client_id)   # requests for any other segment are refused
             with self._lock:
@@ -265,7 +272,7 @@ class Membership:
                     self._refresh_segments()   # unmap peers that left even if nobody asks for them
                 s = self.session
                 r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack,
-                                                     self.metrics.take_moved()), timeout_s=timeout,
+                                                     self.metrics.take_moved(), self.held), timeout_s=timeout,
                                          probe=True), p.HeartbeatReply)
                 if not r.known or r.meta_epoch != s.epoch:
                     if r.meta_epoch != s.epoch:

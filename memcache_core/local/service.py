@@ -41,6 +41,7 @@ from .drain import Drainer
 from .gva import Gva
 from .gva_book import GvaBook
 from .hints import LocationHints
+from .hold import Hold
 from .membership import in_batches
 from .metrics import LocalMetrics, MetricsServer
 from .prefault import Prefault, start_prefault
@@ -74,6 +75,7 @@ class LocalService(Writes, Reads, Gva):
                              spin_s=config.rpc_spin_us / 1e6, etcd_auth=EtcdAuth.of(config))
         self.session = Session(0, 0, 10.0, 120.0, None)
         self.segment: Mapping | None = None
+        self.hold: Hold | None = None   # its fence across joins (hold.py)
         self._segment_template: p.SegmentInfo | None = None   # our segment, before an id is issued
         self.data_server: DataServer | None = None
         self.engine: TransferEngine | None = None
@@ -121,6 +123,8 @@ class LocalService(Writes, Reads, Gva):
                 if size <= 0:
                     raise InvalidParameter("dram_size: must be positive for a LocalService that holds memory")
                 self.segment = create_segment(size)
+                self.hold = Hold(self.segment.fence, cfg.fence_wait_ms / 1000.0, self._join_lock, self._stop,
+                                 self._beat_now)
                 self.prefault = start_prefault(self.segment, cfg)
                 if cfg.small_put_max_bytes:
                     self.arenas = ArenaWriter(self.segment, self.rpc, cfg.checksum)

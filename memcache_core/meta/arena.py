@@ -21,8 +21,8 @@ Invariants:
   (``refill``) or gives it back (``release``, after it sat unused); it vanishes with its segment
   (leave, death, re-join), and a new MetaService life or leader term starts without any, so an
   arena id from before is void.
-* No arena is granted in a segment that takes no new objects (``alloc_after``: draining, or just
-  recovered), nor one larger than an eighth of the segment.
+* No arena is granted in a segment that takes no new objects (``Segment.takes_new``: draining, just
+  recovered, or held by its owner), nor one larger than an eighth of the segment.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def grant(t: ObjectTable, seg: Segment, size: int, now: float) -> Arena | None:
     """A new arena of ``size`` bytes in ``seg``, or None. It evicts there only objects about as old as
     the pool's least recently used: while other segments hold older ones, the holder's small puts go
     the two-phase way, placed where the pool's eviction makes room (``Space.alloc_near_coldest``)."""
-    if size <= 0 or seg.alloc_after > now or aligned(size) > seg.allocator.size // 8:
+    if size <= 0 or not seg.takes_new(now) or aligned(size) > seg.allocator.size // 8:
         return None
     off = t.alloc_near_coldest(seg, size, now)
     if off is None:
@@ -120,7 +120,7 @@ def commit(t: ObjectTable, segment_id: int | None, req: p.ArenaCommit, now: floa
     seg = t.segments.get(segment_id) if segment_id is not None else None
     a = seg.arena if seg is not None else None
     n = len(req.keys)
-    if seg is None or a is None or a.id != req.arena or seg.alloc_after > now:
+    if seg is None or a is None or a.id != req.arena or not seg.takes_new(now):
         codes, gens = [errors.ARENA_VOID] * n, [0] * n
     else:
         t.reserve_for(n)   # (may fail, with HA: before any object of the batch is published)

@@ -119,8 +119,8 @@ def segment(g: stats.SegmentStats) -> dict[str, Any]:
     return {"segment_id": g.segment_id, "host_id": g.host_id, "tag": g.tag, "data_addr": g.data_addr,
             "metrics_addr": g.metrics_addr, "pid": g.pid, "capacity_bytes": g.capacity_bytes,
             "used_bytes": g.used_bytes, "remaining_bytes": g.capacity_bytes - g.used_bytes, "objects": g.objects,
-            "largest_free_bytes": g.largest_free_bytes, "accepts_new_objects": g.accepts_new_objects_in_s == 0.0,
-            "accepts_new_objects_in_s": g.accepts_new_objects_in_s, "draining": g.draining}
+            "largest_free_bytes": g.largest_free_bytes, "accepts_new_objects": g.accepts_new_objects_in_s == 0.0 and not g.held,
+            "accepts_new_objects_in_s": g.accepts_new_objects_in_s, "draining": g.draining, "held": g.held}
 
 
 def find_segment(snap: stats.Snapshot, q: dict[str, str]) -> dict[str, Any]:

@@ -160,7 +160,7 @@ def promote(t: ObjectTable, sid: int, keys: list[str], now: float) -> list[p.All
             out.append(p.AllocResult(errors.OBJECT_NOT_EXISTS))
         elif obj.locations or (k, sid) in t.promoting:
             out.append(p.AllocResult(errors.OBJECT_ALREADY_EXISTS))   # in DRAM already, or on its way
-        elif seg is None or seg.alloc_after > now:
+        elif seg is None or not seg.takes_new(now):
             out.append(p.AllocResult(errors.OUT_OF_MEMORY))
         else:
             off = t.alloc_in(seg, footprint(obj.size), now)

@@ -208,8 +208,9 @@ class Drains:
 
     def _room_may_come(self, now: float) -> bool:
         """Could a target appear soon? Right after a MetaService start (members still re-joining), or
-        while a re-joined segment waits out its grace. Then an object without room waits, not dropped."""
-        return now < self.settle_until or any(now < s.alloc_after < math.inf for s in self.table.segments.values())
+        while a re-joined segment waits out its grace or is held. Then an object without room waits, not dropped."""
+        return now < self.settle_until or any(s.alloc_after < math.inf and (now < s.alloc_after or s.held)
+                                              for s in self.table.segments.values())
 
     def _pending_in(self, d: Drain) -> bool:
         """Is a put into the segment still uncommitted (it would commit into the draining segment)?"""

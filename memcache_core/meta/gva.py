@@ -106,7 +106,8 @@ def _grant_one(t: ObjectTable, cid: int, key: str, generation: int, segment_id: 
     if not 0 <= lo < hi <= obj.size:
         return errors.INVALID_PARAM, 0.0
     if write:
-        if obj.committed or obj.owner != cid:
+        seg = t.segments.get(segment_id)
+        if obj.committed or obj.owner != cid or seg is None or seg.held:   # (held: segment.takes_new)
             return errors.STATE_MISMATCH, 0.0  # finished, or someone else's
         if obj.pending_deadline - now < t.pending_timeout_s / 2:
             return errors.TIMEOUT, 0.0         # too late to start: the space may be reclaimed while we copy

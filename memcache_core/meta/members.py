@@ -19,7 +19,7 @@ from ..config import MetaConfig
 from . import disk
 from .drain import Drains
 from .repair import Repairs
-from .table import ObjectTable
+from .table import ObjectTable, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class Membership:
             seg = self.table.segments[seg_id]
             # this join's fence token: fresh at every join (fence.py); an owner of an older build fences by our epoch
             seg.fence = fence = seg.fence if req.fences else self.epoch
+            self._hold(seg, req.held)
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)
             if req.objects:
@@ -122,18 +123,21 @@ class Membership:
         return p.Joined(cid, self.epoch, self.config.lease_ttl_ms, self.config.pending_timeout_ms, token,
                         generation_ceiling=self.table.gen_ceiling, fence=fence)
 
-    def _heartbeat(self, cid: int, token: bytes, ack: int, now: float, moved: list[p.SegmentBytes]) -> p.Reply:
+    def _heartbeat(self, cid: int, token: bytes, ack: int, now: float, moved: list[p.SegmentBytes],
+                   held: bool = False) -> p.Reply:
         m = self.members.get(cid)
         if m is None or not hmac.compare_digest(m.token, token):
             return p.HeartbeatReply(self.epoch, known=False)
         m.last_seen = now
+        if m.segment_id is not None and (own := self.table.segments.get(m.segment_id)) is not None:
+            self._hold(own, held)
         for r in moved:   # held for each segment's owner until its next heartbeat; totals for /metrics
             if r.segment_id in self.table.segments:
-                held = self.served.setdefault(r.segment_id, [0, 0, 0, 0])
-                held[0] += r.read
-                held[1] += r.written
-                held[2] += r.read
-                held[3] += r.written
+                counts = self.served.setdefault(r.segment_id, [0, 0, 0, 0])
+                counts[0] += r.read
+                counts[1] += r.written
+                counts[2] += r.read
+                counts[3] += r.written
         # (``get``, not ``events[...]``: a Counter's missing key costs a Python call, three a heartbeat)
         t, events, sid = self.table, self.member_events, m.segment_id
         reply = p.HeartbeatReply(self.epoch, known=True, disk_tiers=len(t.disk_tiers), generation_ceiling=t.gen_ceiling,
@@ -147,6 +151,19 @@ class Membership:
         reply.drain = self.drains.draining(sid)
         reply.repair = self.repairs.wanted(sid)
         return reply
+
+    @staticmethod
+    def _hold(seg: Segment, held: bool) -> None:
+        """The owner says whether writes of an earlier join may still be in flight into its segment:
+        while they may, nothing new is placed there (``Segment.takes_new``; local/hold.py)."""
+        if held == seg.held:
+            return
+        seg.held = held
+        if held:
+            logger.warning("segment %d is held by its owner: writes granted before its join are still in flight "
+                           "(a writer frozen mid-copy?); no new object goes there until they end", seg.info.segment_id)
+        else:
+            logger.info("segment %d: its owner's hold is over; it takes new objects", seg.info.segment_id)
 
     def _owner_gone(self, reporter: Member, sid: int, shm_path: str) -> None:
         """A member found the owner of ``sid`` dead through its own host's kernel (the segment file's

@@ -116,6 +116,9 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
         objs.add_metric(lv, g.objects)
         arena.add_metric(lv, g.arena_reserved_bytes)
     yield from (cap, used, free, objs, arena, served)
+    yield _gauge("held_segments", "Segments whose owner re-joined while writes granted before still held its "
+                 "fence (fence_wait_ms passed): their objects are served, no new object goes there.",
+                 sum(g.held for g in s.segments))
     yield _gauge("segments_unlisted", f"Segments without series of their own (only the {MAX_SEGMENT_SERIES} "
                  "largest have them; the pool totals count all).",
                  len(s.segments) - min(len(s.segments), MAX_SEGMENT_SERIES))

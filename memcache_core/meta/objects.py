@@ -225,6 +225,13 @@ class Segment:
         self.alloc_after = alloc_after  # recovered segments wait out writers of the previous MetaService
         self.arena: Any = None          # the owner's allocation arena (meta/arena.py), if it holds one
         self.fence = new_token()        # this join's fence token: every grant of space here carries it (fence.py)
+        self.held = False               # its owner waits out writes of an earlier join (Join/Heartbeat.held)
+
+    def takes_new(self, now: float) -> bool:
+        """May new space be granted here (an Alloc's placement, an arena, a GVA grant, a drain's or a
+        repair's copy, a promotion from disk): not draining or in its grace (``alloc_after``), and not
+        held by its owner (writes granted before its join may still be in flight: local/hold.py)."""
+        return self.alloc_after <= now and not self.held
 
     def record_removed(self, report: ObjectReport, disk: bool = False) -> None:
         """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header;

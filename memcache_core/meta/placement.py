@@ -74,8 +74,8 @@ def order(policy: str, segments: Mapping[int, Segment], own: int | None, rng: ra
 
 
 def copy_takers(table: ObjectTable, now: float) -> list[Segment]:
-    """The segments that may take a copy now (they take new objects)."""
-    return [s for s in table.segments.values() if s.alloc_after <= now and s.allocator.size]
+    """The segments that may take a copy now (they take new objects: ``Segment.takes_new``)."""
+    return [s for s in table.segments.values() if s.takes_new(now) and s.allocator.size]
 
 
 def copy_target(table: ObjectTable, obj: Obj, avoid: set[int], answering: Callable[[int, float], bool],

@@ -49,6 +49,7 @@ class SegmentStats(msgspec.Struct):
     accepts_new_objects_in_s: float | None   # None: draining, never again
     draining: bool
     arena_reserved_bytes: int = 0            # counted in used_bytes: its holder's arena, holding no object
+    held: bool = False                       # its owner holds it: no new object goes there (local/hold.py)
 
 
 class MemberStats(msgspec.Struct):

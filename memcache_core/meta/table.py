@@ -187,7 +187,7 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
         size_in_segment = footprint(size)
         self._reserve_ahead()   # (may fail, with HA: before any space is taken)
         accepts = lambda ids: (self.segments[s] for s in ids  # noqa: E731
-                               if s in self.segments and self.segments[s].alloc_after <= now)
+                               if s in self.segments and self.segments[s].takes_new(now))
         candidates = _Drawn(accepts(order))
         chosen = self._choose(list(accepts(preferred)), candidates, replicas, size_in_segment, now)
         if not chosen:

@@ -75,8 +75,8 @@ def join(req: p.Join) -> None:
     _text("host_id", req.host_id)
     _int("generation_ceiling", req.generation_ceiling, 0, MAX_CARRIED)
     if req.segment is None:
-        if req.objects or req.disk_objects:
-            raise InvalidParameter("objects reported without a segment")
+        if req.objects or req.disk_objects or req.held:
+            raise InvalidParameter(f"{'a held segment' if req.held else 'objects'} reported without a segment")
         return
     segment(req.segment)
     reports(req.objects, req.segment.size)
