@@ -24,10 +24,14 @@ on the fence page:
   to the new join's token.
 
 So a write granted before the re-join either ended before the owner's Join was sent, or is refused:
-no timing is involved (a writer frozen in the middle of its copy holds the owner's re-join until it
-ends). The threads of one process share one lock holding (a count), since one open file
-description's locks are one lock however many threads take it. Token 0 means not fenced (reads,
-tools): such a write is never refused.
+no timing is involved. A writer frozen in the middle of its copy (or any process of the host holding
+a shared lock on the fence page) would hold the owner's exclusive lock for as long as it likes, so the
+owner waits at most ``fence_wait_ms`` (``move``'s ``wait_s``); past it, it joins with its segment
+*held* (``local/hold.py``): the fence stays 0, so every earlier grant is still refused, the MetaService
+places nothing new in the segment, and a thread of the owner waits on (``drained``) and then ``open``s
+the fence to the current join's token. The threads of one process share one lock holding (a count),
+since one open file description's locks are one lock however many threads take it. Token 0 means not
+fenced (reads, tools): such a write is never refused.
 """
 from __future__ import annotations
 
