@@ -49,9 +49,10 @@ def role_word(core: MetaServiceCore) -> str:
 
 def pool_ready(snap: stats.Snapshot) -> bool:
     """The pool can take puts (ours, ``/ready``): this MetaService serves (not an HA standby) and at
-    least one segment joined that takes new objects (not draining, past a re-join's grace; a full one
-    evicts). Ascend's ``service_ready`` says less: that the MetaService serves, true on an empty pool."""
-    return snap.role != "standby" and any(g.capacity_bytes > 0 and g.accepts_new_objects_in_s == 0.0
+    least one segment joined that takes new objects (not draining, past a re-join's grace, not held by
+    its owner; a full one evicts). Ascend's ``service_ready`` says less: that the MetaService serves,
+    true on an empty pool."""
+    return snap.role != "standby" and any(g.capacity_bytes > 0 and g.accepts_new_objects_in_s == 0.0 and not g.held
                                           for g in snap.segments)
 
 
