@@ -5,6 +5,7 @@ mapping takes its locks through its own open file description, so they conflict 
 from __future__ import annotations
 
 import threading
+import time
 
 import msgspec
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from memcache_core import protocol as p
 from memcache_core.errors import InvalidParameter
 from memcache_core.fence import MAX_TOKEN, StaleGrant, new_token, tokens
+from memcache_core.local.hold import Hold
 from memcache_core.local.segment import create_segment
 from memcache_core.memory import Mapping
 from memcache_core.testing import wait_for
@@ -147,3 +149,35 @@ def test_the_tokens_ride_the_replies_and_an_older_peer_decodes_them():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(move), type=p.DrainMove).fence == 999
     joined = p.Joined(7, 11, 1000, 2000, b"t", fence=424242)
     assert p.reply_decoder.decode(msgspec.msgpack.encode(joined)) == joined
+
+
+def test_a_held_fence_bounds_the_owners_wait_and_opens_once_the_writes_ended(pair):
+    """Scenario (``local/hold.py``): a writer of token 5 is frozen mid-copy when the owner re-joins. The
+    owner waits ``wait_s``, then joins held: the fence stays 0 (the writer's token is refused to every
+    later write), and re-joining again while held does not wait again. Once the writer ends, the hold
+    is over and the fence holds the token of the owner's latest join."""
+    owner, peer = pair
+    join_lock, stop, beat = threading.Lock(), threading.Event(), threading.Event()
+    hold = Hold(owner.fence, 0.2, join_lock, stop, beat)
+    owner.fence.move(5)
+    peer.fence.enter(5)
+    try:
+        t0 = time.monotonic()
+        hold.close()
+        assert hold.held and 0.2 <= time.monotonic() - t0 < 2.0 and owner.fence.epoch == 0
+        hold.open(9)
+        assert owner.fence.epoch == 0 and hold.held
+        t0 = time.monotonic()
+        hold.close()                  # a re-join while held: no second wait
+        assert time.monotonic() - t0 < 0.1
+        hold.open(11)
+        assert not beat.wait(0.3) and hold.held and owner.fence.epoch == 0
+    finally:
+        peer.fence.leave()
+    wait_for(lambda: not hold.held, 5, "the hold to end once the write ended")
+    assert owner.fence.epoch == 11 and beat.is_set()
+    with pytest.raises(StaleGrant):
+        peer.fence.enter(5)
+    hold.close()                      # not held: the ordinary wait, none in flight
+    assert not hold.held and owner.fence.epoch == 0
+    stop.set()

@@ -53,7 +53,8 @@ def test_no_placement_arena_copy_or_promotion_in_a_held_segment():
     assert placement.copy_target(t, t.objects["old"], set(), lambda sid, now: True, 0.0) is False
     assert arena.grant(t, t.segments[1], MB, 0.0) is None
     # the committed object stays where it is, readable
-    assert t.lookup_many(["old"], 0.0, False)[0].locations[0].segment_id == 1
+    found = t.lookup_many(["old"], 0.0, False)[0]
+    assert found is not None and found.locations[0].segment_id == 1
     t.segments[1].held = t.segments[2].held = False
     assert placement.copy_takers(t, 0.0) == [t.segments[1], t.segments[2]]
     assert arena.grant(t, t.segments[1], MB, 0.0) is not None
@@ -86,4 +87,5 @@ def test_held_from_peers_is_checked():
     raw = msgspec.msgpack.encode({"type": "Heartbeat", "client_id": 1, "token": b"", "held": 1})
     with pytest.raises(msgspec.ValidationError):
         p.request_decoder.decode(raw)
-    assert p.request_decoder.decode(p.request_encoder.encode(p.Heartbeat(1, b"", held=True))).held is True
+    beat = p.request_decoder.decode(p.request_encoder.encode(p.Heartbeat(1, b"", held=True)))
+    assert isinstance(beat, p.Heartbeat) and beat.held is True
