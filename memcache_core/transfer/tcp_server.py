@@ -221,10 +221,7 @@ class DataServer:
                                    "closing the connection", self.addr)
                     return
                 at = HEAD.size + (EPOCH.size if fenced else 0)
-                if n == 1:
-                    ranges = [RANGE.unpack_from(req, at)]
-                else:
-                    ranges = [RANGE.unpack_from(req, at + i * RANGE.size) for i in range(n)]
+                ranges = [RANGE.unpack_from(req, at + i * RANGE.size) for i in range(n)]
                 total = sum(length for _, length in ranges)
                 if self._refuses(sid):
                     conn.sendall(sealed(session, ANSWER.pack(WRONG_SEGMENT, 0)))
