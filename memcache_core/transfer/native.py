@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
-import importlib.machinery
 import logging
 import os
 import threading
@@ -25,6 +23,8 @@ from itertools import chain
 from typing import Any
 
 import xxhash
+
+from .. import nativelib
 
 logger = logging.getLogger(__name__)
 
@@ -97,16 +97,14 @@ def load() -> NativeLoop | None:
 
 
 def _load() -> NativeLoop | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    own = [os.path.join(here, "_copyloop" + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
-    found = [p for p in own if os.path.exists(p)] or sorted(glob.glob(os.path.join(here, "_copyloop*.so")))
-    if not found:
+    found = nativelib.find(os.path.dirname(os.path.abspath(__file__)), "_copyloop")
+    if found is None:
         logger.info("native copy loop not built (no C compiler at install?): shared-memory copies run the "
                     "Python loop (shm_copy_loop, docs/operations.md)")
         return None
     try:
         xxh = ctypes.CDLL(xxhash._xxhash.__file__)  # type: ignore[attr-defined]
-        loop = NativeLoop(ctypes.CDLL(found[0]), xxh)
+        loop = NativeLoop(ctypes.CDLL(found), xxh)
         _self_test(loop)
         return loop
     except (OSError, AttributeError, AssertionError) as e:

@@ -1,0 +1,22 @@
+"""Finding the optional native libraries (setup.py builds them where a C compiler is found).
+
+Each is plain C loaded with ctypes, whose foreign calls release the GIL; each has a Python
+implementation that is the reference and the fallback (``transfer/native.py`` for the copy loop).
+The C sources that share code include headers from ``memcache_core/native/`` (the keyed BLAKE2b of
+the frame MACs).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.machinery
+import os
+
+
+def find(directory: str, stem: str) -> str | None:
+    """The path of the library ``stem`` (e.g. ``_copyloop``) built into ``directory``: the one of this
+    interpreter's extension suffix, else any ``stem*.so`` there (a build of another minor version of
+    the same ABI); None where it was not built."""
+    own = [os.path.join(directory, stem + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
+    found = [p for p in own if os.path.exists(p)] or sorted(glob.glob(os.path.join(directory, stem + "*.so")))
+    return found[0] if found else None
