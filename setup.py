@@ -7,4 +7,5 @@ no compiler is found the install goes on without it and the copies run the pure-
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("memcache_core.transfer._copyloop", ["memcache_core/transfer/copyloop.c"],
-                             extra_compile_args=["-O2"], optional=True)])
+                             extra_compile_args=["-O2"], optional=True),
+                   Extension("memcache_core.rpc._frameloop", ["memcache_core/rpc/frameloop.c"], depends=["memcache_core/native/blake2b.h"], extra_compile_args=["-O2"], optional=True)])

@@ -3,7 +3,6 @@ handshake time, buffered input and unread replies (``FrameServer``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import selectors
 import socket
@@ -11,39 +10,25 @@ import ssl
 import time
 from collections.abc import Callable
 
-from ..auth import BUSY, DENIED, NO_SESSION, ServerHandshake, Session, refuse_busy, tell
+from ..auth import BUSY, DENIED, NO_SESSION, ServerHandshake, refuse_busy, tell
 from ..errors import cannot_listen
-from .framing import FRAME_HEAD, is_addr_in_use, is_out_of_descriptors, take_frame
+from .framing import FRAME_HEAD, MAX_FRAME, is_addr_in_use, is_out_of_descriptors, take_frame
+from .peer import (
+    MAX_BUFFERED_INPUT,
+    MAX_PENDING_REPLIES,
+    MAX_PENDING_REPLY,
+    MAX_PER_SOURCE,
+    MAX_PREAUTH_PER_SOURCE,
+    PREAUTH_SHARE,
+    PREAUTH_TIMEOUT_S,
+    Peer,
+)
+from .pump import Pumped, resolve
 
 __all__ = ["MAX_BUFFERED_INPUT", "MAX_PENDING_REPLIES", "MAX_PENDING_REPLY", "MAX_PER_SOURCE", "MAX_PREAUTH_PER_SOURCE",
            "PREAUTH_TIMEOUT_S", "FrameServer", "is_addr_in_use"]
 
 logger = logging.getLogger(__name__)
-
-MAX_PENDING_REPLY = 64 << 20     # reply bytes a server buffers for a connection that does not read
-MAX_PENDING_REPLIES = 256 << 20  # ... and for all connections together (16 peers x 63 MiB grew a
-                                 # MetaService by 1 GB before)
-MAX_BUFFERED_INPUT = 512 << 20   # bytes of unfinished frames a server holds for all connections together
-PREAUTH_TIMEOUT_S = 5.0          # a deadline for the whole handshake (TLS and the pool's), from accept
-MAX_PREAUTH_PER_SOURCE = 64      # connections of one source address still in their handshake
-PREAUTH_SHARE = 4                # at most 1/4 of max_connections in their handshake: the rest is kept
-                                 # for authenticated members
-MAX_PER_SOURCE = 512             # connections of one source address open at once, authenticated or not
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Peer:
-    """A server-side connection: its handshake (until done), input, unsent output, last activity."""
-
-    handshake: ServerHandshake | None
-    last: float
-    source: str                 # the peer's address, counted in ``FrameServer._preauth`` until authenticated
-    opened: float = 0.0         # the handshake must be done by ``opened + PREAUTH_TIMEOUT_S``
-    authenticated: bool = False
-    session: Session = NO_SESSION
-    tls_pending: bool = False
-    inbuf: bytearray = dataclasses.field(default_factory=bytearray)
-    out: bytearray | None = None
 
 
 class FrameServer:
@@ -62,12 +47,15 @@ class FrameServer:
     of all connections together may hold ``MAX_BUFFERED_INPUT`` bytes (the connection that would go
     over is disconnected: a Join report of a million objects still fits); running out of
     file descriptors pauses accepting instead of spinning.
+
+    ``frame_loop`` (``auto``, ``native``, ``python``): with the native pump (rpc/pump.py), an
+    authenticated plain-TCP connection is served by C from its handshake on, under the same bounds.
     """
 
     def __init__(self, binds: list[tuple[str, int]], handler: Callable[[bytes], bytes],
                  secret: bytes | None = None, max_connections: int = 4096, idle_timeout_s: float = 600.0,
                  tls: ssl.SSLContext | None = None, keys: tuple[str, ...] = (),
-                 max_per_source: int = MAX_PER_SOURCE) -> None:
+                 max_per_source: int = MAX_PER_SOURCE, frame_loop: str = "auto") -> None:
         """``keys`` name the settings of ``binds`` (for the error when one cannot be listened on)."""
         self.handler = handler
         self.max_per_source = max_per_source
@@ -91,7 +79,7 @@ class FrameServer:
             s.setblocking(False)
             self.sel.register(s, selectors.EVENT_READ, None)
             self.listeners.append(s)
-        self._peers: dict[socket.socket, _Peer] = {}
+        self._peers: dict[socket.socket, Peer] = {}
         self._buffered = 0   # bytes of unfinished frames held for all connections together
         self.max_buffered_input = MAX_BUFFERED_INPUT
         self._pending = 0   # reply bytes waiting for all connections together
@@ -105,6 +93,9 @@ class FrameServer:
         self.max_preauth = max(1, max_connections // PREAUTH_SHARE)
         self.evicted = 0
         self._warned_at = 0.0
+        native = resolve(frame_loop) if tls is None else None   # TLS connections stay in Python
+        self._pumped = Pumped(native, self.sel.fileno(), handler, MAX_FRAME, MAX_PENDING_REPLY,
+                              self._release) if native is not None else None
 
     def poll(self, timeout_s: float) -> int:
         """Serve what is ready within ``timeout_s``; the number of ready sockets."""
@@ -113,6 +104,17 @@ class FrameServer:
             self._paused_until = 0.0
             for s in self.listeners:
                 self.sel.register(s, selectors.EVENT_READ, None)
+        if self._pumped is None:
+            n = self._select(timeout_s)
+        else:
+            n, python_ready = self._pumped.poll(timeout_s, self._buffered, self.max_buffered_input, self._pending,
+                                                self.max_pending_replies)
+            n += self._select(0.0) if python_ready else 0
+        if now >= self._next_sweep:
+            self._sweep(now)
+        return n
+
+    def _select(self, timeout_s: float) -> int:
         ready = self.sel.select(timeout_s)
         for key, events in ready:
             sock: socket.socket = key.fileobj  # type: ignore[assignment]
@@ -128,8 +130,6 @@ class FrameServer:
             peer = self._peers.get(sock)
             if events & selectors.EVENT_WRITE and peer is not None and peer.out is not None:
                 self._flush(sock, peer)
-        if now >= self._next_sweep:
-            self._sweep(now)
         return len(ready)
 
     def _accept(self, lsock: socket.socket) -> None:
@@ -143,7 +143,7 @@ class FrameServer:
                 self._pause_accepting(0.1)
             return
         source = str(addr[0])
-        if len(self._peers) >= self.max_connections:
+        if self.connections >= self.max_connections:
             self._refuse(conn, f"all {self.max_connections} connections are in use")
             return
         if self._open_of.get(source, 0) >= self.max_per_source:
@@ -160,11 +160,15 @@ class FrameServer:
                                                            f"(the other slots are kept for authenticated members)")
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._pumped is not None and not preauth:   # auth off: no handshake to wait for
+            self._open_of[source] = self._open_of.get(source, 0) + 1
+            self._pumped.adopt(conn, source, NO_SESSION, b"", b"", self._pending, self.max_pending_replies)
+            return
         if self.tls is not None:
             conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         hs = ServerHandshake(self.secret) if self.secret is not None else None
         now = time.monotonic()
-        self._peers[conn] = peer = _Peer(hs, now, source, now, authenticated=not preauth,
+        self._peers[conn] = peer = Peer(hs, now, source, now, authenticated=not preauth,
                                          tls_pending=self.tls is not None)
         self._open_of[source] = self._open_of.get(source, 0) + 1
         if preauth:
@@ -176,7 +180,7 @@ class FrameServer:
         elif hs is not None:
             self._send(conn, peer, bytearray(hs.hello))
 
-    def _tls_step(self, conn: socket.socket, peer: _Peer) -> None:
+    def _tls_step(self, conn: socket.socket, peer: Peer) -> None:
         """Advance a TLS handshake without blocking; once done, start the pool's own handshake."""
         assert isinstance(conn, ssl.SSLSocket)
         try:
@@ -219,7 +223,7 @@ class FrameServer:
             logger.warning("closing the oldest connections still in their handshake: %s (%d closed so far)", why,
                            self.evicted)
 
-    def _authenticated(self, conn: socket.socket, peer: _Peer) -> None:
+    def _authenticated(self, conn: socket.socket, peer: Peer) -> None:
         """The peer passed its handshake (or left): it no longer counts against the pre-auth limits."""
         if not peer.authenticated:
             peer.authenticated = True
@@ -266,10 +270,17 @@ class FrameServer:
             self._send(conn, peer, bytearray(proof))
             if conn not in self._peers:
                 return
-        if self._buffered + len(chunk) > self.max_buffered_input:
+        if self.buffered_input + len(chunk) > self.max_buffered_input:
             logger.warning("closing a connection: %d bytes of unfinished frames would be buffered server-wide "
-                           "(limit %d)", self._buffered + len(chunk), self.max_buffered_input)
+                           "(limit %d)", self.buffered_input + len(chunk), self.max_buffered_input)
             self._close(conn)
+            return
+        if self._pumped is not None:   # authenticated, plain TCP: the native pump serves it from here
+            self.sel.unregister(conn)
+            del self._peers[conn]
+            unsent = bytes(peer.out or b"")
+            self._pending -= len(unsent)
+            self._pumped.adopt(conn, peer.source, peer.session, chunk, unsent, self._pending, self.max_pending_replies)
             return
         buf = peer.inbuf
         before = len(buf)
@@ -284,7 +295,7 @@ class FrameServer:
                 out += head
                 out += reply
                 out += peer.session.seal(head, reply)
-                if waiting + len(out) > MAX_PENDING_REPLY or self._pending + len(out) > self.max_pending_replies:
+                if waiting + len(out) > MAX_PENDING_REPLY or self.pending_replies + len(out) > self.max_pending_replies:
                     # one 64 KiB read can hold thousands of small requests for big replies: stop here,
                     # not after building all of them
                     logger.warning("closing a connection that does not read its replies (%d bytes waiting for it, "
@@ -300,13 +311,13 @@ class FrameServer:
         if out:
             self._send(conn, peer, out)
 
-    def _send(self, conn: socket.socket, peer: _Peer, data: bytearray) -> None:
+    def _send(self, conn: socket.socket, peer: Peer, data: bytearray) -> None:
         if peer.out is not None:
             peer.out += data
             self._pending += len(data)
-            if len(peer.out) > MAX_PENDING_REPLY or self._pending > self.max_pending_replies:
+            if len(peer.out) > MAX_PENDING_REPLY or self.pending_replies > self.max_pending_replies:
                 logger.warning("closing a connection that does not read its replies (%d bytes waiting for it, "
-                               "%d for all connections)", len(peer.out), self._pending)
+                               "%d for all connections)", len(peer.out), self.pending_replies)
                 self._close(conn)
             return
         try:
@@ -322,7 +333,7 @@ class FrameServer:
             self._pending += len(data)
             self.sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
 
-    def _flush(self, conn: socket.socket, peer: _Peer) -> None:
+    def _flush(self, conn: socket.socket, peer: Peer) -> None:
         data, peer.out = peer.out, None
         self.sel.modify(conn, selectors.EVENT_READ, "conn")
         assert data is not None
@@ -335,18 +346,25 @@ class FrameServer:
         for conn, peer in list(self._peers.items()):
             if not peer.authenticated and now - peer.opened > PREAUTH_TIMEOUT_S or now - peer.last > self.idle_timeout_s:
                 self._close(conn)
+        if self._pumped is not None:
+            self._pumped.sweep(self.idle_timeout_s)
 
     @property
     def connections(self) -> int:
-        return len(self._peers)
+        return len(self._peers) + (self._pumped.connections if self._pumped is not None else 0)
 
     @property
     def pending_replies(self) -> int:
-        return self._pending
+        return self._pending + (self._pumped.counts()[1] if self._pumped is not None else 0)
 
     @property
     def buffered_input(self) -> int:
-        return self._buffered
+        return self._buffered + (self._pumped.counts()[0] if self._pumped is not None else 0)
+
+    @property
+    def native(self) -> bool:
+        """Whether authenticated plain-TCP connections are served by the native frame pump."""
+        return self._pumped is not None
 
     def _close(self, conn: socket.socket) -> None:
         try:
@@ -359,16 +377,22 @@ class FrameServer:
             if peer.out is not None:
                 self._pending -= len(peer.out)
             self._authenticated(conn, peer)   # no longer in its handshake either way
-            n = self._open_of.get(peer.source, 0) - 1
-            if n > 0:
-                self._open_of[peer.source] = n
-            else:
-                self._open_of.pop(peer.source, None)
+            self._release(peer.source)
         conn.close()
+
+    def _release(self, source: str) -> None:
+        """A connection of ``source`` closed (here, or in the native pump)."""
+        n = self._open_of.get(source, 0) - 1
+        if n > 0:
+            self._open_of[source] = n
+        else:
+            self._open_of.pop(source, None)
 
     def close(self) -> None:
         for conn in list(self._peers):
             self._close(conn)
+        if self._pumped is not None:
+            self._pumped.close()
         for s in self.listeners:
             if not self._paused_until:
                 self.sel.unregister(s)
