@@ -169,6 +169,10 @@ class MetaConfig:
     poll_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 200
     """After serving requests the control plane polls for more this long before it sleeps: a request
     arriving meanwhile does not pay the wake-up of an idle core (0: sleep at once)."""
+    frame_loop: Literal["auto", "native", "python"] = "auto"
+    """Who serves authenticated plain-TCP control-plane connections after their handshake: native (the
+    C frame pump; the MetaService fails at start where it is not built), python, or auto (native where
+    built and its self-test passes)."""
     placement_policy: Literal["local_first", "spread", "random"] = "local_first"
     """Where new objects go: local_first (the writer's own segment, then as spread; a writer without a
     segment gets spread), spread (most free ratio first, the better of two random picks), or random.

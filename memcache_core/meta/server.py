@@ -46,7 +46,7 @@ def serve(config: MetaConfig, stop: threading.Event | None = None) -> None:
                          handler, secret, config.max_connections,
                          config.idle_timeout_seconds, tls.server_context(config),
                          keys=("meta_service_url", "config_store_url"),
-                         max_per_source=config.max_connections_per_address)
+                         max_per_source=config.max_connections_per_address, frame_loop=config.frame_loop)
     admin = AdminServer(core, config.metrics_url, secret, tls.server_context(config, require_client_cert=False))
     if threading.current_thread() is threading.main_thread():   # before /health answers: a SIGTERM
         for sig in (signal.SIGTERM, signal.SIGINT):               # right after it must stop cleanly

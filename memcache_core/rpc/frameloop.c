@@ -526,6 +526,16 @@ static PyObject *Pump_sweep(Pump *p, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* waiting(id) -> reply bytes not yet sent on that connection (0 when closed). */
+static PyObject *Pump_waiting(Pump *p, PyObject *arg)
+{
+    unsigned long long cid = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    conn_t *c = lookup(p, cid);
+    return PyLong_FromSize_t(c != NULL ? c->out_len - c->out_off : 0);
+}
+
 static PyObject *Pump_stats(Pump *p, PyObject *unused)
 {
     return Py_BuildValue("(nLL)", (Py_ssize_t)p->open, (long long)p->buffered, (long long)p->pending);
@@ -563,6 +573,7 @@ static PyMethodDef Pump_methods[] = {
     {"send", (PyCFunction)Pump_send, METH_VARARGS, "Seal and send a batch of replies."},
     {"close_id", (PyCFunction)Pump_close_id, METH_O, "Close one connection."},
     {"sweep", (PyCFunction)Pump_sweep, METH_O, "Close the idle connections."},
+    {"waiting", (PyCFunction)Pump_waiting, METH_O, "Reply bytes not yet sent on one connection."},
     {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "(connections, buffered input, pending replies)"},
     {"close", (PyCFunction)Pump_close, METH_NOARGS, "Close every connection and the epoll descriptor."},
     {NULL},

@@ -16,6 +16,7 @@ was not built (no C compiler at install), ``auto`` serves with the Python loop.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import math
 import os
@@ -47,18 +48,18 @@ def load() -> ModuleType | None:
 
 
 def _load() -> ModuleType | None:
-    try:
-        from . import _frameloop  # type: ignore[attr-defined]
+    try:   # (by name: an extension module, built or not, is no import edge of the package)
+        native = importlib.import_module(__package__ + "._frameloop")
     except ImportError:
         logger.info("native frame loop not built (no C compiler at install?): the control plane runs the "
                     "Python loop (frame_loop, docs/configuration.md)")
         return None
     try:
-        _self_test(_frameloop)
+        _self_test(native)
     except AssertionError as e:
         logger.warning("native frame loop not usable (%s): the control plane runs the Python loop", e)
         return None
-    return _frameloop   # type: ignore[no-any-return]
+    return native
 
 
 def _self_test(mod: Any) -> None:
@@ -90,6 +91,7 @@ class Pumped:
     def __init__(self, mod: Any, selector_fd: int, handler: Callable[[bytes], bytes], max_frame: int,
                  max_reply: int, released: Callable[[str], None]) -> None:
         self.pump = mod.Pump(selector_fd, max_frame, max_reply)
+        self.max_reply = max_reply
         self.handler = handler
         self.released = released              # called with the source of each connection closed in C
         self.sources: dict[int, str] = {}     # connection id -> source address
@@ -128,26 +130,30 @@ class Pumped:
                 self.released(source)
 
     def answer(self, frames: list[tuple[int, int, bytes]], pending: int, max_pending: int) -> None:
-        """Call the handler for each frame, and hand the replies to C to seal and send. The replies of
-        one batch stop at the server-wide bound on unsent replies (a 64 KiB read can hold thousands of
-        small requests for large replies): the connection that would pass it is closed, its replies
-        dropped; C holds each connection to ``MAX_PENDING_REPLY`` as it keeps what a socket does not take."""
-        handler = self.handler
+        """Call the handler for each frame, and hand the replies to C to seal and send. As in the
+        Python loop, the replies of one batch stop at the bounds on unsent replies (a 64 KiB read can
+        hold thousands of small requests for large replies): a connection whose replies, with those
+        already waiting for it, would pass ``max_reply``, or that would take all connections past
+        ``max_pending``, is closed and its replies dropped, before the rest are built."""
+        handler, pump = self.handler, self.pump
         replies = []
-        room = max_pending - pending - self.pump.stats()[2]
+        room = max_pending - pending - pump.stats()[2]
         total = 0
+        held: dict[int, int] = {}     # connection id -> its reply bytes waiting and built
         dropped: set[int] = set()
         for cid, rid, body in frames:
             if dropped and cid in dropped:
                 continue
             reply = handler(body)
             replies.append((cid, rid, reply))
-            total += len(reply) + OVERHEAD
-            if total > room:
-                logger.warning("closing a connection that does not read its replies (%d bytes waiting for all "
-                               "connections)", max_pending - room + total)
+            size = len(reply) + OVERHEAD
+            total += size
+            mine = held[cid] = (held[cid] if cid in held else pump.waiting(cid)) + size
+            if total > room or mine > self.max_reply:
+                logger.warning("closing a connection that does not read its replies (%d bytes waiting for it, "
+                               "%d for all connections)", mine, max_pending - room + total)
                 dropped.add(cid)
-                self.pump.close_id(cid)
+                pump.close_id(cid)
                 replies = [r for r in replies if r[0] != cid]
                 total = sum(len(r[2]) + OVERHEAD for r in replies)
         if replies:

@@ -283,8 +283,9 @@ class FrameServer:
             self._pumped.adopt(conn, peer.source, peer.session, chunk, unsent, self._pending, self.max_pending_replies)
             return
         buf = peer.inbuf
-        before = len(buf)
         buf += chunk
+        self._buffered += len(chunk)
+        start = len(buf)
         out = bytearray()
         waiting = len(peer.out) if peer.out is not None else 0
         try:
@@ -305,9 +306,8 @@ class FrameServer:
         except ValueError:
             self._close(conn)
             return
-        finally:
-            if conn in self._peers:
-                self._buffered += len(buf) - before
+        finally:   # the frames taken (a close took off the rest)
+            self._buffered -= start - len(buf)
         if out:
             self._send(conn, peer, out)
 

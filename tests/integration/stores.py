@@ -92,7 +92,8 @@ def short_heartbeat() -> int:
 def meta(request: pytest.FixtureRequest) -> Iterator[MetaServiceProcess]:
     timeout_ms = (request.getfixturevalue("short_heartbeat") if "short_heartbeat" in request.fixturenames
                   else HEARTBEAT_TIMEOUT_MS)
-    with running_meta_service(heartbeat_timeout_ms=timeout_ms, lease_ttl_ms=2000) as ms:
+    loop = {"frame_loop": request.getfixturevalue("frame_loop")} if "frame_loop" in request.fixturenames else {}
+    with running_meta_service(heartbeat_timeout_ms=timeout_ms, lease_ttl_ms=2000, **loop) as ms:
         yield ms
 
 

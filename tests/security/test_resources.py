@@ -34,7 +34,7 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_a_peer_that_never_reads_its_replies_is_disconnected_and_rss_stays_bounded(meta, stores):
+def test_a_peer_that_never_reads_its_replies_is_disconnected_and_rss_stays_bounded(frame_loop, meta, stores):
     """Scenario: an authenticated peer stores a 1 MiB config value, then sends 200 ConfigGets of it
     (200 MiB of replies) without ever reading. The MetaService disconnects it once 64 MiB wait for it;
     its RSS grows by about that much, not by 200 MiB, and an honest client works throughout."""
@@ -160,7 +160,7 @@ def _connections_to(port: int) -> int:
     return n
 
 
-def test_unfinished_frames_of_all_connections_share_one_input_budget():
+def test_unfinished_frames_of_all_connections_share_one_input_budget(frame_loop):
     """Scenario: authenticated peers each announce a huge frame and stream part of it, never finishing.
     Together they may not make the server hold more than its input budget: the connection that would
     go over is dropped, the others and honest requests keep working."""
@@ -172,7 +172,8 @@ def test_unfinished_frames_of_all_connections_share_one_input_budget():
     from memcache_core.testing import polling
 
     secret = load_secret("")
-    server = FrameServer([("127.0.0.1", 0)], lambda body: p.request_encoder.encode(p.Ok()), secret)
+    server = FrameServer([("127.0.0.1", 0)], lambda body: p.request_encoder.encode(p.Ok()), secret,
+                         frame_loop=frame_loop)
     server.max_buffered_input = 8 << 20
     port = server.listeners[0].getsockname()[1]
     socks = []

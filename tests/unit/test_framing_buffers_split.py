@@ -70,9 +70,9 @@ def test_sealed_frames_pass_in_order_and_an_altered_reordered_or_foreign_one_is_
 
 
 @pytest.fixture
-def echo_server():
-    """A real FrameServer whose handler answers each body reversed, polled on a thread."""
-    with polling(FrameServer([("127.0.0.1", 0)], lambda body: body[::-1], SECRET)) as server:
+def echo_server(frame_loop):
+    """A real FrameServer whose handler answers each body reversed, polled on a thread (each frame loop)."""
+    with polling(FrameServer([("127.0.0.1", 0)], lambda body: body[::-1], SECRET, frame_loop=frame_loop)) as server:
         yield server.listeners[0].getsockname()
 
 

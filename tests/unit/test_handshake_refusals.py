@@ -26,10 +26,10 @@ def _ok(body: bytes) -> bytes:
     return p.request_encoder.encode(p.Ok())
 
 
-def test_a_server_out_of_slots_says_so_before_it_closes():
+def test_a_server_out_of_slots_says_so_before_it_closes(frame_loop):
     """Scenario: a MetaService whose one connection slot is taken refuses a second connection: the
     client's error names the slots, and it is not taken for a wrong secret."""
-    with polling(FrameServer([("127.0.0.1", 0)], _ok, secret=SECRET, max_connections=1)) as server:
+    with polling(FrameServer([("127.0.0.1", 0)], _ok, secret=SECRET, max_connections=1, frame_loop=frame_loop)) as server:
         port = server.listeners[0].getsockname()[1]
         with socket.create_connection(("127.0.0.1", port)) as first:
             client_handshake(first, SECRET)   # holds the one slot
@@ -74,10 +74,10 @@ def test_a_server_that_closes_before_its_challenge_is_restarting(caplog):
         thread.join(5)
 
 
-def test_a_server_with_another_secret_is_a_mismatch():
+def test_a_server_with_another_secret_is_a_mismatch(frame_loop):
     """Scenario: a member holds a secret that is not the pool's: the error is an ``AuthMismatch`` (a
     provider stops on it rather than waiting forever), through the control-plane client too."""
-    with polling(FrameServer([("127.0.0.1", 0)], _ok, secret=SECRET)) as server:
+    with polling(FrameServer([("127.0.0.1", 0)], _ok, secret=SECRET, frame_loop=frame_loop)) as server:
         port = server.listeners[0].getsockname()[1]
         with socket.create_connection(("127.0.0.1", port)) as s, pytest.raises(AuthMismatch):
             client_handshake(s, b"t" * 32)

@@ -28,10 +28,10 @@ def _answer(body: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("n_keys", [1, 1000, p.MAX_KEYS])   # the largest a request may carry
-def test_small_and_large_frames_round_trip_on_an_authenticated_connection(n_keys):
+def test_small_and_large_frames_round_trip_on_an_authenticated_connection(n_keys, frame_loop):
     port = free_port()
     keys = [f"{'k' * 40}/{i}" for i in range(n_keys)]
-    with polling(FrameServer([("127.0.0.1", port)], _answer, secret=SECRET)):
+    with polling(FrameServer([("127.0.0.1", port)], _answer, secret=SECRET, frame_loop=frame_loop)):
         client = RpcClient(f"tcp://127.0.0.1:{port}", timeout_s=10, secret=SECRET)
         try:
             for _ in range(3):   # the connection is reused: its buffer and socket mode stay right

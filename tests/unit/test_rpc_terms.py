@@ -18,12 +18,12 @@ from memcache_core.testing import free_port, polling
 class Server:
     """A FrameServer answering Exist with a fixed term (or NOT_LEADER)."""
 
-    def __init__(self) -> None:
+    def __init__(self, frame_loop: str = "auto") -> None:
         self.port = free_port()
         self.term = 0
         self.leader = True
         self.calls = 0
-        self.srv = FrameServer([("127.0.0.1", self.port)], self.answer)
+        self.srv = FrameServer([("127.0.0.1", self.port)], self.answer, frame_loop=frame_loop)
 
     @property
     def url(self) -> str:
@@ -37,9 +37,9 @@ class Server:
 
 
 @pytest.fixture
-def servers() -> Iterator[list[Server]]:
-    """Two servers, polled on threads."""
-    made = [Server(), Server()]
+def servers(frame_loop: str) -> Iterator[list[Server]]:
+    """Two servers, polled on threads (each frame loop)."""
+    made = [Server(frame_loop), Server(frame_loop)]
     with contextlib.ExitStack() as stack:
         for s in made:
             stack.enter_context(polling(s.srv))
