@@ -20,6 +20,7 @@ processes; on a crowded host the cold figure rises (benchmarks/README.md, ``benc
 
     python benchmarks/bench_heartbeat.py
     python benchmarks/bench_heartbeat.py --profile --rounds 5000
+    python benchmarks/bench_heartbeat.py --frame-loop python   # (or native; auto: native where built)
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2000, help="heartbeats served back to back (hot)")
     ap.add_argument("--cold-rounds", type=int, default=500, help="heartbeats served each after a gap")
     ap.add_argument("--gap-ms", type=float, default=4.0, help="the gap before each cold heartbeat")
+    ap.add_argument("--frame-loop", choices=("auto", "native", "python"), default="auto",
+                    help="the FrameServer's frame loop (docs/configuration.md, frame_loop)")
     ap.add_argument("--profile", action="store_true", help="print cProfile's top functions of the hot rounds")
     args = ap.parse_args(argv)
     core = MetaServiceCore(MetaConfig())
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             in_answer[0] += time.thread_time() - t0
 
     handler: Callable[[bytes], bytes] = timed_answer
-    fs = FrameServer([("127.0.0.1", 0)], handler, secret=SECRET)
+    fs = FrameServer([("127.0.0.1", 0)], handler, secret=SECRET, frame_loop=args.frame_loop)
     stop = threading.Event()
 
     def joining() -> None:   # the members' handshakes and joins need the server polled meanwhile
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'heartbeat':>9} {'median us':>10} {'mean us':>8} {'answer us':>10}")
         for name, med, mean, ans in rows:
             print(f"{name:>9} {med:>10.1f} {mean:>8.1f} {ans:>10.1f}")
-        print(f"Python calls per heartbeat (cProfile, hot): {calls:.1f}; {args.members} members")
+        print(f"Python calls per heartbeat (cProfile, hot): {calls:.1f}; {args.members} members; "
+              f"frame loop: {'native' if fs.native else 'python'}")
         if args.profile:
             st.sort_stats("tottime").print_stats(40)
     finally:

@@ -535,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default="all",
                     help=f"run only these phases after idle and heartbeats (comma-separated: {', '.join(ALONE)}, mix)")
     ap.add_argument("--spin-us", type=int, default=None, help="the MetaService's poll_spin_us (default: its default)")
+    ap.add_argument("--frame-loop", choices=("auto", "native", "python"), default=None,
+                    help="the MetaService's frame_loop (default: its default, auto)")
     ap.add_argument("--meta-nice", type=int, default=0,
                     help="the MetaService's nice value: on a shared machine a negative one (needs root) keeps other "
                          "work from deciding its latency")
@@ -572,6 +574,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     overrides: dict[str, Any] = {"log_level": "warning"}
     if args.spin_us is not None:
         overrides["poll_spin_us"] = args.spin_us
+    if args.frame_loop is not None:
+        overrides["frame_loop"] = args.frame_loop
     rows: list[dict[str, Any]] = []
 
     def report(row: dict[str, Any]) -> None:

@@ -102,7 +102,9 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
         stop, server_pid = master.stop, master.proc.pid
     else:
         from memcache_core.testing import running_meta_service
-        spin = {} if args.poll_spin_us is None else {"poll_spin_us": args.poll_spin_us}
+        spin: dict[str, Any] = {} if args.poll_spin_us is None else {"poll_spin_us": args.poll_spin_us}
+        if args.frame_loop is not None:
+            spin["frame_loop"] = args.frame_loop
         ctx = running_meta_service(log_level="warning", lease_ttl_ms=args.lease_ms, auth_enable=args.auth_now, **spin)
         meta = ctx.__enter__()
         spec.update(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url)
@@ -303,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                          "without the warm-up")
     ap.add_argument("--poll-spin-us", type=int, default=None,
                     help="the MetaService's poll_spin_us (polling after a request; default: its default)")
+    ap.add_argument("--frame-loop", choices=("auto", "native", "python"), default=None,
+                    help="the MetaService's frame_loop (default: its default, auto)")
     ap.add_argument("--rpc-spin-us", type=int, default=None,
                     help="the clients' rpc_spin_us (polling for a reply; default: its default)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")

@@ -137,25 +137,30 @@ class Pumped:
         ``max_pending``, is closed and its replies dropped, before the rest are built."""
         handler, pump = self.handler, self.pump
         replies = []
-        room = max_pending - pending - pump.stats()[2]
         total = 0
-        held: dict[int, int] = {}     # connection id -> its reply bytes waiting and built
+        waiting = pump.stats()[2]
+        room = max_pending - pending - waiting
+        calm = min(room, self.max_reply - waiting)   # below it no connection can pass either bound
+        held: dict[int, int] = {}     # past it: connection id -> its reply bytes built in this batch
         dropped: set[int] = set()
         for cid, rid, body in frames:
             if dropped and cid in dropped:
                 continue
             reply = handler(body)
             replies.append((cid, rid, reply))
-            size = len(reply) + OVERHEAD
-            total += size
-            mine = held[cid] = (held[cid] if cid in held else pump.waiting(cid)) + size
-            if total > room or mine > self.max_reply:
+            total += len(reply) + OVERHEAD
+            if total <= calm:
+                continue
+            if cid not in held:   # (once per connection: then counted as they come)
+                held[cid] = sum(len(r[2]) + OVERHEAD for r in replies[:-1] if r[0] == cid)
+            built = held[cid] = held[cid] + len(reply) + OVERHEAD
+            if total > room or built + pump.waiting(cid) > self.max_reply:
                 logger.warning("closing a connection that does not read its replies (%d bytes waiting for it, "
-                               "%d for all connections)", mine, max_pending - room + total)
+                               "%d for all connections)", built + pump.waiting(cid), max_pending - room + total)
                 dropped.add(cid)
                 pump.close_id(cid)
                 replies = [r for r in replies if r[0] != cid]
-                total = sum(len(r[2]) + OVERHEAD for r in replies)
+                total -= built
         if replies:
             self.pump.send(replies, pending, max_pending)
 
