@@ -32,12 +32,19 @@ echo "built $(basename "$sdist") and $(basename "$wheel")"
 # (listings go to files first: grep -q closing a pipe early would fail the pipeline under pipefail)
 tar tzf "$sdist" > "$work/sdist.txt"
 grep -q '/memcache_core/transfer/copyloop.c$' "$work/sdist.txt" || { echo "the sdist lacks copyloop.c" >&2; exit 1; }
+for src in memcache_core/rpc/frameloop.c memcache_core/native/blake2b.h; do   # the frame loop's, and the header it includes
+  grep -q "/$src\$" "$work/sdist.txt" || { echo "the sdist lacks $src" >&2; exit 1; }
+done
 listing() { "$venv/bin/python" -m zipfile -l "$1" > "$work/listing.txt"; cat "$work/listing.txt"; }
 loop=python
 if "$venv/bin/python" -c "import sysconfig, shutil, sys; sys.exit(not shutil.which(sysconfig.get_config_var('CC').split()[0]))"; then
   loop=native   # a compiler was there: the wheel must carry the loop
   listing "$wheel" | grep -c 'memcache_core/transfer/_copyloop' >/dev/null \
     || { echo "a C compiler is here but the wheel has no native copy loop" >&2; cat "$work/build.log"; exit 1; }
+  if [ -f "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")/Python.h" ]; then
+    grep -c 'memcache_core/rpc/_frameloop' "$work/listing.txt" >/dev/null \
+      || { echo "a C compiler and Python.h are here but the wheel has no native frame loop" >&2; exit 1; }
+  fi
 fi
 
 if [ ! -f "$venv/.complete" ]; then
@@ -62,8 +69,8 @@ tar xzf "$sdist" -C "$work"
 CC=/bin/false "$venv/bin/python" -m build --wheel --outdir "$work/nocc" "$work/$(basename "$sdist" .tar.gz)" > "$work/nocc.log" 2>&1 \
   || { sed 's/^/  /' "$work/nocc.log"; exit 1; }
 nocc=$(ls "$work"/nocc/memcache_python-*.whl)
-if listing "$nocc" | grep -c '_copyloop' >/dev/null; then
-  echo "CC=/bin/false still built the native loop" >&2; exit 1
+if listing "$nocc" | grep -c '_copyloop\|_frameloop' >/dev/null; then
+  echo "CC=/bin/false still built a native loop" >&2; exit 1
 fi
 pipq install -q --force-reinstall --no-deps "$nocc"
 run smoke_installed.py --loop python --checkout "$repo"
