@@ -210,6 +210,16 @@ static int take(Pump *p, size_t slot, PyObject *frames)
         memmove(c->in, c->in + pos, c->in_len - pos);
         c->in_len -= pos;
         p->buffered -= (int64_t)pos;
+        if (c->in_cap > (1 << 16) && c->in_len <= c->in_cap / 4) { /* a large frame went: do not hold its buffer */
+            size_t n = 4096;
+            while (n < c->in_len)
+                n *= 2;
+            uint8_t *b = PyMem_Realloc(c->in, n);
+            if (b != NULL) {
+                c->in = b;
+                c->in_cap = n;
+            }
+        }
     }
     return 0;
 }
@@ -446,7 +456,7 @@ static PyObject *Pump_send(Pump *p, PyObject *args)
             i++;
             continue;
         }
-        size_t slot = (size_t)(cid & 0xffffffffu), bytes = 0;
+        size_t slot = (size_t)(cid & 0xffffffffu);
         int k = 0;
         for (;;) { /* this reply and the ones of the same connection right after it */
             uint8_t *h = heads[k];
@@ -462,7 +472,6 @@ static PyObject *Pump_send(Pump *p, PyObject *args)
                 size_t lens[2] = {HEAD, (size_t)blen};
                 mc_b2b_mac(&c->ksend, c->sent++, parts, lens, 2, tags[k]);
             }
-            bytes += HEAD + (size_t)blen + (size_t)c->maclen;
             k++;
             i++;
             if (k == RUN_MAX || i == total)
@@ -497,7 +506,6 @@ static PyObject *Pump_send(Pump *p, PyObject *args)
                 break;
             done = 0;
         }
-        (void)bytes;
     }
     Py_RETURN_NONE;
 }

@@ -34,6 +34,7 @@ def main() -> int:
     import memcache_core
     from memcache_core import DistributedObjectStore, LocalConfig
     from memcache_core.auth import admin_token, load_secret
+    from memcache_core.rpc import pump   # the frame loop: built where the copy loop is and Python.h was found
     from memcache_core.testing import free_port, wait_for
     from memcache_core.transfer import native
     where = os.path.realpath(memcache_core.__file__)
@@ -43,7 +44,6 @@ def main() -> int:
     assert os.access(command, os.X_OK), f"the wheel installed no memcache command at {command}"
     print(f"memcache_core from {os.path.dirname(where)}; command {command}")
     assert (native.load() is not None) == (args.loop == "native"), f"native.load(): {native.load()}, expected {args.loop}"
-    from memcache_core.rpc import pump   # the frame loop: built where the copy loop is and Python.h was found
     assert args.loop == "native" or pump.load() is None, "a wheel built without a compiler has a native frame loop"
     print(f"frame loop: {'native' if pump.load() is not None else 'python'}")
 
