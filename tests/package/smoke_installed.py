@@ -34,7 +34,7 @@ def main() -> int:
     import memcache_core
     from memcache_core import DistributedObjectStore, LocalConfig
     from memcache_core.auth import admin_token, load_secret
-    from memcache_core.rpc import pump   # the frame loop: built where the copy loop is and Python.h was found
+    from memcache_core.rpc import pump  # the frame loop: built where the copy loop is and Python.h was found
     from memcache_core.testing import free_port, wait_for
     from memcache_core.transfer import native
     where = os.path.realpath(memcache_core.__file__)
