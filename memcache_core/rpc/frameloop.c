@@ -398,9 +398,13 @@ static PyObject *Pump_poll(Pump *p, PyObject *args)
         return NULL;
     struct epoll_event evs[MAX_EVENTS];
     int n;
-    Py_BEGIN_ALLOW_THREADS
-    n = epoll_wait(p->ep, evs, MAX_EVENTS, timeout);
-    Py_END_ALLOW_THREADS
+    if (timeout == 0) { /* a spinning poll: no wait, so the GIL is kept */
+        n = epoll_wait(p->ep, evs, MAX_EVENTS, 0);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        n = epoll_wait(p->ep, evs, MAX_EVENTS, timeout);
+        Py_END_ALLOW_THREADS
+    }
     if (n < 0 && errno != EINTR)
         return PyErr_SetFromErrno(PyExc_OSError);
     PyObject *frames = PyList_New(0);
