@@ -51,8 +51,8 @@ def _load() -> ModuleType | None:
     try:   # (by name: an extension module, built or not, is no import edge of the package)
         native = importlib.import_module(__package__ + "._frameloop")
     except ImportError:
-        logger.info("native frame loop not built (no C compiler at install?): the control plane runs the "
-                    "Python loop (frame_loop, docs/configuration.md)")
+        logger.info("native frame loop not built (no C compiler or Python headers at install?): frame_loop "
+                    "auto serves the control plane with the Python loop (docs/configuration.md)")
         return None
     try:
         _self_test(native)
