@@ -169,7 +169,7 @@ class FrameServer:
         hs = ServerHandshake(self.secret) if self.secret is not None else None
         now = time.monotonic()
         self._peers[conn] = peer = Peer(hs, now, source, now, authenticated=not preauth,
-                                         tls_pending=self.tls is not None)
+                                        tls_pending=self.tls is not None)
         self._open_of[source] = self._open_of.get(source, 0) + 1
         if preauth:
             self._preauth.setdefault(source, {})[conn] = None
@@ -296,7 +296,7 @@ class FrameServer:
                 out += head
                 out += reply
                 out += peer.session.seal(head, reply)
-                if waiting + len(out) > MAX_PENDING_REPLY or self.pending_replies + len(out) > self.max_pending_replies:
+                if waiting + len(out) > MAX_PENDING_REPLY or self._pending + len(out) > self.max_pending_replies:
                     # one 64 KiB read can hold thousands of small requests for big replies: stop here,
                     # not after building all of them
                     logger.warning("closing a connection that does not read its replies (%d bytes waiting for it, "
