@@ -14,12 +14,11 @@ from memcache_core.testing import free_port
 from tests.security.wire import LAYOUT
 
 
+@pytest.mark.skipif(pump.load() is None, reason="the native frame loop is not built")
 @pytest.mark.parametrize("frame_loop", ["native"])
 def test_a_meta_service_with_the_native_loop_serves_put_and_get_byte_exact(frame_loop, meta, stores):
     """A real MetaService started with ``frame_loop: native`` (it would refuse to start without the
     extension) and two real LocalServices over TCP: put, exist and get byte-exact."""
-    if pump.load() is None:
-        pytest.skip("the native frame loop is not built")
     writer, reader = stores(protocol="host_tcp"), stores(protocol="host_tcp")
     keys = [f"native-{i}" for i in range(8)]
     assert writer("put", keys=keys, layout=LAYOUT)["codes"] == [0] * 8
