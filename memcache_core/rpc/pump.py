@@ -116,7 +116,8 @@ class Pumped:
              max_pending: int) -> tuple[int, bool]:
         """Wait up to ``timeout_s``, answer the frames that came: (frames answered, whether the Python
         selector has something ready). ``buffered``/``pending``: the Python side's share of the bounds."""
-        frames, closed, python_ready = self.pump.poll(math.ceil(max(0.0, timeout_s) * 1000), buffered, max_buffered)
+        wait_ms = min(math.ceil(max(0.0, timeout_s) * 1000), 1 << 30)
+        frames, closed, python_ready = self.pump.poll(wait_ms, buffered, max_buffered)
         if closed:
             self._reap(closed)
         if frames:
