@@ -95,6 +95,7 @@ class LocalService(Writes, Reads, Gva):
         self._partial_warned = 0.0   # when a partial placement may be logged again
         self.drainer = Drainer(self)
         self.metrics = LocalMetrics()
+        self.metrics.held = lambda: self.held
         self.metrics_server: MetricsServer | None = None
         self.disk: tier.DiskTier | None = None   # the disk tier under our segment (disk_path)
         self.prefault: Prefault | None = None

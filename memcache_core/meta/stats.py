@@ -51,6 +51,11 @@ class SegmentStats(msgspec.Struct):
     arena_reserved_bytes: int = 0            # counted in used_bytes: its holder's arena, holding no object
     held: bool = False                       # its owner holds it: no new object goes there (local/hold.py)
 
+    @property
+    def state(self) -> str:
+        """What the status views say of it: ``draining``, ``held``, or nothing (takes puts as usual)."""
+        return "draining" if self.draining else "held" if self.held else ""
+
 
 class MemberStats(msgspec.Struct):
     client_id: int
