@@ -120,7 +120,7 @@ class LocalConfig:
     fence_wait_ms: Annotated[int, Meta(ge=0, le=600_000), NUMBER] = 3000
     """Before a re-join, wait this long for writes in flight into the segment to end; past it, re-join
     with the segment *held* (no new object placed in it until they have: docs/design.md, fence.py)."""
-    rpc_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 50
+    rpc_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 0
     """A control-plane call polls for its reply this long before it sleeps (0: sleep at once)."""
     location_hints: Annotated[int, Meta(ge=0, le=1 << 24)] = 16384
     """How many keys' objects (size, generation, locations) this client remembers from its lookups, so
