@@ -106,6 +106,14 @@ def test_bytes_api_and_key_info(meta):
     assert s.get("nope") == b""
     assert s.put_batch(["b1", "b2"], [b"one", bytearray(b"two")]) == 0
     assert s.get_batch(["b1", "b2", "b3"]) == [b"one", b"two", b""]
+    # one Lookup tells a bytes get both the size and the places: the MetaService counts each key once
+    before = meta.metric("gets_total")
+    assert s.get_batch(["b1", "b2", "b3"]) == [b"one", b"two", b""] and s.get("bytes-key") == payload
+    assert meta.metric("gets_total") - before == 4
+    other = DistributedObjectStore()   # a reader in another process's place: a pure client over TCP
+    assert other.setup(meta.local_config(protocol="host_tcp", dram_size="0")) == 0 and other.init(0, False) == 0
+    assert other.get_batch(["b2", "bytes-key", "b3"]) == [b"two", payload, b""]
+    other.close()
     info = s.get_key_info("bytes-key")
     assert info.size() == len(payload) and len(info.loc_list()) == 1
     assert s.batch_get_key_info(["nope"])[0].size() == 0
