@@ -192,6 +192,10 @@ class LocalConfig:
     """The loop that runs shared-memory copies and their checksums: native (the C loop built at install,
     one call per batch part, outside the GIL), python (one ``memmove`` and hash call per piece), or
     auto = native where it was built, else python."""
+    data_server_loop: Literal["auto", "native", "python"] = "auto"
+    """The loop that serves peers' requests on this provider's data server (``host_tcp``): native (a C
+    loop built at install answers plain-TCP reads outside the GIL; writes, disk requests and TLS
+    connections stay in Python), python, or auto = native where it was built, else python."""
     segment_prefault: Literal["auto", "on", "off"] = "auto"
     """Fault the segment's pages in at start, in the background (puts never wait for it): on, off, or
     auto = on for ``memcache local-service`` providers, off for segments inside an engine process."""
