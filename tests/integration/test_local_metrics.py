@@ -75,8 +75,8 @@ def test_a_provider_counts_the_bytes_it_served(meta, loop):
         value = bytes(range(256)) * (8 << 12)             # 8 MiB
         assert reader.put("served-1", value) == 0          # the pure client writes into the provider over TCP
         assert reader.get("served-1") == value
-        after = wait_for(lambda: (m := scrape_metrics(port, meta.admin_headers()))[rd] >= 8 << 20 and m, 5,
-                         "the provider's served read bytes")
+        wait_for(lambda: scrape_metrics(port, meta.admin_headers())[rd] >= 8 << 20, 5, "the provider's served reads")
+        after = scrape_metrics(port, meta.admin_headers())
         assert after[rd] >= 8 << 20 and after[wr] >= 8 << 20, after
         assert 'memcache_local_transfer_bytes_total{direction="read",path="host_tcp"}' not in after
     finally:
