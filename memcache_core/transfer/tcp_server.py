@@ -1,6 +1,8 @@
 """A LocalService's data server (``tcp.py`` describes the wire format and the bounds): one thread per
 connection, each past the pool's handshake within ``HANDSHAKE_TIMEOUT_S`` of its accept, then serving
-reads and writes of ranges of its segment, and disk-tier requests (``disk_wire.py``)."""
+reads and writes of ranges of its segment, and disk-tier requests (``disk_wire.py``). On a plain-TCP
+connection the reads are answered by the C loop where it was built (``dataloop.py``,
+``data_server_loop``), which hands every other request to ``_request`` here with the bytes of it read."""
 
 from __future__ import annotations
 

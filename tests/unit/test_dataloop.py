@@ -285,3 +285,21 @@ def test_the_served_counts_reach_the_owner(segment, loop):
     finally:
         peer.close()
         server.close()
+
+
+def test_ids_past_the_loops_table_are_served(segment, loop):
+    """A provider that joined more often than the C loop's table holds (``dataloop.IDS``): the newest
+    ids are served in C, the oldest ones by Python, any other id is still refused."""
+    from memcache_core.transfer.dataloop import IDS
+    server = start(segment, loop)   # joined as SID, then IDS + 5 more times
+    for i in range(IDS + 5):
+        server.serve_segment(1000 + i)
+    peer = Peer(server)
+    try:
+        for sid in (SID, 1000, 1004, 1005, 1000 + IDS + 4):
+            assert peer.read([(sid, 100)], sid=sid) == (0, expected(segment, [(sid, 100)]))
+        assert peer.read([(0, 10)], sid=0) == (WRONG_SEGMENT, b"")
+        assert peer.closed()
+    finally:
+        peer.close()
+        server.close()
