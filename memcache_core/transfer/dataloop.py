@@ -3,8 +3,8 @@
 The library is built at install time when a C compiler is present (an optional extension, setup.py)
 and loaded with ctypes, which releases the GIL for the whole foreign call. ``DataServer`` hands a
 connection to ``serve`` after its handshake; the call returns with a request that is not a plain
-read it can answer (a write, a disk op, a segment id it does not find, ranges out of bounds, a failed
-MAC, another magic), with the bytes of it read so far and the session's counters where Python goes on
+read it can answer (a write, a disk op, a read of more than ``RANGES`` ranges, a segment id it does
+not find, ranges out of bounds, a failed MAC, another magic), with the bytes of it read so far and the session's counters where Python goes on
 from them, or when the connection ends, or now and then so the owner's served counts stay current.
 A self-test at load compares the library's MAC with hashlib's; where it fails or the library was not
 built, ``load`` returns None and the server runs its Python loop (``data_server_loop``).
@@ -24,6 +24,7 @@ from ..auth import Session
 logger = logging.getLogger(__name__)
 
 COUNT, HANDBACK, CLOSED, TIMEOUT, ERROR = 0, 1, 2, 3, 4   # mc_dataloop_serve's answers
+RANGES = 64        # the most ranges (objects) of a read answered in C (MC_DL_RANGES): one sendmsg
 IDS = 64           # segment ids in the table the loop reads (the newest ones; older ones go to Python)
 MAX_READS = 256    # reads served before a return (their counts reach the owner)
 QUIET_MS = 20      # served reads are counted once the connection was quiet this long...
