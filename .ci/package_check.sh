@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The package as a user installs it (docs/operations.md, "Install"). Builds the sdist and the wheel
-# with `python -m build` (the wheel fresh on every run), checks the sdist carries the native copy
-# loop's source, installs the wheel (not -e) into an environment of its own and, from a folder outside
-# the checkout, runs the demo and a smoke test (tests/package/smoke_installed.py) with it. Then the
-# same from a wheel built out of the sdist with no C compiler: it installs and runs on the Python loop.
+# with `python -m build` (the wheel fresh on every run), checks the sdist carries the native loops'
+# sources (the copy loop, the data server's loop, the MetaService's frame loop, the BLAKE2b header),
+# installs the wheel (not -e) into an environment of its own and, from a folder outside the checkout,
+# runs the demo and a smoke test (tests/package/smoke_installed.py) with it. Then the same from a
+# wheel built out of the sdist with no C compiler: it installs and runs on the Python loops.
 #
 # The environment (its dependencies: the core's and the cli extra) is reused while pyproject.toml and
 # this script are unchanged, under ${MEMCACHE_VENV_ROOT:-$HOME/.cache/memcache/venvs}/wheel-<hash>.
@@ -31,16 +32,17 @@ wheel=$(ls "$work"/dist/memcache_python-*.whl)
 echo "built $(basename "$sdist") and $(basename "$wheel")"
 # (listings go to files first: grep -q closing a pipe early would fail the pipeline under pipefail)
 tar tzf "$sdist" > "$work/sdist.txt"
-grep -q '/memcache_core/transfer/copyloop.c$' "$work/sdist.txt" || { echo "the sdist lacks copyloop.c" >&2; exit 1; }
-for src in memcache_core/rpc/frameloop.c memcache_core/native/blake2b.h; do   # the frame loop's, and the header it includes
-  grep -q "/$src\$" "$work/sdist.txt" || { echo "the sdist lacks $src" >&2; exit 1; }
+for src in transfer/copyloop.c transfer/dataloop.c rpc/frameloop.c native/blake2b.h; do
+  grep -q "/memcache_core/$src\$" "$work/sdist.txt" || { echo "the sdist lacks $src" >&2; exit 1; }
 done
 listing() { "$venv/bin/python" -m zipfile -l "$1" > "$work/listing.txt"; cat "$work/listing.txt"; }
 loop=python
 if "$venv/bin/python" -c "import sysconfig, shutil, sys; sys.exit(not shutil.which(sysconfig.get_config_var('CC').split()[0]))"; then
   loop=native   # a compiler was there: the wheel must carry the loop
-  listing "$wheel" | grep -c 'memcache_core/transfer/_copyloop' >/dev/null \
-    || { echo "a C compiler is here but the wheel has no native copy loop" >&2; cat "$work/build.log"; exit 1; }
+  for lib in _copyloop _dataloop; do
+    listing "$wheel" | grep -c "memcache_core/transfer/$lib" >/dev/null \
+      || { echo "a C compiler is here but the wheel has no $lib" >&2; cat "$work/build.log"; exit 1; }
+  done
   if [ -f "$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")/Python.h" ]; then
     grep -c 'memcache_core/rpc/_frameloop' "$work/listing.txt" >/dev/null \
       || { echo "a C compiler and Python.h are here but the wheel has no native frame loop" >&2; exit 1; }
@@ -69,7 +71,7 @@ tar xzf "$sdist" -C "$work"
 CC=/bin/false "$venv/bin/python" -m build --wheel --outdir "$work/nocc" "$work/$(basename "$sdist" .tar.gz)" > "$work/nocc.log" 2>&1 \
   || { sed 's/^/  /' "$work/nocc.log"; exit 1; }
 nocc=$(ls "$work"/nocc/memcache_python-*.whl)
-if listing "$nocc" | grep -c '_copyloop\|_frameloop' >/dev/null; then
+if listing "$nocc" | grep -Ec '_copyloop|_dataloop|_frameloop' >/dev/null; then
   echo "CC=/bin/false still built a native loop" >&2; exit 1
 fi
 pipq install -q --force-reinstall --no-deps "$nocc"

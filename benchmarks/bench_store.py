@@ -95,7 +95,7 @@ def run_protocol(engine: str, protocol: str, args: argparse.Namespace, out: list
     server_pid: int | None
     spec: dict[str, Any] = {"engine": engine, "protocol": protocol, "max_batch": max(args.batches),
                             "lease_ms": args.lease_ms, "checksum": args.checksum_now, "auth": args.auth_now,
-                            "rpc_spin_us": args.rpc_spin_us}
+                            "rpc_spin_us": args.rpc_spin_us, "data_server_loop": args.data_server_loop}
     if engine == "mooncake":
         master = MooncakeMaster()
         spec.update(master.spec)
@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the MetaService's frame_loop (default: its default, auto)")
     ap.add_argument("--rpc-spin-us", type=int, default=None,
                     help="the clients' rpc_spin_us (polling for a reply; default: its default)")
+    ap.add_argument("--data-server-loop", choices=("auto", "native", "python"), default=None,
+                    help="the providers' data_server_loop (default: its default)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
     ap.add_argument("--checksum", choices=("on", "off", "both"), default="on",
                     help="payload checksums (computed by writers, verified by readers); 'both': figures with "

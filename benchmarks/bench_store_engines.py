@@ -44,6 +44,8 @@ class CoreClient:
         cfg.auth_enable = spec.get("auth", True)
         if spec.get("rpc_spin_us") is not None:
             cfg.rpc_spin_us = spec["rpc_spin_us"]
+        if spec.get("data_server_loop") is not None:
+            cfg.data_server_loop = spec["data_server_loop"]
         self._rc = ReplicateConfig
         self.store = DistributedObjectStore()
         if self.store.setup(cfg) != 0 or self.store.init(0, init_bm=True) != 0:

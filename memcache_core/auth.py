@@ -101,7 +101,7 @@ class Session:
         c2s = _mac(secret, b"session client->server", nonce_s, nonce_c)
         s2c = _mac(secret, b"session server->client", nonce_s, nonce_c)
         send, recv = (c2s, s2c) if client else (s2c, c2s)
-        self._keys = send, recv
+        self._keys = (send, recv)
         self._send = hashlib.blake2b(key=send, digest_size=TAG)
         self._recv = hashlib.blake2b(key=recv, digest_size=TAG)
         self._sent = 0
@@ -125,10 +125,14 @@ class Session:
         self._received += 1
         return hmac.compare_digest(h.digest(), tag)
 
-    def state(self) -> tuple[bytes, bytes, int, int]:
-        """(send key, receive key, frames sent, frames received): for the native frame loop, which
-        goes on from them once it takes the connection over (rpc/pump.py)."""
+    def native_state(self) -> tuple[bytes, bytes, int, int]:
+        """(send key, receive key, frames sent, frames received): what a native loop needs to go on
+        with this session (``transfer/dataloop.py``); it gives the counters back with ``resume``."""
         return self._keys[0], self._keys[1], self._sent, self._received
+
+    def resume(self, sent: int, received: int) -> None:
+        """Take back the counters after a native loop sealed and checked frames of this session."""
+        self._sent, self._received = sent, received
 
 
 class _NoSession(Session):
@@ -145,8 +149,11 @@ class _NoSession(Session):
     def check(self, tag: bytes | bytearray | memoryview, *parts: bytes | bytearray | memoryview) -> bool:
         return True
 
-    def state(self) -> tuple[bytes, bytes, int, int]:
+    def native_state(self) -> tuple[bytes, bytes, int, int]:
         return b"", b"", 0, 0
+
+    def resume(self, sent: int, received: int) -> None:
+        pass
 
 
 NO_SESSION: Session = _NoSession()

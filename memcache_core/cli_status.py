@@ -183,8 +183,8 @@ def _tables(s: Snapshot, width: int) -> Any:
     def seg_row(segment_id: int, host: str, pid: str, tier: str, objects: int, used: int, cap: int) -> tuple[str, ...]:
         return (str(segment_id), host, *((pid,) if wide else ()), tier, str(objects), human(used), human(cap),
                 usage(used, cap))
-    rows = [seg_row(g.segment_id, g.host_id, str(g.pid or ""), g.tier, g.objects, g.used_bytes, g.capacity_bytes)
-            for g in s.segments]
+    rows = [seg_row(g.segment_id, g.host_id, str(g.pid or ""), g.tier + (f" ({g.state})" if g.state else ""),
+                    g.objects, g.used_bytes, g.capacity_bytes) for g in s.segments]
     owners = {g.segment_id: g for g in s.segments}
     for d in s.disk_tiers:   # a provider's disk tier, under its segment
         g_ = owners.get(d.segment_id)

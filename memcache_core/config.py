@@ -120,7 +120,7 @@ class LocalConfig:
     fence_wait_ms: Annotated[int, Meta(ge=0, le=600_000), NUMBER] = 3000
     """Before a re-join, wait this long for writes in flight into the segment to end; past it, re-join
     with the segment *held* (no new object placed in it until they have: docs/design.md, fence.py)."""
-    rpc_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 50
+    rpc_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 0
     """A control-plane call polls for its reply this long before it sleeps (0: sleep at once)."""
     location_hints: Annotated[int, Meta(ge=0, le=1 << 24)] = 16384
     """How many keys' objects (size, generation, locations) this client remembers from its lookups, so
@@ -192,6 +192,10 @@ class LocalConfig:
     """The loop that runs shared-memory copies and their checksums: native (the C loop built at install,
     one call per batch part, outside the GIL), python (one ``memmove`` and hash call per piece), or
     auto = native where it was built, else python."""
+    data_server_loop: Literal["auto", "native", "python"] = "auto"
+    """The loop that serves peers' requests on this provider's data server (``host_tcp``): native (a C
+    loop built at install answers plain-TCP reads outside the GIL; writes, disk requests and TLS
+    connections stay in Python), python, or auto = native where it was built, else python."""
     segment_prefault: Literal["auto", "on", "off"] = "auto"
     """Fault the segment's pages in at start, in the background (puts never wait for it): on, off, or
     auto = on for ``memcache local-service`` providers, off for segments inside an engine process."""

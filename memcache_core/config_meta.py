@@ -166,7 +166,7 @@ class MetaConfig:
     open (a store keeps at most 8)."""
     idle_timeout_seconds: Annotated[float, Meta(ge=1, le=86400 * 7)] = 600
     """A control-plane connection silent this long is closed (a client reconnects on its next call)."""
-    poll_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 200
+    poll_spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 0
     """After serving requests the control plane polls for more this long before it sleeps: a request
     arriving meanwhile does not pay the wake-up of an idle core (0: sleep at once)."""
     frame_loop: Literal["auto", "native", "python"] = "auto"

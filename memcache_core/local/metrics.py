@@ -73,6 +73,11 @@ class LocalMetrics:
         Gauge("memcache_local_joined", "1 once this LocalService joined the pool (it stays a member across "
               "MetaService restarts, re-joining), 0 while it waits for the MetaService to answer.",
               registry=self.registry).set_function(lambda: float(self.joined))
+        self.held: Callable[[], bool] = lambda: False   # its segment is held (local/hold.py): the owner sets it
+        Gauge("memcache_local_segment_held", "1 while this provider's segment is held: writes granted before its "
+              "last re-join may still be in flight (a writer frozen mid-copy, or a process holding the fence "
+              "page's lock), so its objects are served but nothing new is placed in it (docs/operations.md).",
+              registry=self.registry).set_function(lambda: float(self.held()))
         self.join_attempts = Counter("memcache_local_join_attempts", "Attempts at the first join: the one at "
                                      "start and each retry while waiting for the MetaService.", registry=self.registry)
         self.join_failures = Counter("memcache_local_join_failures", "Attempts at the first join that failed.",

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from .. import errors
 from .. import protocol as p
 from ..errors import InvalidParameter, MemCacheError, valid_key
-from ..memory import Mapping
+from ..memory import Mapping, buffer_address
 from ..rpc import expect
 from ..transfer import CopyOp
 from . import tier
@@ -83,6 +83,42 @@ class Reads(Membership):
             return results, found
         todo, misfits = _fitting(keys, pieces, found, [i for i in valid if i not in looked], exact)
         _settle(results, misfits)
+        self._read_found(keys, pieces, found, todo, early, results, t0, lease_ttl_s)
+        return results, found
+
+    @in_batches()
+    def get_new(self, keys: Sequence[str]) -> tuple[list[MemCacheError | None], list[bytearray]]:
+        """Read each key into a new buffer of its object's size: ``get`` with the buffers made between
+        the ``Lookup`` and the copies, so one round trip tells both the size and the places (a missing
+        or unread key: its error, and an empty buffer)."""
+        results: list[MemCacheError | None] = [None] * len(keys)
+        valid = [i for i in range(len(keys)) if valid_key(keys[i], results, i)]
+        t0 = time.monotonic()
+        found, looked, lease_ttl_s = self._lookup(keys, valid, None)
+        _settle(results, looked)
+        bufs = [bytearray() for _ in keys]
+        if lease_ttl_s is None:
+            return results, bufs
+        pieces: list[Pieces] = [[] for _ in keys]
+        anchors = []   # the buffers' views stay alive until their copies are done
+        todo = []
+        for i in valid:
+            f = found[i]
+            if i in looked or f is None or not f.size:   # absent (settled), or nothing to copy
+                continue
+            bufs[i] = bytearray(f.size)
+            addr, n, anchor = buffer_address(bufs[i])
+            anchors.append(anchor)
+            pieces[i] = [(addr, n)]
+            todo.append(i)
+        self._read_found(keys, pieces, found, todo, None, results, t0, lease_ttl_s)
+        return results, [b if e is None else bytearray() for e, b in zip(results, bufs, strict=True)]
+
+    def _read_found(self, keys: Sequence[str], pieces: Sequence[Pieces], found: list[p.Found | None],
+                    todo: list[int], early: _Early | None, results: list[MemCacheError | None], t0: float,
+                    lease_ttl_s: float) -> None:
+        """The copies of a ``get`` once its ``Lookup`` answered: the keys of ``todo`` (found, their buffers
+        fitting) read into their pieces, the outcomes settled in ``results``."""
         suspect: set[int] = set()
         if early is not None and early.ran:
             todo, suspect = self._settle_early(early, found, todo)
@@ -96,7 +132,6 @@ class Reads(Membership):
             _settle(results, self._confirm(keys, found, results))
         if corrupt:
             self._report_corrupt(corrupt)
-        return results, found
 
     def _early_reads(self, keys: Sequence[str], pieces: Sequence[Pieces], valid: list[int],
                      exact: bool) -> _Early | None:

@@ -95,6 +95,7 @@ class LocalService(Writes, Reads, Gva):
         self._partial_warned = 0.0   # when a partial placement may be logged again
         self.drainer = Drainer(self)
         self.metrics = LocalMetrics()
+        self.metrics.held = lambda: self.held
         self.metrics_server: MetricsServer | None = None
         self.disk: tier.DiskTier | None = None   # the disk tier under our segment (disk_path)
         self.prefault: Prefault | None = None
@@ -134,7 +135,7 @@ class LocalService(Writes, Reads, Gva):
                 host, port = parse_url(cfg.hcom_url, "hcom_url", ("tcp",))
                 raise_fd_limit()   # every peer's connection is a descriptor
                 self.data_server = DataServer(self.segment, host, port, self.secret, tls.server_context(cfg),
-                                              self.disk, self.metrics.serve)
+                                              self.disk, self.metrics.serve, loop=cfg.data_server_loop)
             nixl = self._start_nixl()
             self._start_metrics_server(metrics_required)
             if self.segment is not None and self.data_server is not None:

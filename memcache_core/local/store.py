@@ -198,23 +198,13 @@ class DistributedObjectStore:
         return self.batch_get_into_layers([key], [[ptr]], [[size]], direct)[0]
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
+        """Each key's bytes, b"" where it is missing or could not be read (one ``Lookup`` for all)."""
         try:
-            svc = self._service()
-            sizes = svc.lookup_sizes(keys)
+            res, bufs = self._service().get_new(keys)
         except (MemCacheError, TypeError, ValueError) as e:
             logger.debug("get_batch failed: %s", e)
             return [b""] * len(keys)
-        bufs = [bytearray(f.size) if f is not None else bytearray() for f in sizes]
-        anchors = [buffer_address(b) if b else None for b in bufs]
-        want = [i for i, a in enumerate(anchors) if a is not None]
-        res, _ = svc.get([keys[i] for i in want],
-                         [[(anchors[i][0], anchors[i][1])] for i in want],  # type: ignore[index]
-                         exact=False)
-        out = [b""] * len(keys)
-        for i, err in zip(want, res, strict=True):
-            if err is None:
-                out[i] = bytes(bufs[i])
-        return out
+        return [bytes(b) if e is None else b"" for e, b in zip(res, bufs, strict=True)]
 
     def get(self, key: str) -> bytes:
         return self.get_batch([key])[0]

@@ -9,7 +9,6 @@ the status page can draw hit ratio and throughput over the last minutes.
 from __future__ import annotations
 
 import collections
-import operator
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -50,6 +49,11 @@ class SegmentStats(msgspec.Struct):
     draining: bool
     arena_reserved_bytes: int = 0            # counted in used_bytes: its holder's arena, holding no object
     held: bool = False                       # its owner holds it: no new object goes there (local/hold.py)
+
+    @property
+    def state(self) -> str:
+        """What the status views say of it: ``draining``, ``held``, or nothing (takes puts as usual)."""
+        return "draining" if self.draining else "held" if self.held else ""
 
 
 class MemberStats(msgspec.Struct):
@@ -157,11 +161,12 @@ def rates(samples: list[Sample]) -> list[tuple[float, float | None, float]]:
     return out
 
 
-_CODE = operator.attrgetter("code")
-
-
 def _count_codes(outcomes: collections.Counter[tuple[str, str]], op: str, codes: Iterable[int]) -> None:
-    """A batch's codes counted in C first: one update per distinct code, not one per key."""
+    """A batch's codes counted in C first: one update per distinct code, not one per key (a batch of
+    one, the usual small put, skips building the Counter: measured 10% of a MetaService's commit)."""
+    if isinstance(codes, list) and len(codes) == 1:
+        outcomes[op, code_name(codes[0])] += 1
+        return
     for code, n in collections.Counter(codes).items():
         outcomes[op, code_name(code)] += n
 
@@ -178,12 +183,12 @@ def count_outcomes(outcomes: collections.Counter[tuple[str, str]], req: object, 
             outcomes["get", "hit"] += len(results) - misses
             outcomes["get", "miss"] += misses
         case p.Alloc(), p.AllocReply(results=results):
-            _count_codes(outcomes, "put", map(_CODE, results))
+            _count_codes(outcomes, "put", [r.code for r in results])
         case p.Commit(), p.Codes(codes=codes):
             _count_codes(outcomes, "commit", codes)
         case p.ArenaCommit(), p.ArenaReply(codes=codes):   # a small put is decided at its commit; a key
             # stored already goes on to the two-phase put, whose Alloc counts it (local/arena.py)
-            _count_codes(outcomes, "put", (c for c in codes if c != errors.OBJECT_ALREADY_EXISTS))
+            _count_codes(outcomes, "put", [c for c in codes if c != errors.OBJECT_ALREADY_EXISTS])
         case p.Remove(), p.Codes(codes=codes):
             _count_codes(outcomes, "remove", codes)
         case p.Info(), p.InfoReply(results=results):

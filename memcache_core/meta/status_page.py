@@ -83,7 +83,7 @@ def _segments(s: Snapshot) -> str:
         f'<tr class="segment" data-used="{g.used_bytes}"><td>{g.segment_id}</td><td>{escape(g.host_id)}</td>'
         f"<td>{g.pid if g.pid is not None else ''}</td><td>{escape(g.tier)}</td><td>{g.objects}</td>"
         f"<td>{human(g.used_bytes)} / {human(g.capacity_bytes)}</td><td>{_bar(g.used_bytes, g.capacity_bytes)}</td>"
-        f"<td>{'draining' if g.draining else ''}</td><td>{escape(g.metrics_addr)}</td></tr>"
+        f"<td>{g.state}</td><td>{escape(g.metrics_addr)}</td></tr>"
         for g in s.segments)
     return _table("Segments", "segments", ("segment", "host", "pid", "tier", "objects", "used / capacity", "usage",
                                             "state", "metrics"), rows)

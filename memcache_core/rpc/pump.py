@@ -100,7 +100,7 @@ class Pumped:
               pending: int, max_pending: int) -> None:
         """Take ``conn`` over (its descriptor is C's from here), with bytes read after its handshake and
         bytes not yet sent; frames among ``unread`` are answered at once."""
-        send_key, recv_key, sent, received = session.state()
+        send_key, recv_key, sent, received = session.native_state()
         fd = conn.detach()
         try:
             cid = self.pump.adopt(fd, send_key, recv_key, sent, received, unread, unsent)

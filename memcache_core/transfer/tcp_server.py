@@ -1,10 +1,13 @@
 """A LocalService's data server (``tcp.py`` describes the wire format and the bounds): one thread per
 connection, each past the pool's handshake within ``HANDSHAKE_TIMEOUT_S`` of its accept, then serving
-reads and writes of ranges of its segment, and disk-tier requests (``disk_wire.py``)."""
+reads and writes of ranges of its segment, and disk-tier requests (``disk_wire.py``). On a plain-TCP
+connection the reads are answered by the C loop where it was built (``dataloop.py``,
+``data_server_loop``), which hands every other request to ``_request`` here with the bytes of it read."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import socket
@@ -14,12 +17,13 @@ import time
 from collections.abc import Callable
 
 from ..auth import HANDSHAKE_TIMEOUT_S, Session, refuse_busy, server_handshake
+from ..errors import ConfigError
 from ..fence import StaleGrant
 from ..memory import Mapping
 from ..rpc.framing import is_out_of_descriptors
 from ..rpc.server import MAX_PREAUTH_PER_SOURCE, PREAUTH_SHARE
 from ..tls import tls_handshake
-from . import disk_wire
+from . import dataloop, disk_wire
 from .sealed import recv_exact, sealed
 from .tcp import (
     ANSWER,
@@ -54,7 +58,15 @@ class DataServer:
     def __init__(self, mapping: Mapping, host: str, port: int, secret: bytes | None = None,
                  tls: ssl.SSLContext | None = None, disk: object = None,
                  served: Callable[[str, bool, int], None] | None = None,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, loop: str = "auto") -> None:
+        """``loop`` (``data_server_loop``): ``native``, the C loop answers plain-TCP reads (``dataloop.py``;
+        ConfigError where it was not built), ``python`` this module's loop, ``auto`` the C one where built."""
+        self.loop = dataloop.load() if loop != "python" else None
+        if loop == "native" and self.loop is None:
+            raise ConfigError("data_server_loop: 'native', but the native data-server loop was not built here "
+                              "(no C compiler at install time?) or failed its self-test; use 'auto' or 'python'")
+        self._ids = dataloop.SegmentIds()   # the ids again, where the C loop reads them
+        self.native_reads = 0               # reads the C loop answered
         self.mapping = mapping
         self.idle_timeout_s = idle_timeout_s   # a connection silent this long is closed
         self.segment_ids: frozenset[int] = frozenset()   # the ids the owner's segment had (empty: bare)
@@ -85,6 +97,8 @@ class DataServer:
     def serve_segment(self, segment_id: int) -> None:
         """The owner joined the pool with its segment as ``segment_id`` (every id it held names this
         same memory: ids are random, never handed to another process while this one could be listed)."""
+        if segment_id not in self.segment_ids:
+            self._ids.add(segment_id)
         self.segment_ids = self.segment_ids | {segment_id}
 
     def _other_version(self, magic: bytes) -> None:
@@ -186,64 +200,84 @@ class DataServer:
             if session is None:
                 return
             conn.settimeout(self.idle_timeout_s)
+            if self.tls is None and self.loop is not None:
+                self._serve_native(conn, session, self.loop)
+                return
             # the smallest request (one range) is read with one receive; every request is at least that long,
             # so the bytes read belong to this request whatever it turns out to be
             first = bytearray(HEAD.size + RANGE.size + session.size)
-            scatter = self.tls is None   # an SSL socket has no sendmsg
-            while True:
-                got = conn.recv_into(first)
-                if got == 0:
-                    return
-                if got < HEAD.size:
-                    recv_exact(conn, memoryview(first)[got:HEAD.size])
-                    got = HEAD.size
-                magic, op, n, sid = HEAD.unpack_from(first)
-                if magic != MAGIC or op not in (OP_READ, OP_WRITE, OP_WRITE_FENCED, *DISK_OPS) or not 0 < n <= MAX_RANGES:
-                    if magic != MAGIC and magic[:3] == MAGIC[:3]:
-                        self._other_version(bytes(magic))
-                    return
-                if op in DISK_OPS:
-                    if not disk_wire.serve(conn, session, first[:HEAD.size], op, n, self.disk,
-                                           WRONG_SEGMENT if self._refuses(sid) else 0, first[HEAD.size:got]):
-                        return
-                    continue
-                fenced = op == OP_WRITE_FENCED
-                end = HEAD.size + n * RANGE.size + (EPOCH.size if fenced else 0)   # where the MAC starts
-                req = first
-                if got < end + session.size:
-                    if end + session.size > len(first):
-                        req = bytearray(end + session.size)
-                        req[:got] = first[:got]
-                    recv_exact(conn, memoryview(req)[got:])
-                view = memoryview(req)
-                if not session.check(view[end:], view[:end]):
-                    logger.warning("data server %s: a request failed the connection's MAC (injected or altered); "
-                                   "closing the connection", self.addr)
-                    return
-                at = HEAD.size + (EPOCH.size if fenced else 0)
-                ranges = [RANGE.unpack_from(req, at + i * RANGE.size) for i in range(n)]
-                total = sum(length for _, length in ranges)
-                if self._refuses(sid):
-                    conn.sendall(sealed(session, ANSWER.pack(WRONG_SEGMENT, 0)))
-                    return  # the write payload (if any) is not drained: close the connection
-                size = self.mapping.size
-                if any(off + length > size for off, length in ranges):
-                    conn.sendall(sealed(session, ANSWER.pack(-1, 0)))
-                    return  # the write payload (if any) is not drained: close the connection
-                if op == OP_READ:
-                    _send_read(conn, sealed(session, ANSWER.pack(0, total)),
-                               [self.mapping.view(off, length) for off, length in ranges], scatter)
-                elif not self._write(conn, session, ranges, total,
-                                     EPOCH.unpack_from(req, HEAD.size)[0] if fenced else 0):
-                    continue   # refused (nothing written, the payload read and dropped)
-                if self.served is not None:
-                    self.served("host_tcp", op == OP_READ, total)
+            while (got := conn.recv_into(first)) and self._request(conn, session, first, got):
+                pass
         except (OSError, ConnectionError):
             pass
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _serve_native(self, conn: socket.socket, session: Session, loop: dataloop.DataLoop) -> None:
+        """The C loop answers the plain reads; each request it hands back (with the bytes of it read so
+        far) is served here, then the connection goes back to it. It returns now and then with counts."""
+        buf = (ctypes.c_char * loop.buf_size)()
+        view = memoryview(buf).cast("B")
+        while True:
+            with self.mapping.view(0, self.mapping.size):   # the mapping stays while C reads it
+                code, st = loop.serve(conn.fileno(), session, self.mapping.addr, self.mapping.size, self._ids,
+                                      MAGIC, self.idle_timeout_s, buf)
+            if st.reads:
+                self.native_reads += st.reads
+                if self.served is not None:
+                    self.served("host_tcp", True, st.bytes)
+            if code == dataloop.HANDBACK:
+                if not self._request(conn, session, view, st.got):
+                    return
+            elif code != dataloop.COUNT:
+                return   # closed, idle past the timeout, or a socket error: close it
+
+    def _request(self, conn: socket.socket, session: Session, first: bytearray | memoryview, got: int) -> bool:
+        """Serve the request of which ``got`` bytes are in ``first`` (at least one); False: close."""
+        if got < HEAD.size:
+            recv_exact(conn, memoryview(first)[got:HEAD.size])
+            got = HEAD.size
+        magic, op, n, sid = HEAD.unpack_from(first)
+        if magic != MAGIC or op not in (OP_READ, OP_WRITE, OP_WRITE_FENCED, *DISK_OPS) or not 0 < n <= MAX_RANGES:
+            if magic != MAGIC and magic[:3] == MAGIC[:3]:
+                self._other_version(bytes(magic))
+            return False
+        if op in DISK_OPS:
+            return disk_wire.serve(conn, session, bytes(first[:HEAD.size]), op, n, self.disk,
+                                   WRONG_SEGMENT if self._refuses(sid) else 0, bytes(first[HEAD.size:got]))
+        fenced = op == OP_WRITE_FENCED
+        end = HEAD.size + n * RANGE.size + (EPOCH.size if fenced else 0)   # where the MAC starts
+        req = first
+        if got < end + session.size:
+            if end + session.size > len(first):
+                req = bytearray(end + session.size)
+                req[:got] = first[:got]
+            recv_exact(conn, memoryview(req)[got:end + session.size])
+        view = memoryview(req)
+        if not session.check(view[end:end + session.size], view[:end]):
+            logger.warning("data server %s: a request failed the connection's MAC (injected or altered); "
+                           "closing the connection", self.addr)
+            return False
+        at = HEAD.size + (EPOCH.size if fenced else 0)
+        ranges = [RANGE.unpack_from(req, at + i * RANGE.size) for i in range(n)]
+        total = sum(length for _, length in ranges)
+        if self._refuses(sid):
+            conn.sendall(sealed(session, ANSWER.pack(WRONG_SEGMENT, 0)))
+            return False  # the write payload (if any) is not drained: close the connection
+        size = self.mapping.size
+        if any(off + length > size for off, length in ranges):
+            conn.sendall(sealed(session, ANSWER.pack(-1, 0)))
+            return False  # the write payload (if any) is not drained: close the connection
+        if op == OP_READ:
+            _send_read(conn, sealed(session, ANSWER.pack(0, total)),
+                       [self.mapping.view(off, length) for off, length in ranges], self.tls is None)
+        elif not self._write(conn, session, ranges, total, EPOCH.unpack_from(req, HEAD.size)[0] if fenced else 0):
+            return True   # refused (nothing written, the payload read and dropped)
+        if self.served is not None:
+            self.served("host_tcp", op == OP_READ, total)
+        return True
 
     def _write(self, conn: socket.socket, session: Session, ranges: list[tuple[int, int]], total: int,
                epoch: int) -> bool:

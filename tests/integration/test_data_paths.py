@@ -22,6 +22,8 @@ NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reaso
 
 def _path(protocol: str, host: str, env: pytest.MonkeyPatch) -> dict:
     """``nixl``: each process on its own host id (peers are other hosts), UCX over tcp on loopback."""
+    if protocol == "host_tcp-python":   # the data servers' Python loop (host_tcp: the C one where built)
+        return {"protocol": "host_tcp", "data_server_loop": "python"}
     if protocol != "nixl":
         return {"protocol": protocol}
     env.setenv("UCX_TLS", "tcp")
@@ -29,7 +31,7 @@ def _path(protocol: str, host: str, env: pytest.MonkeyPatch) -> dict:
     return {"protocol": "host_shm", "transfer_engine": "nixl", "host_id": host}
 
 
-@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp", NIXL])
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp", "host_tcp-python", NIXL])
 def test_layered_batches_between_three_processes(stores, protocol, monkeypatch):
     """Scenario: A writes 32 DeepSeek-shaped blocks of 122 pieces; B and C read every one byte-exact."""
     a, b, c = (stores(**_path(protocol, h, monkeypatch), dram_size="160MB") for h in "abc")
@@ -43,7 +45,7 @@ def test_layered_batches_between_three_processes(stores, protocol, monkeypatch):
     assert c("exist", keys=keys + ["absent"])["codes"] == [1] * 32 + [0]
 
 
-@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp", NIXL])
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp", "host_tcp-python", NIXL])
 def test_contiguous_objects_and_same_layout_reads(stores, protocol, monkeypatch):
     a, b = stores(**_path(protocol, "a", monkeypatch)), stores(**_path(protocol, "b", monkeypatch))
     keys = [f"c-{i}" for i in range(8)]
@@ -106,6 +108,14 @@ def test_bytes_api_and_key_info(meta):
     assert s.get("nope") == b""
     assert s.put_batch(["b1", "b2"], [b"one", bytearray(b"two")]) == 0
     assert s.get_batch(["b1", "b2", "b3"]) == [b"one", b"two", b""]
+    # one Lookup tells a bytes get both the size and the places: the MetaService counts each key once
+    before = meta.metric("gets_total")
+    assert s.get_batch(["b1", "b2", "b3"]) == [b"one", b"two", b""] and s.get("bytes-key") == payload
+    assert meta.metric("gets_total") - before == 4
+    other = DistributedObjectStore()   # a reader in another process's place: a pure client over TCP
+    assert other.setup(meta.local_config(protocol="host_tcp", dram_size="0")) == 0 and other.init(0, False) == 0
+    assert other.get_batch(["b2", "bytes-key", "b3"]) == [b"two", payload, b""]
+    other.close()
     info = s.get_key_info("bytes-key")
     assert info.size() == len(payload) and len(info.loc_list()) == 1
     assert s.batch_get_key_info(["nope"])[0].size() == 0

@@ -10,13 +10,15 @@ from memcache_core import LocalConfig
 from memcache_core.errors import PeerUnavailable
 from memcache_core.local.service import LocalService
 from memcache_core.transfer.tcp import TcpClient
+from tests.loops import DATA_SERVER_LOOPS
 
 
-def test_a_joined_data_server_refuses_requests_for_another_segment(meta):
+@pytest.mark.parametrize("loop", DATA_SERVER_LOOPS)
+def test_a_joined_data_server_refuses_requests_for_another_segment(meta, loop):
     """Scenario: a provider joined as segment S; a reader whose table lists another segment at its
     address (a dead provider's) is refused, nothing read; the reader of S gets the bytes."""
     cfg = LocalConfig(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
-                      protocol="host_tcp", dram_size="8MB", client_timeout_seconds=5)
+                      protocol="host_tcp", dram_size="8MB", client_timeout_seconds=5, data_server_loop=loop)
     svc = LocalService(cfg)
     svc.start(0, with_segment=True)
     client = TcpClient(5.0, svc.secret, svc.tls_client)

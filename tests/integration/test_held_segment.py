@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 from memcache_core.layout import footprint
-from memcache_core.testing import die_with_parent, wait_for
+from memcache_core.testing import die_with_parent, free_port, scrape_metrics, wait_for
 from tests.integration.stores import answers_again
 
 pytestmark = pytest.mark.integration
@@ -72,8 +74,25 @@ def free_ranges(size: int, taken: list[tuple[int, int]]) -> list[list[int]]:
     return out
 
 
+def held_as_operators_see_it(meta, segment_id: int, metrics_port: int) -> tuple[float, str, bool]:
+    """The provider's own ``memcache_local_segment_held``, the state ``memcache status`` prints beside the
+    segment's tier, and whether the status page's state column says ``held``."""
+    gauge = scrape_metrics(metrics_port, meta.admin_headers())["memcache_local_segment_held"]
+    out = subprocess.run([sys.executable, "-m", "memcache_core.cli", "status", "--url", meta.metrics_url],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "220"})
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.split("│")[1:2] == [f" {segment_id} "]
+               or line.lstrip("│ ").startswith(f"{segment_id} "))
+    page = urllib.request.urlopen(urllib.request.Request(meta.metrics_url + "/status", headers=meta.admin_headers()),
+                                  timeout=30).read().decode()
+    mine = page.split('<tr class="segment" data-used=')[1:]
+    cells = next(r for r in mine if f"<td>{segment_id}</td>" in r.split("</tr>")[0])
+    return gauge, row, "<td>held</td>" in cells.split("</tr>")[0]
+
+
 def test_a_held_fence_delays_no_rejoin_and_the_hold_keeps_the_segment_safe(meta, stores):
-    p_store = stores(dram_size="32MB", fence_wait_ms=FENCE_WAIT_MS)
+    p_port = free_port()
+    p_store = stores(dram_size="32MB", fence_wait_ms=FENCE_WAIT_MS, metrics_port=p_port)
     stores(dram_size="32MB")                     # Q: where puts go while P is held
     writer = stores(init_bm=False)
     p_id = p_store("id")["id"]
@@ -112,6 +131,8 @@ def test_a_held_fence_delays_no_rejoin_and_the_hold_keeps_the_segment_safe(meta,
         assert got["codes"] == [0] * len(KEYS) and got["mismatches"] == []
         assert segments(meta)[p_id]["held"] is True
         assert meta.metric("held_segments") == 1
+        gauge, row, on_page = held_as_operators_see_it(meta, p_id, p_port)
+        assert gauge == 1 and "(held)" in row and on_page, row
 
         insider.stdin.write("release\n")
         assert insider.stdout.readline().strip() == "released"
@@ -124,6 +145,8 @@ def test_a_held_fence_delays_no_rejoin_and_the_hold_keeps_the_segment_safe(meta,
         got = writer("get", keys=KEYS + new + after, layout=LAYOUT)
         assert got["codes"] == [0] * len(got["codes"]) and got["mismatches"] == []
         assert meta.metric("held_segments") == 0
+        gauge, row, on_page = held_as_operators_see_it(meta, p_id, p_port)
+        assert gauge == 0 and "(held)" not in row and not on_page, row
         print(f"re-joined {rejoined_s:.2f} s after the restart (fence_wait_ms {FENCE_WAIT_MS})")
     finally:
         insider.kill()

@@ -13,6 +13,7 @@ from memcache_core import DistributedObjectStore
 from memcache_core.config import LocalConfig
 from memcache_core.errors import ConfigError
 from memcache_core.testing import free_port, scrape_metrics, start_local_service, terminate, wait_for
+from tests.loops import DATA_SERVER_LOOPS
 
 pytestmark = pytest.mark.integration
 
@@ -57,12 +58,14 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def test_a_provider_counts_the_bytes_it_served(meta):
+@pytest.mark.parametrize("loop", DATA_SERVER_LOOPS)
+def test_a_provider_counts_the_bytes_it_served(meta, loop):
     """Scenario: a provider holds 8 MiB that a peer reads over host_tcp; the provider did nothing
-    itself, yet its own metrics show the 8 MiB served (and the writes peers made into it)."""
+    itself, yet its own metrics show the 8 MiB served (and the writes peers made into it), on either
+    loop of its data server (the C loop passes its counts on once the connection is quiet)."""
     port = free_port()
     provider, reader = DistributedObjectStore(), DistributedObjectStore()
-    assert provider.setup(meta.local_config(metrics_port=port, dram_size="64MB")) == 0 and provider.init(0, True) == 0
+    assert provider.setup(meta.local_config(metrics_port=port, dram_size="64MB", data_server_loop=loop)) == 0 and provider.init(0, True) == 0
     assert reader.setup(meta.local_config(protocol="host_tcp", dram_size="0")) == 0 and reader.init(0, False) == 0
     try:
         before = scrape_metrics(port, meta.admin_headers())
@@ -72,6 +75,7 @@ def test_a_provider_counts_the_bytes_it_served(meta):
         value = bytes(range(256)) * (8 << 12)             # 8 MiB
         assert reader.put("served-1", value) == 0          # the pure client writes into the provider over TCP
         assert reader.get("served-1") == value
+        wait_for(lambda: scrape_metrics(port, meta.admin_headers())[rd] >= 8 << 20, 5, "the provider's served reads")
         after = scrape_metrics(port, meta.admin_headers())
         assert after[rd] >= 8 << 20 and after[wr] >= 8 << 20, after
         assert 'memcache_local_transfer_bytes_total{direction="read",path="host_tcp"}' not in after

@@ -3,9 +3,9 @@ environment the wheel was installed into, from a folder outside the checkout.
 
 It checks that the package is the installed one (not a checkout on the path), then drives the
 installed ``memcache`` command: ``memcache meta-service`` starts and answers /health, two LocalServices
-move 4 MiB through shared memory byte-exact with the copy loop the wheel should have (``--loop
-native``: the C loop was built and is used; ``--loop python``: a wheel built without a compiler, whose
-``auto`` falls back and whose ``native`` is refused naming the key), and ``memcache status --json`` and
+move 4 MiB through shared memory byte-exact with the copy loop and data-server loop the wheel should
+have (``--loop native``: the C loops were built and are used; ``--loop python``: a wheel built without
+a compiler, whose ``auto`` falls back and whose ``native`` is refused naming the key), and ``memcache status --json`` and
 ``memcache token`` answer. Exit 0 when all holds; an AssertionError (exit 1) names what did not.
 
     python smoke_installed.py --loop native|python --checkout DIR
@@ -70,7 +70,7 @@ def main() -> int:
 
             def config(loop: Literal["auto", "native", "python"]) -> LocalConfig:
                 return LocalConfig(meta_service_url=meta["meta_service_url"], config_store_url=meta["config_store_url"],
-                                   protocol="host_shm", dram_size="64MB", shm_copy_loop=loop)
+                                   protocol="host_shm", dram_size="64MB", shm_copy_loop=loop, data_server_loop=loop)
             for _ in range(2):
                 s = DistributedObjectStore()
                 assert s.setup(config(args.loop)) == 0 and s.init(0, True) == 0, "a LocalService did not start"
@@ -82,7 +82,8 @@ def main() -> int:
             print(f"4 MiB put and read back byte-exact through shared memory ({args.loop} loop) "
                   f"in {1e3 * (time.perf_counter() - t):.1f} ms")
             if args.loop == "python":   # no C loop in this wheel: asking for it names the key
-                print("shm_copy_loop 'native' without the C loop must be refused (the next line says so):")
+                print("shm_copy_loop and data_server_loop 'native' without the C loops must be refused (the next "
+                      "line says so):")
                 refused = DistributedObjectStore()
                 assert refused.setup(config("native")) != 0 or refused.init(0, True) != 0, "shm_copy_loop native accepted"
 

@@ -35,6 +35,7 @@ from memcache_core.rpc import expect
 from memcache_core.transfer.tcp import TcpClient
 from memcache_core.transfer.tcp_server import DataServer
 from tests.hypothesis_profiles import examples
+from tests.loops import DATA_SERVER_LOOPS
 
 pytestmark = pytest.mark.integration
 
@@ -195,12 +196,12 @@ SECRET = secrets.token_bytes(32)
 HONEST = np.random.default_rng(7).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
 
 
-@pytest.fixture(scope="module")
-def data_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=DATA_SERVER_LOOPS)   # the C read loop and the Python one
+def data_server(tmp_path_factory, request):
     d = tempfile.mkdtemp(prefix="memcache-fuzz-", dir="/dev/shm")
     m = Mapping(os.path.join(d, f"memcache-{os.getpid()}-{secrets.token_hex(8)}"), 4 << 20, create=True)
     m.view(0, len(HONEST))[:] = HONEST
-    server = DataServer(m, "127.0.0.1", 0, SECRET)
+    server = DataServer(m, "127.0.0.1", 0, SECRET, loop=request.param)
     host, port = server.addr.rsplit(":", 1)
     yield m, (host, int(port))
     server.close()

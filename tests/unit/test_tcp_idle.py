@@ -64,12 +64,12 @@ def _pooled_closed(client: TcpClient, addr: str) -> Link:
     return link
 
 
-def test_a_pooled_connection_the_server_closed_for_idleness_is_replaced(segment):
+def test_a_pooled_connection_the_server_closed_for_idleness_is_replaced(segment, data_server_loop):
     """Scenario: a reader's pooled connection sat idle past the data server's idle timeout, and the
     server closed it. Before, the next read on it failed: a last copy read as a miss, a put's write
     failed. Now the read (and a write) is sent again on a fresh connection, byte-exact; the control
     shows the same request on the closed connection alone fails."""
-    server = DataServer(segment, "127.0.0.1", 0, SECRET, idle_timeout_s=0.2)
+    server = DataServer(segment, "127.0.0.1", 0, SECRET, idle_timeout_s=0.2, loop=data_server_loop)
     client = TcpClient(timeout_s=10.0, secret=SECRET)
     want = bytes(segment.view(0, 4096))
     try:
@@ -101,10 +101,10 @@ def test_a_pooled_connection_the_server_closed_for_idleness_is_replaced(segment)
         server.close()
 
 
-def test_a_pooled_connection_idle_past_the_bound_is_not_reused(segment, monkeypatch):
+def test_a_pooled_connection_idle_past_the_bound_is_not_reused(segment, monkeypatch, data_server_loop):
     """A pooled connection idle longer than ``POOL_IDLE_S`` (below the server's idle timeout) is
     closed by the client and the request goes on a new one."""
-    server = DataServer(segment, "127.0.0.1", 0, SECRET)
+    server = DataServer(segment, "127.0.0.1", 0, SECRET, loop=data_server_loop)
     client = TcpClient(timeout_s=10.0, secret=SECRET)
     want = bytes(segment.view(0, 4096))
     try:
@@ -121,7 +121,7 @@ def test_a_pooled_connection_idle_past_the_bound_is_not_reused(segment, monkeypa
         server.close()
 
 
-def test_a_disk_request_on_a_pooled_connection_the_server_closed_is_sent_again(segment, tmp_path):
+def test_a_disk_request_on_a_pooled_connection_the_server_closed_is_sent_again(segment, tmp_path, data_server_loop):
     """Scenario: a reader's pooled connection to a provider sat idle past the data server's idle
     timeout, and the next read of an object held on the provider's disk tier alone goes out on it.
     Before, the disk read failed (PeerUnavailable: a miss of a stored object); now it is sent again on a
@@ -130,7 +130,8 @@ def test_a_disk_request_on_a_pooled_connection_the_server_closed_is_sent_again(s
     segment.view(payload_offset(0), 4096)[:] = payload
     report = ObjectReport("on-disk", 0, 4096, 1, xxhash.xxh3_64_intdigest(payload))
     store = DiskStore(str(tmp_path), 64 << 20)
-    server = DataServer(segment, "127.0.0.1", 0, SECRET, disk=store, idle_timeout_s=0.2)
+    server = DataServer(segment, "127.0.0.1", 0, SECRET, disk=store, idle_timeout_s=0.2,
+                        loop=data_server_loop)
     server.serve_segment(SID)
     client = TcpClient(timeout_s=10.0, secret=SECRET)
 

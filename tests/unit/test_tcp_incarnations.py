@@ -39,26 +39,26 @@ def _read(client: TcpClient, addr: str, sid: int) -> bytes:
     return out.tobytes()
 
 
-def test_a_restarted_peer_on_the_same_address_is_read_on_a_connection_of_its_own(segments):
+def test_a_restarted_peer_on_the_same_address_is_read_on_a_connection_of_its_own(segments, data_server_loop):
     """Scenario: a reader read segment OLD over TCP (its connection is pooled); OLD's process dies and
     its next incarnation (segment NEW, other bytes) listens on the same address. Before, the read of
     NEW took the pooled connection to the dead process and failed: every object asked of NEW in that
     batch (a provider's whole disk tier after a quick restart) read as a miss. Now NEW is read on a
     connection of its own, byte-exact, however often this happens."""
-    old = DataServer(segments[0], "127.0.0.1", 0)
+    old = DataServer(segments[0], "127.0.0.1", 0, loop=data_server_loop)
     addr = old.addr
     client = TcpClient(timeout_s=10.0)
     try:
         assert _read(client, addr, OLD) == b"\x01" * 4096
         for _ in range(3):   # the old incarnation dies, the new one binds its port; and again
             old.close()
-            new = DataServer(segments[1], "127.0.0.1", int(addr.rsplit(":", 1)[1]))
+            new = DataServer(segments[1], "127.0.0.1", int(addr.rsplit(":", 1)[1]), loop=data_server_loop)
             assert new.addr == addr, "the new incarnation did not get the old one's port"
             assert _read(client, addr, NEW) == b"\x02" * 4096
             client.forget(addr, OLD)         # the old one is declared dead: NEW's connection stays
             assert _read(client, addr, NEW) == b"\x02" * 4096
             new.close()
-            old = DataServer(segments[0], "127.0.0.1", int(addr.rsplit(":", 1)[1]))
+            old = DataServer(segments[0], "127.0.0.1", int(addr.rsplit(":", 1)[1]), loop=data_server_loop)
             assert old.addr == addr
             client.forget(addr, NEW)
             assert _read(client, addr, OLD) == b"\x01" * 4096
@@ -101,13 +101,13 @@ def test_forgetting_an_old_incarnation_leaves_the_new_ones_reads_in_flight():
             client.close()
 
 
-def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments):
+def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments, data_server_loop):
     """Scenario: a reader still lists segment OLD (dead) at an address where NEW's data server now
     listens, and opens a fresh connection there. Before, it read NEW's bytes as OLD's (caught only by a
     checksum, when verified). Now NEW's server refuses the request: PeerUnavailable, nothing read or
     written; the request for NEW is served byte-exact, and one naming segment 0 is refused too (no
     wildcard)."""
-    server = DataServer(segments[1], "127.0.0.1", 0)
+    server = DataServer(segments[1], "127.0.0.1", 0, loop=data_server_loop)
     server.serve_segment(NEW)
     client = TcpClient(timeout_s=10.0)
     try:
@@ -130,7 +130,7 @@ def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments):
     finally:
         client.close()
         server.close()
-    bare = DataServer(segments[0], "127.0.0.1", 0)   # no owner told it an id: serves any
+    bare = DataServer(segments[0], "127.0.0.1", 0, loop=data_server_loop)   # no owner told it an id: serves any
     client = TcpClient(timeout_s=10.0)
     try:
         assert _read(client, bare.addr, OLD) == b"\x01" * 4096
@@ -139,11 +139,11 @@ def test_a_request_for_a_segment_the_server_does_not_serve_is_refused(segments):
         bare.close()
 
 
-def test_a_request_of_another_data_plane_version_is_refused_and_said_so(segments, caplog):
+def test_a_request_of_another_data_plane_version_is_refused_and_said_so(segments, caplog, data_server_loop):
     """Scenario: during an upgrade, a member of another memcache version (data plane ``MCD1``) sends
     this provider a read. It is closed unanswered (the reader misses; nothing of the segment is sent),
     and the provider's log names both versions once, not per request; its own version's reads go on."""
-    server = DataServer(segments[0], "127.0.0.1", 0)
+    server = DataServer(segments[0], "127.0.0.1", 0, loop=data_server_loop)
     client = TcpClient(timeout_s=10.0)
     try:
         host, port = server.addr.rsplit(":", 1)

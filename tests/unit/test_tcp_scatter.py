@@ -25,10 +25,10 @@ SIZE = 8 << 20
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[Mapping, DataServer]]:
+def served(data_server_loop: str) -> Iterator[tuple[Mapping, DataServer]]:
     seg = create_segment(SIZE)
     seg.view(0, SIZE)[:] = np.random.default_rng(5).integers(0, 256, SIZE, np.uint8).tobytes()
-    server = DataServer(seg, "127.0.0.1", 0, secret=SECRET)
+    server = DataServer(seg, "127.0.0.1", 0, secret=SECRET, loop=data_server_loop)
     server.serve_segment(SID)
     yield seg, server
     server.close()
