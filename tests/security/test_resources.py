@@ -85,7 +85,7 @@ def _raise_nofile(n: int) -> None:
         pytest.skip(f"cannot open {n} file descriptors here")
 
 
-def test_a_thousand_idle_or_half_open_connections_per_port_do_not_lock_out_honest_clients(meta, stores):
+def test_a_thousand_idle_or_half_open_connections_per_port_do_not_lock_out_honest_clients(frame_loop, meta, stores):
     """Scenario: 1,000 connections each on the control port, an owner's data port and the admin port;
     half send nothing, half send a partial handshake (or half an HTTP request line). An honest writer
     and an honest TCP reader keep putting and getting byte-exact, and /health answers, while all of
@@ -118,7 +118,7 @@ def test_a_thousand_idle_or_half_open_connections_per_port_do_not_lock_out_hones
             s.close()
 
 
-def test_two_hundred_short_lived_threads_use_at_most_eight_control_connections(meta):
+def test_two_hundred_short_lived_threads_use_at_most_eight_control_connections(frame_loop, meta):
     """Scenario: 200 threads, each living for a few calls, share one store. The client keeps a small
     pool: never more than 8 connections to the MetaService (before, one per thread until close())."""
     store = DistributedObjectStore()
@@ -200,12 +200,12 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_out_of_file_descriptors_the_meta_service_pauses_accepting_instead_of_spinning(tmp_path):
+def test_out_of_file_descriptors_the_meta_service_pauses_accepting_instead_of_spinning(frame_loop, tmp_path):
     """Scenario: a MetaService limited to 64 file descriptors gets 120 connections. Before, accept()
     failing with EMFILE left the connections in the backlog and the loop spun at 100% CPU. Now it
     pauses accepting: over 2 s with the table full it uses a fraction of a core, and once the
     connections are gone an honest client is served."""
-    ms = MetaServiceProcess(str(tmp_path))
+    ms = MetaServiceProcess(str(tmp_path), frame_loop=frame_loop)
     limit = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); "
     run = "import runpy, sys; sys.argv = ['meta', '--config_path', sys.argv[1]]; " \
           "runpy.run_module('memcache_core.meta_service', run_name='__main__')"
