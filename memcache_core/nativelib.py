@@ -1,9 +1,11 @@
 """Finding the optional native libraries (setup.py builds them where a C compiler is found).
 
-Each is plain C loaded with ctypes, whose foreign calls release the GIL; each has a Python
-implementation that is the reference and the fallback (``transfer/native.py`` for the copy loop).
-The C sources that share code include headers from ``memcache_core/native/`` (the keyed BLAKE2b of
-the frame MACs).
+The copy loop and the data server's loop are plain C loaded with ctypes, whose foreign calls
+release the GIL, found here; the MetaService's frame loop is a CPython extension (its calls are
+per wake-up, where ctypes' cost would show: docs/design.md), imported by name (``rpc/pump.py``).
+Each has a Python implementation that is the reference and the fallback (``transfer/native.py``
+for the copy loop). The C sources that share code include headers from ``memcache_core/native/``
+(the keyed BLAKE2b of the frame MACs).
 """
 
 from __future__ import annotations
