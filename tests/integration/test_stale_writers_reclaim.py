@@ -1,0 +1,119 @@
+"""A writer frozen past ``pending_timeout_ms`` never lands in the space its reclaimed grant was given
+to (docs/design.md, "Cleanup of half-written objects" and "Failure of the MetaService": a reclaimed
+range is quarantined until the segment's owner rotated its write fence to a new token).
+
+The sequence, without any re-join or restart: writer W is granted space in provider P's segment and
+passes its own deadline check (it starts copying before half of ``pending_timeout_ms``); it stalls
+right there (fault injection in its transfer engine: the hook runs after the check, before a byte
+moves, as a SIGSTOP or a hung engine at that point would). The MetaService reclaims the pending
+grant at its deadline; another client's put lands at the same offset and is acknowledged; then W's
+copy runs. A reader that skips checksum verification (``checksum_verify_ratio: 0``) must read the
+new object's bytes exactly, and a reader that verifies must find it (a checksum failure would drop
+the acknowledged object: data lost).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from memcache_core.testing import running_meta_service, started, wait_for
+from tests.integration.stores import StoreProcess
+from tests.integration.test_stale_writers import LAYOUT, OLD_FILL, SIZE, stalled_repair_copy
+from tests.integration.test_stale_writers import two_phase_parties as two_phase_parties
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.xfail(strict=True, reason="a reclaimed range is handed out again after a time quarantine "
+                                                    "while its frozen writer's fence token is still valid")]
+
+PENDING_MS = 1500       # W's grant is reclaimed this long after it was made
+
+
+@pytest.fixture
+def meta():
+    # a short pending deadline and lease (the time quarantine of a reclaimed range is the lease's,
+    # at least 1 s); no eviction: P holds one object at a time, so the new one lands where W's was
+    with running_meta_service(heartbeat_timeout_ms=1500, lease_ttl_ms=500, pending_timeout_ms=PENDING_MS,
+                              evict_threshold_high=100, evict_threshold_low=99) as ms:
+        yield ms
+
+
+@pytest.fixture
+def stores(meta):
+    with started(lambda **cfg: StoreProcess(meta, **cfg), StoreProcess.stop) as start:
+        yield start
+
+
+def free(meta, sid: int) -> bool:
+    """Segment ``sid`` holds nothing (W's reclaimed range is back in its allocator)."""
+    return any(int(s["segment_id"]) == sid and s["used_bytes"] == 0 for s in meta.http("/get_all_segments")["segments"])
+
+
+def put_where_reclaimed(meta, n: StoreProcess, sid: int, key: str) -> int:
+    """Once the pending grant in ``sid`` was reclaimed and its space is free again, N puts ``key`` there
+    (acknowledged); its offset in ``sid`` (-1 elsewhere)."""
+    wait_for(lambda: free(meta, sid), 30, f"the reclaimed range of segment {sid} to be free")
+    wait_for(lambda: n("put", keys=[key], layout=LAYOUT, preferred=[sid])["codes"] == [0], 30, f"the put of {key}")
+    at = meta.http(f"/query_key?key={key}")["locations"]
+    return int(at[0]["offset"]) if at[0]["segment"] == sid else -1
+
+
+def read_back(stores, protocol: str, key: str) -> None:
+    """The acknowledged ``key`` reads back byte-exact without verification, then with it (a checksum
+    failure there would drop the object from the pool)."""
+    r = stores(protocol=protocol, init_bm=False, checksum_verify_ratio=0)
+    unverified = r("get", keys=[key], layout=LAYOUT)
+    v = stores(protocol=protocol, init_bm=False)
+    verified = v("get", keys=[key], layout=LAYOUT)
+    assert unverified["mismatches"] == [], f"a reader got the stale writer's bytes with success ({verified=})"
+    assert unverified["codes"] == [0], f"the acknowledged object was not read: {unverified}"
+    assert verified["codes"] == [0] and verified["mismatches"] == [], f"the acknowledged object was lost: {verified}"
+    assert v("exist", keys=[key])["codes"] == [0]
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_two_phase_put_frozen_past_its_deadline_never_overwrites_the_space_given_to_another(meta, stores, protocol):
+    """Scenario: W (in this process) allocates a 4 MiB put in P, passes its deadline check and stalls
+    before its copy; the MetaService reclaims the put, N's put lands in P at the same offset and is
+    acknowledged; then W's copy runs. W's put fails, and N's object reads back byte-exact."""
+    p, p_id, n, _, w = two_phase_parties(meta, stores, protocol)
+    try:
+        engine = w._service().engine   # fault injection: W stalls after its deadline check, before its copy
+        assert engine is not None
+        real_write = engine.write
+        places: list[tuple[int, int]] = []
+
+        def late_write(ops):
+            if not places:
+                places.append((put_where_reclaimed(meta, n, p_id, "new"), ops[0].offset))
+            return real_write(ops)
+
+        engine.write = late_write   # type: ignore[method-assign]
+        buf = np.full(SIZE, OLD_FILL, np.uint8)
+        assert w.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        put = w.put_from("old", buf.ctypes.data, SIZE)
+        engine.write = real_write   # type: ignore[method-assign]
+        assert len(places) == 1 and places[0][0] == places[0][1], f"not the same place: {places}"
+        read_back(stores, protocol, "new")
+        assert put != 0, "a put whose grant was reclaimed was acknowledged"
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_repair_copy_frozen_past_its_deadline_never_overwrites_the_space_given_to_another(meta, stores, protocol):
+    """Scenario: a repair copy to T is granted; H passes its deadline check and stalls before the copy;
+    the MetaService gives the reservation back at its deadline, N's put lands in T at the same offset
+    and is acknowledged; then the copy runs. N's object reads back byte-exact (``stalled_repair_copy``)."""
+    done = threading.Event()
+
+    def reclaimed_and_put_anew(t: StoreProcess, t_id: int, n: StoreProcess) -> int:
+        at = put_where_reclaimed(meta, n, t_id, "new")
+        done.set()
+        return at
+
+    stalled_repair_copy(meta, stores, protocol, reclaimed_and_put_anew)
+    assert done.is_set()
+    read_back(stores, protocol, "new")
