@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import msgspec
 
+from .protocol_disk import Demote as Demote  # (the disk tier's requests, in the union below)
+from .protocol_disk import DiskSync as DiskSync
+from .protocol_disk import Promote as Promote
+from .protocol_disk import Promoted as Promoted
 from .records import MAX_KEYS as MAX_KEYS  # (bounds checked by the decoder: records.py)
 from .records import AllocResult, DrainMove, Found, JournalEntry, ObjectReport, SegmentBytes, SegmentInfo
 from .records import Copied as Copied  # (the fields of DrainDone and RepairDone)
@@ -179,44 +183,6 @@ class RepairNext(msgspec.Struct, tag=True):
 
 class RepairDone(Copied, tag=True):
     """The copies of ``RepairNext``'s moves."""
-
-
-class DiskSync(msgspec.Struct, tag=True):
-    """A provider with a disk tier: records written (``added``) and dropped since its last sync, its
-    tier's state, and how many bytes its writer queue takes now (``room``). Answered by ``DiskWork``."""
-
-    client_id: int
-    token: bytes
-    policy: str
-    capacity: int
-    used: int
-    room: int
-    added: list[ObjectReport] = []
-    dropped: list[ObjectReport] = []
-    counters: dict[str, int] = {}
-
-
-class Promote(msgspec.Struct, tag=True):
-    """The owner of disk records asks for space in its own segment to bring these objects back into
-    DRAM (answered like ``Alloc``), then reports the copies with ``Promoted``."""
-
-    client_id: int
-    token: bytes
-    keys: list[str]
-
-
-class Promoted(msgspec.Struct, tag=True):
-    client_id: int
-    token: bytes
-    keys: list[str]
-    offsets: list[int]
-    ok: list[bool]
-
-
-class Demote(msgspec.Struct, tag=True):
-    """The tier call ``evict``: keep these objects on their disk tier only (answered with ``Codes``)."""
-
-    keys: Keys
 
 
 class Info(msgspec.Struct, tag=True):
