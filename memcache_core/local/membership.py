@@ -17,15 +17,15 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
 from .. import errors
 from .. import protocol as p
-from ..auth import AuthMismatch, default_secret_path, is_auth_mismatch
+from ..auth import default_secret_path, is_auth_mismatch
 from ..config import LocalConfig
-from ..errors import ConfigError, InvalidParameter, MemCacheError, MetaServiceUnavailable
+from ..errors import MemCacheError, MetaServiceUnavailable
 from ..fence import tokens
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
@@ -34,7 +34,7 @@ from ..transfer.tcp_server import DataServer
 from . import recovery, tier
 from . import segment as segment_files
 from .arena import ArenaWriter
-from .background_join import BackgroundJoin
+from .background_join import BackgroundJoin, causes, refused_for_good
 from .dead_owners import report_dead_owners
 from .drain import Drainer
 from .hold import Hold
@@ -179,7 +179,7 @@ class Membership:
             return type(e)(f"auth_secret_path: the MetaService at {url} refused the pool secret in {path} ({e}): "
                            f"use the pool's secret file (the MetaService's auth_secret_path; a pool with a "
                            f"pool_name has its own, pool-<pool_name>.secret: set pool_name alike)")
-        cert = next((c for c in _causes(e) if isinstance(c, ssl.SSLCertVerificationError)), None)
+        cert = next((c for c in causes(e) if isinstance(c, ssl.SSLCertVerificationError)), None)
         if cert is not None:
             return type(e)(f"tls_ca_path: the certificate of the MetaService at {url} does not verify against "
                            f"{self.config.tls_ca_path} ({cert.verify_message}): give the MetaService and every "
@@ -380,21 +380,3 @@ class Membership:
 
 def _fields(info: p.SegmentInfo) -> tuple:
     return (info.segment_id, info.size, info.host_id, info.shm_path, info.data_addr, info.tag, info.nixl)
-
-
-def refused_for_good(e: BaseException) -> bool:
-    """A join error that waiting cannot mend: the pool's authentication differs (wrong secret,
-    ``auth_enable``), the MetaService's TLS certificate does not verify (another CA), or the
-    MetaService refused the Join as invalid (a config error). Anything else (unreachable, restarting,
-    out of connection slots, ``max_members``, not the leader) is waited out."""
-    return any(isinstance(c, (AuthMismatch, ConfigError, InvalidParameter, ssl.SSLCertVerificationError))
-               for c in _causes(e))
-
-
-def _causes(e: BaseException | None) -> Iterator[BaseException]:
-    """``e`` and its causes (the control-plane client raises ``MetaServiceUnavailable`` from what failed)."""
-    for _ in range(16):
-        if e is None:
-            return
-        yield e
-        e = e.__cause__
