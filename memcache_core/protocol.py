@@ -35,6 +35,7 @@ class Join(msgspec.Struct, tag=True):
     more: bool = False             # more reports (past MAX_KEYS of either list) follow in ``Report``s
     held: bool = False             # writes of an earlier join still in flight: place nothing new in the segment
     fences: bool = False           # the owner sets its fence to ``Joined.fence`` (an older one: to the epoch)
+    rotates: bool = False          # the owner rotates its fence to ``HeartbeatReply.rotate`` when asked
 
 
 class Report(msgspec.Struct, tag=True):
@@ -59,6 +60,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     journal_ack: int = 0
     moved: list[SegmentBytes] = []
     held: bool = False             # as ``Join.held``, sent at every beat until the hold is over (fence.py)
+    fence: int = 0                 # the token the owner's fence is open to alone (0: held, or none)
 
 
 class Alloc(msgspec.Struct, tag=True):
@@ -278,6 +280,7 @@ class HeartbeatReply(_Reply):
     served: list[int] = []         # [read, written]: bytes members moved out of / into the member's segment
                                    # through shared memory since its last heartbeat
     departures: int = 0            # members that left, died or re-joined so far: a change means re-read the segments
+    rotate: int = 0                # rotate the segment's fence to this token (reclaimed grants: local/hold.py)
 
 
 class DrainBatch(_Reply):

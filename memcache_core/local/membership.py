@@ -223,7 +223,7 @@ class Membership:
             parts = max(1, -(-len(objects) // k), -(-len(on_disk) // k))
             reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
                                          objects[:k], old.token, on_disk[:k], self.generation_ceiling,
-                                         more=parts > 1, fences=True, held=self.held), probe=True)
+                                         more=parts > 1, fences=True, held=self.held, rotates=True), probe=True)
             j = expect(reply, p.Joined)
             for i in range(1, parts):
                 expect(self.rpc.call(p.Report(j.client_id, j.token, objects[i * k:(i + 1) * k],
@@ -271,9 +271,9 @@ class Membership:
                     next_refresh = time.monotonic() + SEGMENT_REFRESH_S
                     self._refresh_segments()   # unmap peers that left even if nobody asks for them
                 s = self.session
-                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack,
-                                                     self.metrics.take_moved(), self.held), timeout_s=timeout,
-                                         probe=True), p.HeartbeatReply)
+                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack, self.metrics.take_moved(),
+                                                     self.held, self.hold.open_to if self.hold else 0),
+                                         timeout_s=timeout, probe=True), p.HeartbeatReply)
                 if not r.known or r.meta_epoch != s.epoch:
                     if r.meta_epoch != s.epoch:
                         self.metrics.meta_restarts.inc()
@@ -282,6 +282,8 @@ class Membership:
                     continue
                 self.generation_ceiling = max(self.generation_ceiling, r.generation_ceiling)
                 ack_now = self._apply_journal(r.journal) and not acked_now
+                if r.rotate and self.hold is not None:   # grants in our segment were reclaimed (hold.py)
+                    self.hold.rotate(r.rotate)
                 self.drainer.on_heartbeat(r.drain)
                 self.drainer.on_repair(r.repair)
                 self.pool_disk_tiers = r.disk_tiers
