@@ -3,9 +3,10 @@ to (docs/design.md, "Cleanup of half-written objects" and "Failure of the MetaSe
 range is quarantined until the segment's owner rotated its write fence to a new token).
 
 The sequence, without any re-join or restart: writer W is granted space in provider P's segment and
-passes its own deadline check (it starts copying before half of ``pending_timeout_ms``); it stalls
-right there (fault injection in its transfer engine: the hook runs after the check, before a byte
-moves, as a SIGSTOP or a hung engine at that point would). The MetaService reclaims the pending
+passes its own deadline check (it starts copying before half of ``pending_timeout_ms``); it stops
+right there: a writer process stops itself (SIGSTOP) from a hook in its transfer engine that runs
+after every check, before a byte moves (``stop_before_write`` of the store worker), or a writer in
+this process stalls in that hook (a hung engine). The MetaService reclaims the pending
 grant at its deadline; another client's put lands at the same offset and is acknowledged; then W's
 copy runs. A reader that skips checksum verification (``checksum_verify_ratio: 0``) must read the
 new object's bytes exactly, and a reader that verifies must find it (a checksum failure would drop
@@ -14,19 +15,24 @@ the acknowledged object: data lost).
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import numpy as np
 import pytest
 
+from memcache_core import H2G
+from memcache_core.layout import payload_offset
 from memcache_core.testing import running_meta_service, started, wait_for
 from tests.integration.stores import StoreProcess
+from tests.integration.test_frozen_peer import stopped
 from tests.integration.test_stale_writers import LAYOUT, OLD_FILL, SIZE, stalled_repair_copy
 from tests.integration.test_stale_writers import two_phase_parties as two_phase_parties
 
 pytestmark = pytest.mark.integration
 
 PENDING_MS = 1500       # W's grant is reclaimed this long after it was made
+OFFSET_MASK = (1 << 42) - 1          # a GVA's offset bits (local/gva.py)
 
 
 @pytest.fixture
@@ -114,4 +120,60 @@ def test_repair_copy_frozen_past_its_deadline_never_overwrites_the_space_given_t
 
     stalled_repair_copy(meta, stores, protocol, reclaimed_and_put_anew)
     assert done.is_set()
+    read_back(stores, protocol, "new")
+
+
+def stopped_writer(stores, protocol: str, begin) -> StoreProcess:
+    """Writer W in a process of its own, which stops itself (SIGSTOP) in the write ``begin(w)`` starts,
+    after every check of its own, before a byte moves; returned once every thread of it is stopped."""
+    w = stores(protocol=protocol, init_bm=False)
+    w("stop_before_write")
+    begin(w)
+    wait_for(lambda: stopped(w.proc.pid), 10, "the writer to stop itself before its copy")
+    return w
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_a_stopped_writer_process_past_its_deadline_never_overwrites_the_space_given_to_another(meta, stores,
+                                                                                                protocol):
+    """Scenario: W's two-phase put of a 4 MiB object into P stops (SIGSTOP) right before its copy; the
+    MetaService reclaims it (its deadline passed, and W falls silent past the heartbeat timeout), N's
+    put lands in P at the same offset and is acknowledged; W is resumed (SIGCONT) and copies. W's put
+    fails, and N's object reads back byte-exact."""
+    p = stores(protocol=protocol, dram_size="32MB")
+    p_id = p("id")["id"]
+    n = stores(protocol=protocol, init_bm=False)
+    w = stopped_writer(stores, protocol, lambda w: w.begin("put", keys=["old"], layout=LAYOUT))
+    try:
+        at = put_where_reclaimed(meta, n, p_id, "new")
+    finally:
+        w.proc.send_signal(signal.SIGCONT)
+    assert w.end()["codes"] != [0], "a put whose grant was reclaimed was acknowledged"
+    assert w("stopped_at")["offsets"] == [at], "not the same place"
+    read_back(stores, protocol, "new")
+
+
+@pytest.mark.parametrize("protocol", ["host_shm", "host_tcp"])
+def test_a_stopped_gva_writer_past_its_deadline_never_overwrites_the_space_given_to_another(meta, stores, protocol):
+    """Scenario: W ``batch_alloc``s a 4 MiB object in P and its first ``batch_copy`` into it stops
+    (SIGSTOP) within the write grant it holds, right before the copy; the MetaService reclaims the
+    object, N's put lands in P at the same offset and is acknowledged; W is resumed and copies. The
+    copy is refused (never 0), and N's object reads back byte-exact."""
+    p = stores(protocol=protocol, dram_size="32MB")
+    p_id = p("id")["id"]
+    n = stores(protocol=protocol, init_bm=False)
+    gvas: list[int] = []
+
+    def alloc_and_copy(w: StoreProcess) -> None:
+        assert w("call", method="batch_alloc", args=[["old"], [SIZE]])["result"] == [0]
+        gvas.append(w("gva_info", keys=["old"])["gvas"][0][0])
+        w.begin("gva_copy", gvas=gvas, size=LAYOUT[0], direct=H2G, fill=OLD_FILL)
+
+    w = stopped_writer(stores, protocol, alloc_and_copy)
+    try:
+        at = put_where_reclaimed(meta, n, p_id, "new")
+    finally:
+        w.proc.send_signal(signal.SIGCONT)
+    assert w.end()["code"] != 0, "a copy under a reclaimed grant landed"
+    assert gvas[0] & OFFSET_MASK == payload_offset(at), "not the same place"
     read_back(stores, protocol, "new")
