@@ -16,6 +16,8 @@ the acknowledged object: data lost).
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -23,9 +25,10 @@ import pytest
 
 from memcache_core import H2G
 from memcache_core.layout import payload_offset
-from memcache_core.testing import running_meta_service, started, wait_for
+from memcache_core.testing import die_with_parent, running_meta_service, started, wait_for
 from tests.integration.stores import StoreProcess
 from tests.integration.test_frozen_peer import stopped
+from tests.integration.test_held_segment import INSIDER, segments
 from tests.integration.test_stale_writers import LAYOUT, OLD_FILL, SIZE, stalled_repair_copy
 from tests.integration.test_stale_writers import two_phase_parties as two_phase_parties
 
@@ -177,3 +180,43 @@ def test_a_stopped_gva_writer_past_its_deadline_never_overwrites_the_space_given
     assert w.end()["code"] != 0, "a copy under a reclaimed grant landed"
     assert gvas[0] & OFFSET_MASK == payload_offset(at), "not the same place"
     read_back(stores, protocol, "new")
+
+
+def test_a_rotation_that_a_writer_frozen_mid_copy_holds_up_keeps_the_segment_held_until_it_ends(meta, stores):
+    """Scenario: a process holds P's fence page's shared lock with the current token, as a writer frozen
+    in the middle of its copy does (the insider of ``test_held_segment``); W's put into P stops before
+    its copy and is reclaimed. P cannot rotate its fence within ``fence_wait_ms``: it is held (nothing
+    new goes there, its reclaimed range stays out of use, ``memcache_fenced_bytes`` says how much) while
+    the insider writes over that range (harmless: it is nobody's). Once the insider lets go, P rotates,
+    the range is free and N's put lands there; W's copy, resumed, is refused."""
+    p = stores(dram_size="32MB", fence_wait_ms=500)
+    p_id = p("id")["id"]
+    stores(dram_size="32MB")                     # Q: where puts go while P is held
+    n = stores(init_bm=False)
+    info = meta.segment(p_id)
+    insider = subprocess.Popen([sys.executable, "-c", INSIDER, info.shm_path, str(info.size)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=die_with_parent())
+    w = None
+    try:
+        assert insider.stdout is not None and insider.stdin is not None
+        assert insider.stdout.readline().strip() == "locked"
+        w = stopped_writer(stores, "host_shm", lambda w: w.begin("put", keys=["old"], layout=LAYOUT, preferred=[p_id]))
+        wait_for(lambda: segments(meta)[p_id]["held"], 10, "P to be held by the frozen writer")
+        assert segments(meta)[p_id]["used_bytes"] > 0 and meta.metric("fenced_bytes") > 0
+        assert n("put", keys=["while-held"], layout=LAYOUT, preferred=[p_id])["codes"] == [0]
+        assert meta.http("/query_key?key=while-held")["locations"][0]["segment"] != p_id
+        insider.stdin.write(f"[[0, {SIZE + 4096}]]\n")   # the frozen writer's copy goes on, over its range
+        assert insider.stdout.readline().strip() == "written"
+        insider.stdin.write("release\n")
+        assert insider.stdout.readline().strip() == "released"
+        at = put_where_reclaimed(meta, n, p_id, "new")
+        assert not segments(meta)[p_id]["held"] and meta.metric("fenced_bytes") == 0
+        assert meta.metric("fence_rotations_total") >= 1
+    finally:
+        insider.kill()
+        insider.wait()
+        if w is not None:
+            w.proc.send_signal(signal.SIGCONT)
+    assert w.end()["codes"] != [0], "a put whose grant was reclaimed was acknowledged"
+    assert w("stopped_at")["offsets"] == [at], "not the same place"
+    read_back(stores, "host_shm", "new")
