@@ -211,15 +211,16 @@ class Worker:
             return {"result": getattr(self.store, cmd["method"])(*cmd["args"])}
         if op == "stop_before_write":   # fault injection: the next write stops this process (SIGSTOP) after
             engine = self.store._service().engine   # every check of the caller, before a byte moves
+            assert engine is not None
             real = engine.write
 
             def stop_then_write(ops):
-                engine.write = real
+                engine.write = real   # type: ignore[method-assign]
                 self.stopped_at = [op.offset for op in ops]   # where the write goes (``stopped_at``)
                 os.kill(os.getpid(), signal.SIGSTOP)
                 return real(ops)
 
-            engine.write = stop_then_write
+            engine.write = stop_then_write   # type: ignore[method-assign]
             return {}
         if op == "stopped_at":
             return {"offsets": self.stopped_at}
