@@ -29,8 +29,13 @@ from memcache_core.testing import die_with_parent, running_meta_service, started
 from tests.integration.stores import StoreProcess
 from tests.integration.test_frozen_peer import stopped
 from tests.integration.test_held_segment import INSIDER, segments
-from tests.integration.test_stale_writers import LAYOUT, OLD_FILL, SIZE, stalled_repair_copy
-from tests.integration.test_stale_writers import two_phase_parties as two_phase_parties
+from tests.integration.test_stale_writers import (
+    LAYOUT,
+    OLD_FILL,
+    SIZE,
+    stalled_repair_copy,
+    two_phase_parties,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -40,8 +45,8 @@ OFFSET_MASK = (1 << 42) - 1          # a GVA's offset bits (local/gva.py)
 
 @pytest.fixture
 def meta():
-    # a short pending deadline and lease (the time quarantine of a reclaimed range is the lease's,
-    # at least 1 s); no eviction: P holds one object at a time, so the new one lands where W's was
+    # a short pending deadline and lease (without fence rotations a reclaimed range came back after
+    # the lease, at least 1 s); no eviction: P holds one object at a time, so the new one lands where W's was
     with running_meta_service(heartbeat_timeout_ms=1500, lease_ttl_ms=500, pending_timeout_ms=PENDING_MS,
                               evict_threshold_high=100, evict_threshold_low=99) as ms:
         yield ms
