@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+import msgspec
 import pytest
 
 from memcache_core import protocol as p
@@ -167,3 +168,30 @@ def test_a_rejoin_before_the_rotation_ran_keeps_the_joins_token(pair):
     hold._rotator.join(5)
     assert hold.open_to == 9 and owner.fence.epoch == 9
     stop.set()
+
+
+def test_the_rotation_rides_the_heartbeat_and_peers_of_older_builds_decode_it():
+    """``Join.rotates``, ``Heartbeat.fence`` and ``HeartbeatReply.rotate`` round-trip; a message of an older
+    build (no such field) decodes to none (never asked, never confirmed), and one with the field decodes
+    in an older build's reader (an unknown field of a map-like message is ignored)."""
+    beat = p.Heartbeat(3, b"t", 0, [], False, 777)
+    assert p.request_decoder.decode(p.request_encoder.encode(beat)) == beat
+    reply = p.HeartbeatReply(11, True, rotate=888)
+    assert p.reply_decoder.decode(msgspec.msgpack.encode(reply)) == reply
+    assert p.request_decoder.decode(p.request_encoder.encode(p.Join(0, "h", 1))).rotates is False
+
+    class Heartbeat(msgspec.Struct, tag=True):   # an older build's
+        client_id: int
+        token: bytes
+        journal_ack: int = 0
+        held: bool = False
+
+    class HeartbeatReply(msgspec.Struct, tag=True, kw_only=True):
+        meta_epoch: int
+        known: bool
+        term: int = 0
+
+    assert msgspec.msgpack.decode(p.request_encoder.encode(beat), type=Heartbeat) == Heartbeat(3, b"t", 0, False)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=HeartbeatReply).known
+    assert p.reply_decoder.decode(msgspec.msgpack.encode(HeartbeatReply(meta_epoch=11, known=True))).rotate == 0
+    assert p.request_decoder.decode(msgspec.msgpack.encode(Heartbeat(3, b"t"))).fence == 0
