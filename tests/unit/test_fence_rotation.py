@@ -100,6 +100,24 @@ def test_an_owner_that_cannot_rotate_keeps_a_reclaimed_range_out_of_use_until_it
     assert core.table.segments[again.client_id].allocator.used == 0
 
 
+def test_an_owner_that_never_confirms_takes_its_segment_along_when_it_is_declared_dead():
+    """Scenario: P is asked to rotate and never answers (dead, or frozen past the heartbeat timeout):
+    declared dead, its segment leaves the pool with the range; when it answers again its re-join (a
+    new token, its fence drained) starts with nothing fenced and nothing asked."""
+    core = _core()
+    p_ = _join(core)
+    w = _join(core, rotates=False)
+    _alloc(core, w, "old", p_.client_id)
+    core.housekeeping(time.monotonic() + 2.0)
+    assert _beat(core, p_).rotate != 0
+    core._drop_member(p_.client_id, "missed heartbeats for 1.5s, declared dead")
+    assert p_.client_id not in core.table.segments
+    again = _join(core, cid=p_.client_id)
+    seg = core.table.segments[again.client_id]
+    assert seg.fenced == [] and seg.rotate_to == 0 and seg.allocator.used == 0 and seg.fence == again.fence
+    assert _beat(core, again).rotate == 0
+
+
 @pytest.fixture
 def pair():
     owner = create_segment(1 << 20)
