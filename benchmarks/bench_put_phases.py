@@ -18,8 +18,10 @@ wrapping the LocalService's control-plane client and transfer engine for the run
 * ``faults``: minor page faults during the put (0: the segment's space is warm).
 
 Medians over ``--reps`` (after two warm-up puts); ``x memcpy`` is the median of the per-repetition
-ratios memcpy time / put time, as ``bench_store.py`` computes it. ``--loop python`` runs the
-pure-Python copy loop (``shm_copy_loop``), ``--checksum off`` without checksums; ``--arena-mib`` and
+ratios memcpy time / put time, as ``bench_store.py`` computes it; ``copy x`` the same for the copy
+phase alone. ``--loop python`` runs the
+pure-Python copy loop (``shm_copy_loop``), ``--checksum off`` without checksums; ``--slices 64,32``
+times only the native loop's copy and checksum in those slice sizes (``slices``); ``--arena-mib`` and
 ``--small-put-kib`` set ``arena_bytes`` and ``small_put_max_bytes`` (an object within both takes the
 one-round-trip arena put), ``--rpc-spin-us`` / ``--poll-spin-us`` the client's and the
 MetaService's polling. With ``PYTHONPATH`` set, the ``memcache_core`` found there is measured (for
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import mmap
 import os
 import resource
 import statistics
@@ -58,6 +61,41 @@ def wrap(times: dict[str, float], name: str, fn: Any) -> Any:
     return timed
 
 
+def slices(n: int, kibs: list[int], reps: int) -> None:
+    """The native loop alone: one object written into shared memory (at a payload's offset) and read
+    back, copied and hashed in each slice size, beside memcpy. As in a put, the source was written
+    just before (refreshed from a reference copy) and the thread waited ~0.3 ms (a round trip)."""
+    from array import array
+
+    from memcache_core.transfer import native
+    loop = native.load()
+    if loop is None:
+        raise SystemExit("the native copy loop is not built here")
+    ref, src, scratch = page_aligned(n), page_aligned(n), page_aligned(n)
+    ref[:] = np.frombuffer(np.random.default_rng(7).bytes(n), np.uint8)
+    shm = mmap.mmap(-1, n + (1 << 20))   # shared and anonymous: shmem pages, as a segment's
+    seg = ctypes.addressof(ctypes.c_char.from_buffer(shm)) + 4096 + 320   # a payload's offset
+    ctypes.memmove(seg, ref.ctypes.data, n)
+    digest = native.HASH | native.RESET | native.DIGEST
+    times: dict[str, list[float]] = defaultdict(list)
+    for rep in range(reps + 1):
+        for k in kibs[rep % len(kibs):] + kibs[:rep % len(kibs)]:
+            for name, flags in (("put", 0), ("get", native.READ)):
+                ctypes.memmove(src.ctypes.data, ref.ctypes.data, n)
+                time.sleep(0.0003)
+                rows = array("Q", (seg, 0, 1, 0, native.ALL, native.COPY | digest | flags, 0))
+                t = time.perf_counter()
+                loop.run(array("Q", (src.ctypes.data, n)), rows, k * KIB)
+                dt = time.perf_counter() - t
+                t = time.perf_counter()
+                ctypes.memmove(scratch.ctypes.data, ref.ctypes.data, n)
+                if rep:
+                    times[f"{name} {k} KiB"].append((time.perf_counter() - t) / dt)
+    print(f"copy and checksum of {n >> 10} KiB, x memcpy (median of {reps}): "
+          + "  ".join(f"{k} x{statistics.median(v):.2f}" for k, v in times.items()))
+    shm.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=31)
@@ -69,9 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rpc-spin-us", type=int, default=None, help="rpc_spin_us (default: the config's)")
     ap.add_argument("--poll-spin-us", type=int, default=None, help="the MetaService's poll_spin_us")
     ap.add_argument("--small-put-kib", type=int, default=64, help="small_put_max_bytes, in KiB")
+    ap.add_argument("--slices", default="", help="only the native loop's copy and checksum, in these slice "
+                    "sizes (KiB, e.g. 64,32), alternately; no pool")
     args = ap.parse_args(argv)
     if not os.environ.get("PYTHONPATH"):   # else the checkout named there (before/after comparisons)
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if args.slices:
+        slices(args.kib * KIB, [int(k) for k in args.slices.split(",")], args.reps)
+        return 0
     from memcache_core import DistributedObjectStore
     from memcache_core.testing import running_meta_service
 
@@ -127,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             store.close()
     med = {k: statistics.median(r[k] for r in rows) * (1 if k == "faults" else 1e3) for k in rows[0]}
     ratio = statistics.median(r["memcpy"] / r["put"] for r in rows)
+    copy_ratio = statistics.median(r["memcpy"] / r["copy"] for r in rows if r["copy"]) if med["copy"] else 0.0
     print(f"put {args.kib} KiB, loop {args.loop}, checksum {args.checksum}, {len(rows)} reps (ms, medians): "
-          + "  ".join(f"{k} {v:.3f}" for k, v in med.items()) + f"  x memcpy {ratio:.2f}")
+          + "  ".join(f"{k} {v:.3f}" for k, v in med.items()) + f"  x memcpy {ratio:.2f}  (copy x{copy_ratio:.2f})")
     return 0
 
 
