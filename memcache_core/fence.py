@@ -21,7 +21,8 @@ on the fence page:
 * the owner, before every join (a re-join after a MetaService restart, or after it was declared dead,
   and so before the MetaService can allocate its space again), sets the fence to 0 and takes the
   lock *exclusive*, which waits until every write in flight has ended; once joined it sets the fence
-  to the new join's token.
+  to the new join's token. It does the same, without a join, to *rotate* the fence to a token the
+  MetaService sends when it reclaimed a grant here whose writer may be frozen (``local/hold.py``).
 
 So a write granted before the re-join either ended before the owner's Join was sent, or is refused:
 no timing is involved. A writer frozen in the middle of its copy (or any process of the host holding

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import msgspec
 
+from .protocol_disk import Demote as Demote  # (the disk tier's requests, in the union below)
+from .protocol_disk import DiskSync as DiskSync
+from .protocol_disk import Promote as Promote
+from .protocol_disk import Promoted as Promoted
 from .records import MAX_KEYS as MAX_KEYS  # (bounds checked by the decoder: records.py)
 from .records import AllocResult, DrainMove, Found, JournalEntry, ObjectReport, SegmentBytes, SegmentInfo
 from .records import Copied as Copied  # (the fields of DrainDone and RepairDone)
@@ -31,6 +35,7 @@ class Join(msgspec.Struct, tag=True):
     more: bool = False             # more reports (past MAX_KEYS of either list) follow in ``Report``s
     held: bool = False             # writes of an earlier join still in flight: place nothing new in the segment
     fences: bool = False           # the owner sets its fence to ``Joined.fence`` (an older one: to the epoch)
+    rotates: bool = False          # the owner rotates its fence to ``HeartbeatReply.rotate`` when asked
 
 
 class Report(msgspec.Struct, tag=True):
@@ -55,6 +60,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     journal_ack: int = 0
     moved: list[SegmentBytes] = []
     held: bool = False             # as ``Join.held``, sent at every beat until the hold is over (fence.py)
+    fence: int = 0                 # the token the owner's fence is open to alone (0: held, or none)
 
 
 class Alloc(msgspec.Struct, tag=True):
@@ -181,44 +187,6 @@ class RepairDone(Copied, tag=True):
     """The copies of ``RepairNext``'s moves."""
 
 
-class DiskSync(msgspec.Struct, tag=True):
-    """A provider with a disk tier: records written (``added``) and dropped since its last sync, its
-    tier's state, and how many bytes its writer queue takes now (``room``). Answered by ``DiskWork``."""
-
-    client_id: int
-    token: bytes
-    policy: str
-    capacity: int
-    used: int
-    room: int
-    added: list[ObjectReport] = []
-    dropped: list[ObjectReport] = []
-    counters: dict[str, int] = {}
-
-
-class Promote(msgspec.Struct, tag=True):
-    """The owner of disk records asks for space in its own segment to bring these objects back into
-    DRAM (answered like ``Alloc``), then reports the copies with ``Promoted``."""
-
-    client_id: int
-    token: bytes
-    keys: list[str]
-
-
-class Promoted(msgspec.Struct, tag=True):
-    client_id: int
-    token: bytes
-    keys: list[str]
-    offsets: list[int]
-    ok: list[bool]
-
-
-class Demote(msgspec.Struct, tag=True):
-    """The tier call ``evict``: keep these objects on their disk tier only (answered with ``Codes``)."""
-
-    keys: Keys
-
-
 class Info(msgspec.Struct, tag=True):
     """``batch_get_key_info``: the objects of these keys, committed or allocated by the caller and not
     finished yet (the GVA path's ``batch_alloc``); no lease is taken. Answered by ``InfoReply``."""
@@ -312,6 +280,7 @@ class HeartbeatReply(_Reply):
     served: list[int] = []         # [read, written]: bytes members moved out of / into the member's segment
                                    # through shared memory since its last heartbeat
     departures: int = 0            # members that left, died or re-joined so far: a change means re-read the segments
+    rotate: int = 0                # rotate the segment's fence to this token (reclaimed grants: local/hold.py)
 
 
 class DrainBatch(_Reply):

@@ -12,15 +12,19 @@ waiting cannot mend it) ends the retries and goes to ``on_failed(exc)``. ``stop(
 ``wait(timeout_s)`` waits for an attempt in flight to end.
 
 The SGLang backend joins this way (``memcache_sglang.pool_join``), and so does ``memcache
-local-service`` (``LocalService.start(wait_for_pool=True)``).
+local-service`` (``LocalService.start(wait_for_pool=True)``); ``refused_for_good`` is their ``permanent``.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from ..auth import AuthMismatch
+from ..errors import ConfigError, InvalidParameter
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +90,21 @@ class BackgroundJoin:
                            self.attempts, note)
             self.joined.set()
             return
+
+
+def refused_for_good(e: BaseException) -> bool:
+    """A join error that waiting cannot mend: the pool's authentication differs (wrong secret,
+    ``auth_enable``), the MetaService's TLS certificate does not verify (another CA), or the
+    MetaService refused the Join as invalid (a config error). Anything else (unreachable, restarting,
+    out of connection slots, ``max_members``, not the leader) is waited out."""
+    return any(isinstance(c, (AuthMismatch, ConfigError, InvalidParameter, ssl.SSLCertVerificationError))
+               for c in causes(e))
+
+
+def causes(e: BaseException | None) -> Iterator[BaseException]:
+    """``e`` and its causes (the control-plane client raises ``MetaServiceUnavailable`` from what failed)."""
+    for _ in range(16):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__

@@ -25,9 +25,10 @@ generation, bounds, lease or pending deadline); nothing is copied for a batch wi
 Grants last (``Grants``): what the MetaService answered holds until a time it guarantees, so copies
 inside it proceed without asking again. A write is granted at ``batch_alloc`` (or by a ``Grant``
 round trip) until half the pending timeout after the request left: the MetaService reclaims a pending
-object only at its deadline, and quarantines its space after that. A read is granted at
+object only at its deadline, and keeps its space out of use until the target's owner rotated its
+fence, which refuses a copy of that grant. A read is granted at
 ``batch_add_lease`` until the lease's end. Both are capped at ``lease_ttl_ms`` after the request left
-(a reclaimed object's space is quarantined at least that long; a restarted MetaService knows no pending
+(a restarted MetaService knows no pending
 object and no lease, and a write granted before it, or before the target's owner was declared dead and
 re-joined, is refused by the target segment's write fence, ``fence.py``, once its owner re-joined: each
 copy carries the fence token of the target's join its space was granted in), and void
@@ -85,8 +86,8 @@ class Gva(Membership):
             return 0
 
     def _grant_cap(self, t0: float) -> float:
-        """No grant outlives this: reclaimed space is quarantined at least that long (a write granted
-        before the target's owner re-joined is refused by the target segment's fence: ``fence.py``)."""
+        """No grant outlives this (a write granted before the target's owner re-joined or rotated its fence
+        is refused by the target segment's fence: ``fence.py``)."""
         return t0 + self.session.lease_ttl_s
 
     @in_batches(aligned=1)

@@ -17,15 +17,15 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
 from .. import errors
 from .. import protocol as p
-from ..auth import AuthMismatch, default_secret_path, is_auth_mismatch
+from ..auth import default_secret_path, is_auth_mismatch
 from ..config import LocalConfig
-from ..errors import ConfigError, InvalidParameter, MemCacheError, MetaServiceUnavailable
+from ..errors import MemCacheError, MetaServiceUnavailable
 from ..fence import tokens
 from ..memory import Mapping
 from ..rpc import RpcClient, expect
@@ -34,7 +34,7 @@ from ..transfer.tcp_server import DataServer
 from . import recovery, tier
 from . import segment as segment_files
 from .arena import ArenaWriter
-from .background_join import BackgroundJoin
+from .background_join import BackgroundJoin, causes, refused_for_good
 from .dead_owners import report_dead_owners
 from .drain import Drainer
 from .hold import Hold
@@ -179,7 +179,7 @@ class Membership:
             return type(e)(f"auth_secret_path: the MetaService at {url} refused the pool secret in {path} ({e}): "
                            f"use the pool's secret file (the MetaService's auth_secret_path; a pool with a "
                            f"pool_name has its own, pool-<pool_name>.secret: set pool_name alike)")
-        cert = next((c for c in _causes(e) if isinstance(c, ssl.SSLCertVerificationError)), None)
+        cert = next((c for c in causes(e) if isinstance(c, ssl.SSLCertVerificationError)), None)
         if cert is not None:
             return type(e)(f"tls_ca_path: the certificate of the MetaService at {url} does not verify against "
                            f"{self.config.tls_ca_path} ({cert.verify_message}): give the MetaService and every "
@@ -223,7 +223,7 @@ class Membership:
             parts = max(1, -(-len(objects) // k), -(-len(on_disk) // k))
             reply = self.rpc.call(p.Join(old.client_id, self.host_id, os.getpid(), self._segment_template,
                                          objects[:k], old.token, on_disk[:k], self.generation_ceiling,
-                                         more=parts > 1, fences=True, held=self.held), probe=True)
+                                         more=parts > 1, fences=True, held=self.held, rotates=True), probe=True)
             j = expect(reply, p.Joined)
             for i in range(1, parts):
                 expect(self.rpc.call(p.Report(j.client_id, j.token, objects[i * k:(i + 1) * k],
@@ -271,9 +271,9 @@ class Membership:
                     next_refresh = time.monotonic() + SEGMENT_REFRESH_S
                     self._refresh_segments()   # unmap peers that left even if nobody asks for them
                 s = self.session
-                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack,
-                                                     self.metrics.take_moved(), self.held), timeout_s=timeout,
-                                         probe=True), p.HeartbeatReply)
+                r = expect(self.rpc.call(p.Heartbeat(s.client_id, s.token, self._journal_ack, self.metrics.take_moved(),
+                                                     self.held, self.hold.open_to if self.hold else 0),
+                                         timeout_s=timeout, probe=True), p.HeartbeatReply)
                 if not r.known or r.meta_epoch != s.epoch:
                     if r.meta_epoch != s.epoch:
                         self.metrics.meta_restarts.inc()
@@ -282,6 +282,8 @@ class Membership:
                     continue
                 self.generation_ceiling = max(self.generation_ceiling, r.generation_ceiling)
                 ack_now = self._apply_journal(r.journal) and not acked_now
+                if r.rotate and self.hold is not None:   # grants in our segment were reclaimed (hold.py)
+                    self.hold.rotate(r.rotate)
                 self.drainer.on_heartbeat(r.drain)
                 self.drainer.on_repair(r.repair)
                 self.pool_disk_tiers = r.disk_tiers
@@ -380,21 +382,3 @@ class Membership:
 
 def _fields(info: p.SegmentInfo) -> tuple:
     return (info.segment_id, info.size, info.host_id, info.shm_path, info.data_addr, info.tag, info.nixl)
-
-
-def refused_for_good(e: BaseException) -> bool:
-    """A join error that waiting cannot mend: the pool's authentication differs (wrong secret,
-    ``auth_enable``), the MetaService's TLS certificate does not verify (another CA), or the
-    MetaService refused the Join as invalid (a config error). Anything else (unreachable, restarting,
-    out of connection slots, ``max_members``, not the leader) is waited out."""
-    return any(isinstance(c, (AuthMismatch, ConfigError, InvalidParameter, ssl.SSLCertVerificationError))
-               for c in _causes(e))
-
-
-def _causes(e: BaseException | None) -> Iterator[BaseException]:
-    """``e`` and its causes (the control-plane client raises ``MetaServiceUnavailable`` from what failed)."""
-    for _ in range(16):
-        if e is None:
-            return
-        yield e
-        e = e.__cause__

@@ -207,8 +207,8 @@ def housekeeping(t: ObjectTable, now: float) -> None:
         if deadline <= now:
             del t.promoting[(k, sid)]
             seg = t.segments.get(sid)
-            if seg is not None:
-                seg.allocator.free_range(off, footprint(size))
+            if seg is not None:   # the owner's copy may still run: out of use until its fence rotated
+                seg.fence_out(off, footprint(size))
 
 
 def demote(t: ObjectTable, keys: list[str], now: float) -> list[int]:

@@ -19,8 +19,8 @@ Invariants:
   target segments, the target's owner still heartbeating) and the bytes the owner copied have the committed checksum. Then the target
   replaces the source among the object's locations, with a new generation and the carried checksum,
   and only after that is the source space released (after the readers' leases end).
-* A move that fails or is refused gives its target space back (quarantined when its writer may still
-  be copying); the object is planned again to another target, at most ``MAX_ATTEMPTS`` times.
+* A move that fails or is refused gives its target space back (kept out of use until the target's
+  fence rotated when its writer may still be copying); the object is planned again to another target, at most ``MAX_ATTEMPTS`` times.
 * An object no segment has room for (free, or held by colder objects) is dropped at once and counted (unless room may come soon:
   members re-joining a MetaService that just started, or a segment in its re-join grace); so is
   what remains in the segment when its owner leaves. A drain ends ``done`` (segment empty), ``timed_out`` or ``left``.

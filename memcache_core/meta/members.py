@@ -105,6 +105,7 @@ class Membership:
             seg = self.table.segments[seg_id]
             # this join's fence token: fresh at every join (fence.py); an owner of an older build fences by our epoch
             seg.fence = fence = seg.fence if req.fences else self.epoch
+            seg.rotates = req.fences and req.rotates
             self._hold(seg, req.held)
             for r in refused:   # tell the owner to forget objects that now mean something else
                 seg.record_removed(r)
@@ -124,13 +125,15 @@ class Membership:
                         generation_ceiling=self.table.gen_ceiling, fence=fence)
 
     def _heartbeat(self, cid: int, token: bytes, ack: int, now: float, moved: list[p.SegmentBytes],
-                   held: bool = False) -> p.Reply:
+                   held: bool = False, fence: int = 0) -> p.Reply:
         m = self.members.get(cid)
         if m is None or not hmac.compare_digest(m.token, token):
             return p.HeartbeatReply(self.epoch, known=False)
         m.last_seen = now
         if m.segment_id is not None and (own := self.table.segments.get(m.segment_id)) is not None:
             self._hold(own, held)
+            if own.rotate_to and fence == own.rotate_to and not held:
+                self._rotated(own, fence)
         for r in moved:   # held for each segment's owner until its next heartbeat; totals for /metrics
             if r.segment_id in self.table.segments:
                 counts = self.served.setdefault(r.segment_id, [0, 0, 0, 0])
@@ -150,7 +153,17 @@ class Membership:
             reply.served, mine[0], mine[1] = mine[:2], 0, 0
         reply.drain = self.drains.draining(sid)
         reply.repair = self.repairs.wanted(sid)
+        reply.rotate = t.segments[sid].rotate_to
         return reply
+
+    def _rotated(self, seg: Segment, fence: int) -> None:
+        """The owner rotated its fence as asked: no writer of a reclaimed grant can land any more, so
+        grants carry the new token and the reclaimed ranges are free (``Segment.fence_out``)."""
+        n = len(seg.fenced)
+        freed = seg.rotated(fence)
+        self.member_events["fence_rotations"] += 1
+        logger.info("segment %d: its owner rotated the write fence; %d reclaimed ranges (%d bytes) are free",
+                    seg.info.segment_id, n, freed)
 
     @staticmethod
     def _hold(seg: Segment, held: bool) -> None:

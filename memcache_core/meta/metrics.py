@@ -119,6 +119,12 @@ def _segments(s: Snapshot) -> Iterator[Metric]:
     yield _gauge("held_segments", "Segments whose owner re-joined while writes granted before still held its "
                  "fence (fence_wait_ms passed): their objects are served, no new object goes there.",
                  sum(g.held for g in s.segments))
+    yield _gauge("fenced_bytes", "Bytes of grants reclaimed from writers that may be frozen, kept out of use "
+                 "until their segment's owner rotated its write fence (counted in used bytes).",
+                 sum(g.fenced_bytes for g in s.segments))
+    yield CounterMetricFamily("memcache_fence_rotations_total", "Write fences rotated by their owner to void "
+                              "reclaimed grants (the reclaimed ranges are free from then on).",
+                              value=s.events.get("fence_rotations", 0))
     yield _gauge("segments_unlisted", f"Segments without series of their own (only the {MAX_SEGMENT_SERIES} "
                  "largest have them; the pool totals count all).",
                  len(s.segments) - min(len(s.segments), MAX_SEGMENT_SERIES))

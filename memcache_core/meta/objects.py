@@ -226,12 +226,35 @@ class Segment:
         self.arena: Any = None          # the owner's allocation arena (meta/arena.py), if it holds one
         self.fence = new_token()        # this join's fence token: every grant of space here carries it (fence.py)
         self.held = False               # its owner waits out writes of an earlier join (Join/Heartbeat.held)
+        self.rotates = False            # its owner rotates its fence when asked (Join.rotates; an older one never)
+        self.rotate_to = 0              # the fence token asked for (HeartbeatReply.rotate), not confirmed yet
+        self.fenced: list[tuple[int, int]] = []   # reclaimed ranges (offset, bytes): free once the fence rotated
 
     def takes_new(self, now: float) -> bool:
         """May new space be granted here (an Alloc's placement, an arena, a GVA grant, a drain's or a
         repair's copy, a promotion from disk): not draining or in its grace (``alloc_after``), and not
         held by its owner (writes granted before its join may still be in flight: local/hold.py)."""
         return self.alloc_after <= now and not self.held
+
+    def fence_out(self, offset: int, nbytes: int) -> None:
+        """Keep a reclaimed range out of use (a grant that timed out: its writer may be frozen, not dead,
+        and its token still opens the fence) until the owner rotated its fence to a new token; ask for
+        that rotation (docs/design.md, "Cleanup of half-written objects"). An owner that cannot rotate
+        (an older build) keeps the range out of use until its segment re-joins or leaves."""
+        self.fenced.append((offset, nbytes))
+        if self.rotates and not self.rotate_to:
+            self.rotate_to = new_token()
+
+    def rotated(self, token: int) -> int:
+        """The owner says its fence is open to ``token`` alone (every write of another token ended): once
+        that is the token asked for, grants carry it and the fenced ranges are free. Bytes freed."""
+        if not token or token != self.rotate_to:
+            return 0
+        self.fence, self.rotate_to = token, 0
+        for offset, nbytes in self.fenced:
+            self.allocator.free_range(offset, nbytes)
+        freed, self.fenced = sum(n for _, n in self.fenced), []
+        return freed
 
     def record_removed(self, report: ObjectReport, disk: bool = False) -> None:
         """Tell the owner (on its next heartbeat) that this object is gone, so it clears the header;

@@ -27,7 +27,8 @@ Invariants:
   short of replicas (a holder declared dead may have re-joined with its copy meanwhile) and its
   checksum is the committed one. A source that fails its checksum is a corrupt replica: it is
   dropped as a reader's report would drop it. Otherwise the reserved space is given back
-  (quarantined when the copy may still be running: the holder left, or never reported in time).
+  (out of use until the target's fence rotated when the copy may still be running: the holder left,
+  or never reported in time).
 * One copy per object at a time; at most ``IN_FLIGHT_OBJECTS`` objects and ``IN_FLIGHT_BYTES``
   bytes in flight in the pool (repairs yield to the engines' own traffic). An object whose copy
   failed rests ``REST_S`` before it is planned again.

@@ -106,7 +106,8 @@ class MetaServiceCore(Membership):
                                            owners.get(i), "dram",
                                            s.allocator.size, s.allocator.used, len(s.lru), s.allocator.largest_free,
                                            None if math.isinf(s.alloc_after) else round(max(0.0, s.alloc_after - now), 3),
-                                           math.isinf(s.alloc_after), s.arena.reserved if s.arena else 0, s.held)
+                                           math.isinf(s.alloc_after), s.arena.reserved if s.arena else 0, s.held,
+                                           sum(n for _, n in s.fenced))
                         for i, s in sorted(t.segments.items())]
             members = [stats.MemberStats(m.client_id, m.host_id, m.pid, m.segment_id, round(now - m.last_seen, 3),
                                          *t.kept_of.get(m.client_id, (0, 0)))
@@ -151,10 +152,10 @@ class MetaServiceCore(Membership):
                 return p.Flags([o is not None and o.lease_until is not PENDING_LEASE for o in map(objs.get, keys)])
             case p.Lookup(keys=keys, lease=lease):
                 return p.LookupReply(t.lookup_many(keys, now, lease), self.config.lease_ttl_ms)
-            case p.Heartbeat(client_id=cid, token=token, journal_ack=ack, moved=moved, held=held):
+            case p.Heartbeat(client_id=cid, token=token, journal_ack=ack, moved=moved, held=held, fence=fence):
                 if moved:   # (most heartbeats carry no byte counts)
                     validate.moved(moved)
-                return self._heartbeat(cid, token, ack, now, moved, held)
+                return self._heartbeat(cid, token, ack, now, moved, held, fence)
             case p.Join():
                 validate.join(req)
                 return self._join(req, now)

@@ -49,6 +49,7 @@ class SegmentStats(msgspec.Struct):
     draining: bool
     arena_reserved_bytes: int = 0            # counted in used_bytes: its holder's arena, holding no object
     held: bool = False                       # its owner holds it: no new object goes there (local/hold.py)
+    fenced_bytes: int = 0                    # counted in used_bytes: reclaimed ranges waiting for a fence rotation
 
     @property
     def state(self) -> str:

@@ -39,7 +39,7 @@ from . import generations
 from .allocator import aligned
 from .kept import WRITER_SLOTS, Kept
 from .lookups import Lookups
-from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, new_obj, pack, with_checksum
+from .objects import FIRST_SEGMENT, Counters, Extra, Obj, PendingObj, Segment, pack, with_checksum
 from .removals import Removals
 from .reports import GvaSlots, Reporting, Reports
 from .space import STAMP_S, Space
@@ -76,13 +76,9 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
         self.high, self.low = high / 100.0, low / 100.0
         self.lease_ttl_s = lease_ttl_s
         self.pending_timeout_s = pending_timeout_s
-        # space of a reclaimed put stays unused this long: its writer may be stalled, not dead (a
-        # late write after that lands in reused space and is caught by the readers' checksums)
-        self.quarantine_s = max(lease_ttl_s, 1.0)
         self.objects: dict[str, Obj] = {}
         self.segments: dict[int, Segment] = {}
         self.doomed: list[Obj] = []     # removed while leased: space freed when the lease ends
-        self.quarantine: list[tuple[float, Obj]] = []   # reclaimed from stalled writers: freed later
         self.counters = Counters()
         self.pending = 0                # objects allocated, not committed (kept so /metrics needs no scan)
         self.pending_of: dict[int, list[int]] = {}   # writer -> [its pending objects, their bytes] (quotas)
@@ -162,7 +158,6 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
                 else:
                     self._mark(obj)   # lives on in its other replicas
         self.doomed = [o for o in self.doomed if any(loc.segment_id in self.segments for loc in o.locations)]
-        self.quarantine = [q for q in self.quarantine if any(loc.segment_id in self.segments for loc in q[1].locations)]
         return lost
 
     # ---- put: alloc / commit / abort -------------------------------------------------------------
@@ -257,15 +252,14 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
         n = 0
         for obj in [o for o in self.objects.values() if not o.committed
                     and (o.pending_deadline <= now or o.owner in dead_clients)]:
-            # the writer may still be copying (stalled, not dead): keep its space out of use a while
+            # the writer may still be copying (frozen, not dead): its space stays out of use until the
+            # segment's owner rotated its fence (``Segment.fence_out``)
             self._unlink(obj, keep_space=True)
-            self.quarantine.append((now + self.quarantine_s, obj))
+            for loc in obj.locations:
+                if (seg := self.segments.get(loc.segment_id)) is not None:
+                    seg.fence_out(loc.offset, footprint(obj.size))
             n += 1
         self.counters.pending_reclaimed += n
-        if self.quarantine and self.quarantine[0][0] <= now:
-            for _, obj in [q for q in self.quarantine if q[0] <= now]:
-                self._free_space(obj)
-            self.quarantine = [q for q in self.quarantine if q[0] > now]
         if self.doomed:
             still = []
             for obj in self.doomed:
@@ -323,14 +317,13 @@ class ObjectTable(Kept, Lookups, Removals, Reports, Space):
     def release_reserved(self, seg: Segment, key: str, size: int, generation: int, checksum: int, offset: int,
                          quarantine: bool, now: float) -> None:
         """Give back space reserved for a copy that will not be added (its owner is told to forget a
-        header written there); after ``quarantine_s`` when the copy may still be writing into it. A
-        segment that left the pool took its space along: nothing to do."""
+        header written there); once the segment's fence rotated when the copy may still be writing into
+        it (``Segment.fence_out``). A segment that left the pool took its space along: nothing to do."""
         if self.segments.get(seg.info.segment_id) is not seg:
             return
-        loc = Location(seg.info.segment_id, offset)
         seg.record_removed(ObjectReport(key, offset, size, generation, checksum))
         if quarantine:
-            self.quarantine.append((now + self.quarantine_s, new_obj(key, size, generation, [loc])))
+            seg.fence_out(offset, footprint(size))
         else:
             seg.allocator.free_range(offset, footprint(size))
 

@@ -32,7 +32,9 @@ READ, COPY, HASH, RESET, DIGEST = 1, 2, 4, 8, 16
 ROW = 7                    # uint64 fields per op row (mc_op)
 FLAGS_AT, DIGEST_AT = 5, 6  # the row's flags and digest fields
 ALL = (1 << 64) - 1        # "every byte of the stream"
-SLICE = 64 << 10           # copied then hashed while in L1/L2 (measured: 32-128 KiB alike, 16 KiB slower)
+SLICE = 64 << 10           # a read copied then hashed while in L1/L2 (measured: 32-128 KiB alike, 16 KiB slower)
+WRITE_SLICE = 32 << 10     # a write's slice, hashed then copied while in L1 (its source written just before:
+                           # x0.62-0.71 of memcpy in 64 KiB slices, x0.75-0.88 in 32: benchmarks/README.md)
 
 _lock = threading.Lock()
 _loaded: list[NativeLoop | None] = []

@@ -24,7 +24,21 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ChecksumMismatch, MemCacheError
-from .native import ALL, COPY, DIGEST, DIGEST_AT, FLAGS_AT, HASH, READ, RESET, ROW, NativeLoop, flat_pieces
+from .native import (
+    ALL,
+    COPY,
+    DIGEST,
+    DIGEST_AT,
+    FLAGS_AT,
+    HASH,
+    READ,
+    RESET,
+    ROW,
+    SLICE,
+    WRITE_SLICE,
+    NativeLoop,
+    flat_pieces,
+)
 from .shm import memmove
 
 if TYPE_CHECKING:
@@ -82,7 +96,7 @@ def _run_group(loop: NativeLoop, ops: list[CopyOp], bases: dict[str, int], readi
         flags = direction | COPY | (HASH | RESET | DIGEST if hashing(op, reading) else 0)
         rows.extend((bases[op.segment.shm_path] + op.payload_offset, first, len(op.pieces), 0, ALL, flags, 0))
         first += len(op.pieces)
-    loop.run(flat_pieces([op.pieces for op in ops]), rows)
+    loop.run(flat_pieces([op.pieces for op in ops]), rows, SLICE if reading else WRITE_SLICE)
     for k, op in enumerate(ops):
         try:
             finish(op, reading, bases, rows[k * ROW + DIGEST_AT] if rows[k * ROW + FLAGS_AT] & DIGEST else None)
@@ -135,7 +149,7 @@ def _cut_one(loop: NativeLoop, op: CopyOp, bases: dict[str, int], reading: bool,
             ranges.done[k].wait()
             last = row(k, hash_flags)
         if last[FLAGS_AT] & (COPY | HASH):
-            loop.run(pieces, last)
+            loop.run(pieces, last, SLICE if reading else WRITE_SLICE)
     ranges.wait()
     try:
         finish(op, reading, bases, last[DIGEST_AT] if hashed else None)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
 import time
 
@@ -48,6 +49,7 @@ class Worker:
             rc = self.store.init(0, init_bm)
         self.rc = rc
         self.buf = np.zeros(0, np.uint8)
+        self.stopped_at: list[int] = []
 
     def _buffer(self, n: int) -> np.ndarray:
         if self.buf.nbytes < n:
@@ -207,6 +209,21 @@ class Worker:
         if op == "call":   # a GVA-path call whose arguments and result are plain JSON
             assert cmd["method"] in ("batch_alloc", "batch_write_finish", "batch_add_lease", "batch_remove_lease")
             return {"result": getattr(self.store, cmd["method"])(*cmd["args"])}
+        if op == "stop_before_write":   # fault injection: the next write stops this process (SIGSTOP) after
+            engine = self.store._service().engine   # every check of the caller, before a byte moves
+            assert engine is not None
+            real = engine.write
+
+            def stop_then_write(ops):
+                engine.write = real   # type: ignore[method-assign]
+                self.stopped_at = [op.offset for op in ops]   # where the write goes (``stopped_at``)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return real(ops)
+
+            engine.write = stop_then_write   # type: ignore[method-assign]
+            return {}
+        if op == "stopped_at":
+            return {"offsets": self.stopped_at}
         if op == "id":
             return {"id": self.store.get_local_service_id()}
         if op == "paths":   # payload bytes moved per transfer path and direction, e.g. "nixl/read"

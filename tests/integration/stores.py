@@ -41,9 +41,18 @@ class StoreProcess:
             raise RuntimeError(f"store process failed to start: {hello}")
 
     def __call__(self, op: str, **kw: Any) -> dict[str, Any]:
-        assert self.proc.stdin and self.proc.stdout
+        self.begin(op, **kw)
+        return self.end()
+
+    def begin(self, op: str, **kw: Any) -> None:
+        """Send a command without waiting for its answer (``end`` reads it): the worker may stop meanwhile."""
+        assert self.proc.stdin
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.proc.stdin.flush()
+
+    def end(self) -> dict[str, Any]:
+        """The answer to the command ``begin`` sent."""
+        assert self.proc.stdout
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("store process died")

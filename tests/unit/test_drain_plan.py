@@ -20,6 +20,7 @@ def make(sizes: tuple[int, ...] = (10, 10, 10)) -> tuple[ObjectTable, Drains]:
     t = ObjectTable(90, 50, 1.0, pending_timeout_s=5.0, first_generation=7 << 32)
     for i, mb in enumerate(sizes, start=1):
         t.add_segment(p.SegmentInfo(i, mb * MB, "h", f"/dev/shm/x{i}", "127.0.0.1:1"))
+        t.segments[i].rotates = True   # (owners rotate their fence when asked: Join.rotates)
     return t, Drains(lambda: t, timeout_s=10.0, move_timeout_s=5.0)
 
 
@@ -207,7 +208,8 @@ def test_deadline_timeout_unreported_moves_and_leaving_are_bounded():
     t.drop_segment(1)
     snap = found(d, 1, 6.0)
     assert snap["state"] == "left" and snap["dropped_objects"] == 3
-    t.reclaim(10.0)
+    t.reclaim(10.0)   # the unreported moves' targets: free once their owners rotated their fences
+    assert all(s.rotated(s.rotate_to) for s in t.segments.values() if s.fenced)
     assert sum(s.allocator.used for s in t.segments.values()) == 0
 
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "memcache_core"
 
 LEAF = {"errors", "values", "ascend_keys", "config", "config_check", "config_meta", "protocol", "layout", "memory", "auth", "secret_file", "tls", "logs",
-        "checkpoint", "records", "host", "fence", "nativelib"}
+        "checkpoint", "records", "host", "fence", "nativelib", "protocol_disk"}
 PLUMBING = {"rpc", "endpoints", "etcd", "http_guard"}
 ENTRY = {"__init__", "meta_service", "cli", "cli_status", "cli_secrets", "testing", "testing_etcd", "testing_kv_events"}
 PACKAGES = {"transfer", "meta", "local"}

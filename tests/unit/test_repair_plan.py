@@ -19,6 +19,7 @@ class Pool:
         self.t = ObjectTable(90, 50, 1.0, pending_timeout_s=5.0, first_generation=7 << 32)
         for i, host in enumerate(hosts, start=1):
             self.t.add_segment(p.SegmentInfo(i, mb * MB, host, f"/dev/shm/x{i}", "127.0.0.1:1"))
+            self.t.segments[i].rotates = True   # (owners rotate their fence when asked: Join.rotates)
         self.silent: set[int] = set()
         self.drained: set[int] = set()
         self.r = Repairs(lambda: self.t, 5.0, lambda sid, now: sid not in self.silent,
@@ -124,7 +125,10 @@ def test_a_failed_copy_rests_then_is_planned_again_and_unreported_copies_time_ou
     pool.r.housekeeping(1.0 + REST_S + 6.0)     # handed out, never reported: quarantined, then freed
     assert pool.r.stats()["repair_failed_copies"] == 2 and pool.r.stats()["repairs_in_flight"] == 0
     assert pool.free()[1] < 10 * MB
-    pool.t.reclaim(1.0 + REST_S + 6.0 + pool.t.quarantine_s)
+    pool.t.reclaim(1.0 + REST_S + 600.0)
+    assert pool.free()[1] < 10 * MB             # (out of use until the target's fence rotated)
+    target = next(s for s in pool.t.segments.values() if s.fenced)
+    assert target.rotated(target.rotate_to)
     assert pool.free() == [10 * MB - MB, 10 * MB]
 
 

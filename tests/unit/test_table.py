@@ -42,21 +42,39 @@ def test_pending_objects_are_invisible_until_commit():
 
 def test_abort_and_pending_deadline_give_the_space_back():
     t = make()
+    seg = t.segments[1]
+    seg.rotates = True                       # (its owner rotates its fence when asked: Join.rotates)
     _, gen, _ = t.alloc(1, "a", OBJ, 1, [1], 0.0)
     t.alloc(2, "b", OBJ, 1, [1], 0.0)
     t.alloc(3, "c", OBJ, 1, [1], 0.0)
     t.abort(2, "a", gen)                     # not the writer's: ignored
-    assert t.segments[1].allocator.used == 3 * MB
+    assert seg.allocator.used == 3 * MB
     t.abort(1, "a", gen)
-    assert t.segments[1].allocator.used == 2 * MB
+    assert seg.allocator.used == 2 * MB
+    old = seg.fence
     assert t.reclaim(1.0, {2}) == 1          # writer 2 died
+    assert seg.rotate_to not in (0, old)     # the owner is asked to rotate its fence
+    asked = seg.rotate_to
     assert t.reclaim(5.0) == 1               # c passed its deadline
     assert not t.objects
-    # Scenario: a reclaimed writer may be stalled mid-copy, not dead: its space stays out of use for
-    # a quarantine (the lease TTL, 1 s here) before anyone else can be given it.
-    assert t.segments[1].allocator.used == MB      # b's quarantine (1.0 -> 2.0) is over, c's is not
-    t.reclaim(6.0)
-    assert t.segments[1].allocator.used == 0
+    # Scenario: a reclaimed writer may be frozen mid-copy, not dead, and its grant's fence token still
+    # opens the segment: its space stays out of use, however long, until the owner rotated its fence.
+    t.reclaim(1000.0)
+    assert seg.allocator.used == 2 * MB and seg.fence == old
+    assert seg.rotated(old) == 0 and seg.rotated(asked + 1) == 0   # (not the token asked for)
+    assert seg.rotated(asked) == 2 * MB
+    assert seg.allocator.used == 0 and seg.fence == asked and seg.rotate_to == 0   # grants carry the new token
+
+
+def test_reclaimed_space_of_an_owner_that_cannot_rotate_stays_out_of_use():
+    """Scenario: an owner of an older build (no ``Join.rotates``) is never asked to rotate; a grant
+    reclaimed in its segment keeps its space out of use (until the segment re-joins or leaves) rather
+    than giving it to another object while the frozen writer's token still opens the fence."""
+    t = make()
+    t.alloc(1, "a", OBJ, 1, [1], 0.0)
+    assert t.reclaim(5.0) == 1
+    t.reclaim(10_000.0)
+    assert t.segments[1].rotate_to == 0 and t.segments[1].allocator.used == MB
 
 
 def test_lru_eviction_between_watermarks_keeps_recently_read_objects():
