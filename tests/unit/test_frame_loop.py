@@ -194,3 +194,14 @@ def test_an_idle_connection_is_closed_and_a_talking_one_is_not(frame_loop):
         assert talking._exact(len(want := talking.expected((rid + 1, b"still")))) == want
         idle.close()
         talking.close()
+
+
+def test_a_tls_server_keeps_every_connection_in_python(frame_loop):
+    """TLS connections stay in the Python loop whatever ``frame_loop`` says (the pump reads plain TCP)."""
+    import ssl
+    server = FrameServer([("127.0.0.1", 0)], _answer, SECRET, tls=ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
+                         frame_loop=frame_loop)
+    try:
+        assert not server.native
+    finally:
+        server.close()
