@@ -13,6 +13,11 @@ from __future__ import annotations
 import glob
 import importlib.machinery
 import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def find(directory: str, stem: str) -> str | None:
@@ -22,3 +27,17 @@ def find(directory: str, stem: str) -> str | None:
     own = [os.path.join(directory, stem + s) for s in importlib.machinery.EXTENSION_SUFFIXES]
     found = [p for p in own if os.path.exists(p)] or sorted(glob.glob(os.path.join(directory, stem + "*.so")))
     return found[0] if found else None
+
+
+def once(load: Callable[[], T]) -> Callable[[], T]:
+    """``load`` run at the first call only (under a lock: two threads asking at once load once); every
+    call returns what it returned (a loaded library, or None where it is not to be had)."""
+    lock = threading.Lock()
+    loaded: list[T] = []
+
+    def get() -> T:
+        with lock:
+            if not loaded:
+                loaded.append(load())
+            return loaded[0]
+    return get

@@ -21,11 +21,11 @@ import logging
 import math
 import os
 import socket
-import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from .. import nativelib
 from ..auth import Session
 from ..errors import ConfigError
 from .framing import FRAME_HEAD
@@ -35,16 +35,6 @@ logger = logging.getLogger(__name__)
 FRAME_LOOPS = ("auto", "native", "python")
 OVERHEAD = FRAME_HEAD.size + Session.size   # bytes a reply's frame adds to its body
 
-_lock = threading.Lock()
-_loaded: list[ModuleType | None] = []
-
-
-def load() -> ModuleType | None:
-    """The ``_frameloop`` extension, self-tested; None where it is not built or not usable."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
 
 
 def _load() -> ModuleType | None:
@@ -180,3 +170,7 @@ class Pumped:
     def close(self) -> None:
         self.pump.close()
         self.sources.clear()
+
+
+load = nativelib.once(_load)
+"""The ``_frameloop`` extension, self-tested; None where it is not built or not usable."""

@@ -30,10 +30,6 @@ MAX_READS = 256    # reads served before a return (their counts reach the owner)
 QUIET_MS = 20      # served reads are counted once the connection was quiet this long...
 COUNT_MS = 200     # ...or this long after the first of them
 
-_lock = threading.Lock()
-_loaded: list[DataLoop | None] = []
-
-
 class State(ctypes.Structure):
     _fields_ = [("sent", ctypes.c_uint64), ("received", ctypes.c_uint64), ("reads", ctypes.c_uint64),
                 ("bytes", ctypes.c_uint64), ("got", ctypes.c_uint64), ("err", ctypes.c_int64)]
@@ -97,12 +93,6 @@ class DataLoop:
         return code, st
 
 
-def load() -> DataLoop | None:
-    """The native loop, or None where it was not built or fails its self-test."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
 
 
 def _load() -> DataLoop | None:
@@ -128,3 +118,7 @@ def _self_test(loop: DataLoop) -> None:
         want = hashlib.blake2b((n * 977).to_bytes(8, "little") + data, key=key, digest_size=16).digest()
         if loop.mac(key, n * 977, data, n // 3) != want:
             raise AssertionError(f"self-test: the MAC of {n} bytes differs from hashlib's")
+
+
+load = nativelib.once(_load)
+"""The native loop, or None where it was not built or fails its self-test."""

@@ -13,7 +13,6 @@ bytes, flags, digest); pieces are (address, bytes) pairs. Both are ``array('Q')`
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -36,10 +35,6 @@ SLICE = 64 << 10           # a read copied then hashed while in L1/L2 (measured:
 WRITE_SLICE = 32 << 10     # a write's slice, hashed then copied while in L1 (its source written just before:
                            # x0.62-0.71 of memcpy in 64 KiB slices, x0.75-0.88 in 32: benchmarks/README.md)
 
-_lock = threading.Lock()
-_loaded: list[NativeLoop | None] = []
-
-
 class _State:
     """An XXH3 state of one thread, freed with it."""
 
@@ -49,8 +44,10 @@ class _State:
             raise MemoryError("XXH3_createState failed")
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):   # at interpreter exit the library may be gone already
+        try:
             self._free(self.ptr)
+        except Exception:  # noqa: BLE001 - at interpreter exit the library (or this module's globals) may be gone
+            pass
 
 
 class NativeLoop:
@@ -90,12 +87,6 @@ def flat_pieces(piece_lists: list[list[tuple[int, int]]]) -> array:
     return array("Q", chain.from_iterable(chain.from_iterable(piece_lists)))
 
 
-def load() -> NativeLoop | None:
-    """The native loop, or None where it was not built or the hash functions are not to be had."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
 
 
 def _load() -> NativeLoop | None:
@@ -132,3 +123,7 @@ def _address(fn: Any) -> int:
     if not addr:
         raise AttributeError(f"{fn!r} has no address")
     return addr
+
+
+load = nativelib.once(_load)
+"""The native loop, or None where it was not built or the hash functions are not to be had."""

@@ -14,20 +14,8 @@ from memcache_core import protocol as p
 from memcache_core.errors import InvalidParameter
 from memcache_core.fence import MAX_TOKEN, StaleGrant, new_token, tokens
 from memcache_core.local.hold import Hold
-from memcache_core.local.segment import create_segment
 from memcache_core.memory import Mapping
 from memcache_core.testing import wait_for
-
-
-@pytest.fixture
-def pair():
-    owner = create_segment(1 << 20)
-    peer = Mapping(owner.path, owner.size, create=False)
-    try:
-        yield owner, peer
-    finally:
-        peer.close()
-        owner.close()
 
 
 def close_and_say(owner: Mapping, moved: threading.Event) -> None:

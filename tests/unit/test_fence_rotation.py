@@ -18,7 +18,6 @@ from memcache_core.config import MetaConfig
 from memcache_core.fence import StaleGrant
 from memcache_core.layout import footprint
 from memcache_core.local.hold import Hold
-from memcache_core.local.segment import create_segment
 from memcache_core.memory import Mapping
 from memcache_core.meta import server, service
 from memcache_core.testing import wait_for
@@ -116,17 +115,6 @@ def test_an_owner_that_never_confirms_takes_its_segment_along_when_it_is_declare
     seg = core.table.segments[again.client_id]
     assert seg.fenced == [] and seg.rotate_to == 0 and seg.allocator.used == 0 and seg.fence == again.fence
     assert _beat(core, again).rotate == 0
-
-
-@pytest.fixture
-def pair():
-    owner = create_segment(1 << 20)
-    peer = Mapping(owner.path, owner.size, create=False)
-    try:
-        yield owner, peer
-    finally:
-        peer.close()
-        owner.close()
 
 
 def _hold(owner: Mapping, wait_s: float) -> tuple[Hold, threading.Lock, threading.Event, threading.Event]:
