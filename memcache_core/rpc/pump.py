@@ -36,7 +36,6 @@ FRAME_LOOPS = ("auto", "native", "python")
 OVERHEAD = FRAME_HEAD.size + Session.size   # bytes a reply's frame adds to its body
 
 
-
 def _load() -> ModuleType | None:
     try:   # (by name: an extension module, built or not, is no import edge of the package)
         native = importlib.import_module(__package__ + "._frameloop")

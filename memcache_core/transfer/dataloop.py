@@ -93,8 +93,6 @@ class DataLoop:
         return code, st
 
 
-
-
 def _load() -> DataLoop | None:
     found = nativelib.find(os.path.dirname(os.path.abspath(__file__)), "_dataloop")
     if found is None:

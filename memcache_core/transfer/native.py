@@ -87,8 +87,6 @@ def flat_pieces(piece_lists: list[list[tuple[int, int]]]) -> array:
     return array("Q", chain.from_iterable(chain.from_iterable(piece_lists)))
 
 
-
-
 def _load() -> NativeLoop | None:
     found = nativelib.find(os.path.dirname(os.path.abspath(__file__)), "_copyloop")
     if found is None:
